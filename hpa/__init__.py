@@ -1,0 +1,3 @@
+"""hpa: Hybrid Preference Alignment on megatron-core."""
+
+__version__ = "0.1.0"

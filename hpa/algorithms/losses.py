@@ -1,0 +1,212 @@
+"""Masked reductions and loss aggregation (token-mean, seq-mean, ...), exact under DP and micro-batching.
+
+The aggregation modes and their numerics follow verl ``core_algos.agg_loss``. A mode reduces a
+per-token loss matrix ``# [b, r]`` under a response mask to a scalar. Cross-rank facts (the token or
+sequence count of the whole global batch, the DP size) are arguments: when the trainer passes the
+global count, the losses of all micro-batches on all DP ranks add up (after DDP's gradient averaging
+over ``dp_size`` ranks) to the loss of the one big batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+from hpa.registry import Registry
+
+Count = Union[int, float, torch.Tensor]
+
+AGG_MODES = Registry("loss aggregation mode")
+"""Signature: ``fn(loss_mat, mask, *, num_global_tokens, num_global_seqs, dp_size, loss_scale_factor) -> loss``."""
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is set; NaNs under the mask's zeros do not leak in.
+
+    Args:
+        values: any shape.
+        mask: same shape, bool or 0/1 numbers.
+        dim: dimension(s) to reduce; all when None.
+    """
+    valid = torch.where(mask.bool(), values, 0.0)
+    if dim is None:
+        return (valid * mask).sum()
+    return (valid * mask).sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean over the masked elements, ``sum / (count + 1e-8)`` as in verl (an empty mask gives 0)."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(values, mask, dim) / (count + 1e-8)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over all masked elements; unbiased (Bessel) by default, as verl.
+
+    Raises:
+        ValueError: when fewer than two elements are masked and ``unbiased`` is set.
+    """
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count < 2:
+            raise ValueError(
+                f"whitening needs at least 2 valid tokens, got {int(count)}; use a larger (mini-)batch"
+            )
+        variance = variance * (count / (count - 1))
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` with mean and unbiased variance over the masked elements.
+
+    Elements outside the mask are transformed too (not zeroed), as in verl.
+    """
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened += mean
+    return whitened
+
+
+def _local_count(count: torch.Tensor) -> torch.Tensor:
+    # verl divides by the raw count; clamping at 1 only changes the all-masked case (NaN -> 0).
+    return count.clamp(min=1)
+
+
+@AGG_MODES.register("token-mean")
+def _token_mean(loss_mat, mask, *, num_global_tokens, num_global_seqs, dp_size, loss_scale_factor):
+    if num_global_tokens is None:
+        num_global_tokens = _local_count(mask.sum())
+    return masked_sum(loss_mat, mask) / num_global_tokens * dp_size
+
+
+@AGG_MODES.register("token-sum")
+def _token_sum(loss_mat, mask, *, num_global_tokens, num_global_seqs, dp_size, loss_scale_factor):
+    return masked_sum(loss_mat, mask)
+
+
+@AGG_MODES.register("seq-mean-token-sum")
+def _seq_mean_token_sum(loss_mat, mask, *, num_global_tokens, num_global_seqs, dp_size, loss_scale_factor):
+    seq_losses = torch.sum(loss_mat * mask, dim=-1)  # [b]
+    seq_mask = (torch.sum(mask, dim=-1) > 0).float()  # [b], fully masked rows do not count
+    if num_global_seqs is None:
+        num_global_seqs = _local_count(seq_mask.sum())
+    return masked_sum(seq_losses, seq_mask) / num_global_seqs * dp_size
+
+
+@AGG_MODES.register("seq-mean-token-mean")
+def _seq_mean_token_mean(loss_mat, mask, *, num_global_tokens, num_global_seqs, dp_size, loss_scale_factor):
+    seq_tokens = torch.sum(mask, dim=-1)  # [b]
+    seq_losses = torch.sum(loss_mat * mask, dim=-1) / (seq_tokens + 1e-8)  # [b]
+    seq_mask = (seq_tokens > 0).float()
+    if num_global_seqs is None:
+        num_global_seqs = _local_count(seq_mask.sum())
+    return masked_sum(seq_losses, seq_mask) / num_global_seqs * dp_size
+
+
+@AGG_MODES.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(loss_mat, mask, *, num_global_tokens, num_global_seqs, dp_size, loss_scale_factor):
+    seq_losses = torch.sum(loss_mat * mask, dim=-1)  # [b]
+    if loss_scale_factor is None:
+        loss_scale_factor = mask.shape[-1]
+    return torch.sum(seq_losses) / loss_scale_factor
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    num_global_tokens: Optional[Count] = None,
+    num_global_seqs: Optional[Count] = None,
+    dp_size: int = 1,
+    loss_scale_factor: Optional[float] = None,
+) -> torch.Tensor:
+    """Aggregate a per-token loss matrix into a scalar.
+
+    Modes (verl ``agg_loss``; ``N_tok``/``N_seq`` default to this micro-batch's counts):
+
+    - ``token-mean``: ``sum(loss·mask) / N_tok · dp_size``.
+    - ``token-sum``: ``sum(loss·mask)`` (no verl counterpart; no normalisation at all).
+    - ``seq-mean-token-sum``: per-sequence token sums, ``sum / N_seq · dp_size``.
+    - ``seq-mean-token-mean``: per-sequence token means (``/(n_i + 1e-8)``), ``sum / N_seq · dp_size``.
+    - ``seq-mean-token-sum-norm`` (Dr.GRPO): ``sum(loss·mask) / loss_scale_factor`` (default: the
+      padded length ``r``; set a constant for consistent scaling). As in verl this is a sum over the
+      sequences, neither divided by a count nor multiplied by ``dp_size``.
+
+    Pass ``num_global_tokens`` (valid tokens of the global batch: all DP ranks and all micro-batches)
+    or ``num_global_seqs`` (non-empty sequences of the global batch) and ``dp_size`` to make the
+    micro-batch losses add up exactly to the loss of the whole batch once DDP averages over DP ranks.
+    Fully masked sequences do not count in the seq-mean modes.
+
+    Deliberate difference from verl: without a global count, an all-masked micro-batch gives 0
+    instead of NaN (the local count is clamped at 1; identical otherwise).
+
+    Args:
+        loss_mat: per-token losses. # [b, r]
+        mask: valid tokens, bool or 0/1. # [b, r]
+        mode: a name in ``AGG_MODES``.
+        num_global_tokens: global valid-token count (int or 0-dim tensor), for the token modes.
+        num_global_seqs: global non-empty sequence count, for the seq-mean modes.
+        dp_size: data-parallel size whose gradient average the loss undoes.
+        loss_scale_factor: divisor of ``seq-mean-token-sum-norm``.
+
+    Returns:
+        A 0-dim loss tensor.
+    """
+    mask = mask.to(loss_mat.dtype)
+    return AGG_MODES.get(mode)(
+        loss_mat,
+        mask,
+        num_global_tokens=num_global_tokens,
+        num_global_seqs=num_global_seqs,
+        dp_size=dp_size,
+        loss_scale_factor=loss_scale_factor,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Aggregation:
+    """How one micro-batch's per-token losses become a scalar: the mode plus the cross-rank facts.
+
+    The trainer builds one per micro-batch (after counting tokens over DP ranks) and passes it to
+    every loss of the step, so all terms are normalised the same way. Not a config object: it holds
+    the same arguments ``agg_loss`` takes.
+    """
+
+    mode: str = "token-mean"
+    num_global_tokens: Optional[Count] = None
+    num_global_seqs: Optional[Count] = None
+    dp_size: int = 1
+    loss_scale_factor: Optional[float] = None
+
+    def __post_init__(self):
+        AGG_MODES.get(self.mode)  # unknown mode: fail here, naming the valid ones
+
+    def __call__(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return agg_loss(
+            loss_mat,
+            mask,
+            self.mode,
+            num_global_tokens=self.num_global_tokens,
+            num_global_seqs=self.num_global_seqs,
+            dp_size=self.dp_size,
+            loss_scale_factor=self.loss_scale_factor,
+        )
+
+    def seq_mean(self, seq_values: torch.Tensor, seq_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean of per-sequence values ``# [b]`` over ``num_global_seqs`` (or the local count), times dp_size."""
+        if seq_mask is None:
+            seq_mask = torch.ones_like(seq_values)
+        seq_mask = seq_mask.to(seq_values.dtype)
+        count = self.num_global_seqs
+        if count is None:
+            count = _local_count(seq_mask.sum())
+        return masked_sum(seq_values, seq_mask) / count * self.dp_size
+
+
+TOKEN_MEAN = Aggregation()

@@ -1,0 +1,252 @@
+"""The ``algorithm`` section: advantage, PPO, DPO, KL and HPA-mixing settings.
+
+Defaults are the HPA recipe (docs: HPA_RECIPE.md). Names chosen from registries in
+``hpa.algorithms`` are validated against the tuples below, not by importing ``hpa.algorithms``
+(config is the lowest layer); a test keeps each tuple equal to its registry's ``names()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Optional, Tuple
+
+from hpa.config.errors import ConfigError, check_choice, check_range
+
+ADVANTAGE_ESTIMATOR_NAMES = ("gae", "grpo", "reinforce_plus_plus", "rloo")
+POLICY_LOSS_NAMES = ("vanilla",)
+LOSS_AGG_MODE_NAMES = (
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "token-mean",
+    "token-sum",
+)
+KL_ESTIMATOR_NAMES = (
+    "abs", "abs+", "k1", "k1+", "k2", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse",
+)
+KL_CONTROLLER_NAMES = ("adaptive", "fixed")
+DPO_LOSS_NAMES = ("hinge", "ipo", "robust", "sigmoid")
+SCHEDULE_NAMES = ("constant", "cosine", "linear", "piecewise", "warmup_constant")
+SEMANTIC_DISTANCE_NAMES = ("cosine", "mse")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """A value as a function of progress ``p = step / total_steps``; ``make_schedule(**asdict(cfg))``.
+
+    Attributes:
+        name: constant | linear | cosine | warmup_constant | piecewise.
+        value: constant value; the value after the warmup of ``warmup_constant``.
+        start: value at p = 0 (linear, cosine); the value during the warmup (warmup_constant).
+        end: value at p = 1 (linear, cosine).
+        warmup_fraction: progress until which ``warmup_constant`` holds ``start``.
+        boundaries: strictly increasing progress points of ``piecewise``.
+        values: ``len(boundaries) + 1`` values of ``piecewise``.
+    """
+
+    name: str = "constant"
+    value: float = 0.0
+    start: float = 0.0
+    end: float = 0.0
+    warmup_fraction: float = 0.0
+    boundaries: Tuple[float, ...] = ()
+    values: Tuple[float, ...] = ()
+
+    def __post_init__(self):
+        check_choice("name", self.name, SCHEDULE_NAMES)
+        check_range("warmup_fraction", self.warmup_fraction, low=0.0, high=1.0)
+        if self.name == "piecewise":
+            if len(self.values) != len(self.boundaries) + 1:
+                raise ConfigError(
+                    "values",
+                    f"piecewise needs one more value than boundaries; got {len(self.values)} values "
+                    f"for {len(self.boundaries)} boundaries",
+                )
+            for b in self.boundaries:
+                check_range("boundaries", b, low=0.0, high=1.0)
+            if any(b2 <= b1 for b1, b2 in zip(self.boundaries, self.boundaries[1:])):
+                raise ConfigError("boundaries", f"must be strictly increasing, got {self.boundaries}")
+
+    def used_values(self) -> Tuple[float, ...]:
+        """The numbers this schedule can return."""
+        return {
+            "constant": (self.value,),
+            "linear": (self.start, self.end),
+            "cosine": (self.start, self.end),
+            "warmup_constant": (self.start, self.value),
+            "piecewise": self.values,
+        }[self.name]
+
+
+def _check_non_negative(key: str, schedule: ScheduleConfig) -> None:
+    if any(v < 0 for v in schedule.used_values()):
+        raise ConfigError(key, f"a weight schedule must stay >= 0; got {schedule.used_values()}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdvantageConfig:
+    """How advantages are estimated.
+
+    Attributes:
+        estimator: gae (needs a critic) | grpo | rloo | reinforce_plus_plus.
+        gamma: discount factor (gae, reinforce_plus_plus).
+        lam: GAE lambda.
+        norm_by_std: GRPO divides by the group std (False: Dr.GRPO).
+        epsilon: added to the GRPO group std.
+    """
+
+    estimator: str = "gae"
+    gamma: float = 0.99
+    lam: float = 0.95
+    norm_by_std: bool = True
+    epsilon: float = 1e-6
+
+    def __post_init__(self):
+        check_choice("estimator", self.estimator, ADVANTAGE_ESTIMATOR_NAMES)
+        check_range("gamma", self.gamma, low=0.0, high=1.0)
+        check_range("lam", self.lam, low=0.0, high=1.0)
+        check_range("epsilon", self.epsilon, low=0.0, low_open=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+    """The PPO policy and value losses.
+
+    Attributes:
+        policy_loss: vanilla (clipped surrogate with dual-clip).
+        clip_ratio: symmetric clip ε (0.18 on math tasks in the recipe).
+        clip_ratio_low: lower-side ε; None uses clip_ratio.
+        clip_ratio_high: upper-side ε (e.g. 0.28 for clip-higher); None uses clip_ratio.
+        clip_ratio_c: dual-clip constant for negative advantages, > 1.
+        value_clip: ε of the value clip around the old values.
+        loss_agg_mode: how per-token losses become a scalar.
+        loss_scale_factor: divisor of seq-mean-token-sum-norm; None uses the padded response length.
+        entropy_coef: schedule of the entropy-bonus coefficient.
+    """
+
+    policy_loss: str = "vanilla"
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    value_clip: float = 0.2
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    entropy_coef: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", value=0.01))
+
+    def __post_init__(self):
+        check_choice("policy_loss", self.policy_loss, POLICY_LOSS_NAMES)
+        check_range("clip_ratio", self.clip_ratio, low=0.0, high=1.0, low_open=True, high_open=True)
+        if self.clip_ratio_low is not None:
+            check_range("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0, low_open=True, high_open=True)
+        if self.clip_ratio_high is not None:
+            check_range("clip_ratio_high", self.clip_ratio_high, low=0.0, low_open=True)
+        if not self.clip_ratio_c > 1.0:
+            raise ConfigError("clip_ratio_c", f"dual-clip needs a value > 1 (the recipe uses 3.0), got {self.clip_ratio_c}")
+        check_range("value_clip", self.value_clip, low=0.0, low_open=True)
+        check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODE_NAMES)
+        if self.loss_scale_factor is not None:
+            check_range("loss_scale_factor", self.loss_scale_factor, low=0.0, low_open=True)
+        _check_non_negative("entropy_coef", self.entropy_coef)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOConfig:
+    """The offline preference loss.
+
+    Attributes:
+        loss: sigmoid | ipo | hinge | robust.
+        beta: β (τ for IPO).
+        label_smoothing: assumed label-flip rate ε (sigmoid: conservative DPO; robust: rDPO).
+    """
+
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+
+    def __post_init__(self):
+        check_choice("loss", self.loss, DPO_LOSS_NAMES)
+        check_range("beta", self.beta, low=0.0, low_open=True)
+        check_range("label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_open=True)
+        if self.label_smoothing != 0.0 and self.loss not in ("sigmoid", "robust"):
+            raise ConfigError(
+                "label_smoothing",
+                f"loss {self.loss!r} does not use label smoothing; set it to 0 or use 'sigmoid' or 'robust'",
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KLConfig:
+    """KL to the reference: estimator, where it is applied, and its coefficient.
+
+    Attributes:
+        estimator: estimator of the KL loss and the token part of the hierarchical KL.
+        reward_estimator: estimator of the per-token reward penalty.
+        use_kl_in_reward: subtract coef·KL from the token rewards.
+        use_kl_loss: add the KL loss term.
+        controller: adaptive | fixed.
+        init_kl_coef: starting (or fixed) coefficient.
+        target_kl: target of the adaptive controller (0.01 beyond 32 nodes in the recipe).
+        horizon: horizon of the adaptive controller.
+        warmup_fraction: the coefficient is 0 for this first fraction of training.
+    """
+
+    estimator: str = "low_var_kl"
+    reward_estimator: str = "kl"
+    use_kl_in_reward: bool = False
+    use_kl_loss: bool = True
+    controller: str = "adaptive"
+    init_kl_coef: float = 0.001
+    target_kl: float = 0.015
+    horizon: int = 10000
+    warmup_fraction: float = 0.2
+
+    def __post_init__(self):
+        check_choice("estimator", self.estimator, KL_ESTIMATOR_NAMES)
+        check_choice("reward_estimator", self.reward_estimator, KL_ESTIMATOR_NAMES)
+        check_choice("controller", self.controller, KL_CONTROLLER_NAMES)
+        check_range("init_kl_coef", self.init_kl_coef, low=0.0)
+        check_range("target_kl", self.target_kl, low=0.0, low_open=True)
+        if self.horizon <= 0:
+            raise ConfigError("horizon", f"must be a positive number of samples, got {self.horizon}")
+        check_range("warmup_fraction", self.warmup_fraction, low=0.0, high=1.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HPAConfig:
+    """Mixing weights and hierarchical-KL weights, each a schedule of training progress.
+
+    Attributes:
+        w_ppo: weight of the PPO loss.
+        w_dpo: weight of the DPO loss.
+        w_kl: weight of the hierarchical KL.
+        lambda_token: weight of the token KL inside the hierarchical KL (1.0 -> 0.2).
+        lambda_semantic: weight of the semantic distance (0.2 -> 1.0).
+        semantic_distance: mse | cosine, between mean-pooled final hidden states.
+    """
+
+    w_ppo: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", value=0.4))
+    w_dpo: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", value=0.4))
+    w_kl: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", value=0.2))
+    lambda_token: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="linear", start=1.0, end=0.2))
+    lambda_semantic: ScheduleConfig = field(
+        default_factory=lambda: ScheduleConfig(name="linear", start=0.2, end=1.0)
+    )
+    semantic_distance: str = "mse"
+
+    def __post_init__(self):
+        for key in ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic"):
+            _check_non_negative(key, getattr(self, key))
+        check_choice("semantic_distance", self.semantic_distance, SEMANTIC_DISTANCE_NAMES)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """The ``algorithm`` section."""
+
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    hpa: HPAConfig = field(default_factory=HPAConfig)

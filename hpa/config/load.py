@@ -1,0 +1,225 @@
+"""YAML + dotted overrides -> a validated, frozen ``Config``.
+
+Every key is checked against the dataclasses in ``schema``: an unknown key names the closest valid
+ones, a wrong type names the expected one, and both say where the value came from (``file:line`` or
+``command line``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import yaml
+
+from .errors import ConfigError, closest
+from .schema import Config, to_dict, validate
+
+__all__ = ["load_config", "build", "parse_overrides", "write_resolved", "default_config_path"]
+
+_Sources = Dict[str, str]  # dotted key -> "file:line" or "command line"
+
+
+def default_config_path() -> Path:
+    """The embedded default, ``configs/tiny_cpu.yaml`` (shipped inside the package as hpa.configs)."""
+    from importlib import resources
+
+    return Path(str(resources.files("hpa.configs").joinpath("tiny_cpu.yaml")))
+
+
+def _yaml_with_lines(path: Path) -> Tuple[dict, _Sources]:
+    text = path.read_text()
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError("<yaml>", f"cannot parse YAML: {exc}", source=where) from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", "the top level must be a mapping of sections", source=str(path))
+    sources: _Sources = {}
+
+    def walk(n, prefix):
+        if isinstance(n, yaml.MappingNode):
+            for key_node, value_node in n.value:
+                key = f"{prefix}{key_node.value}"
+                sources[key] = f"{path}:{key_node.start_mark.line + 1}"
+                walk(value_node, key + ".")
+
+    walk(node, "")
+    return data, sources
+
+
+def parse_overrides(overrides: Iterable[str]) -> List[Tuple[str, Any]]:
+    """``["a.b=1", "c=[1, 2]"]`` -> ``[("a.b", 1), ("c", [1, 2])]``; values are parsed as YAML."""
+    parsed = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, "a command-line override must look like section.key=value",
+                              source="command line")
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        if not key:
+            raise ConfigError(item, "empty key in override", source="command line")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(key, f"cannot parse value {raw!r}: {exc}", source="command line") from None
+        parsed.append((key, value))
+    return parsed
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(key, f"'{part}' is a value, not a section", source="command line")
+        node = child
+    node[parts[-1]] = value
+
+
+def _strip_optional(tp):
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp, key: str, sources: _Sources):
+    src = sources.get(key)
+    tp, optional = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(key, f"must be a {_type_name(tp)}, not null", source=src)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"must be a section (mapping) of {tp.__name__}, got "
+                                   f"{type(value).__name__} {value!r}", source=src)
+        return _build_dataclass(tp, value, key + ".", sources)
+    origin = typing.get_origin(tp)
+    if origin in (tuple, list):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"must be a list, got {type(value).__name__} {value!r}", source=src)
+        args = typing.get_args(tp)
+        item_tp = args[0] if args else Any
+        return tuple(_convert(v, item_tp, f"{key}[{i}]", {**sources, f"{key}[{i}]": src})
+                     for i, v in enumerate(value))
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        raise TypeError(f"unsupported config field type {tp!r} at {key}")
+    raise ConfigError(key, f"must be of type {_type_name(tp)}, got {type(value).__name__} {value!r}",
+                      source=src)
+
+
+def _build_dataclass(cls, data: dict, prefix: str, sources: _Sources):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            full = f"{prefix}{key}"
+            raise ConfigError(full, f"unknown key; closest valid keys: "
+                                    f"{', '.join(prefix + c for c in closest(str(key), fields))}",
+                              source=sources.get(full))
+    kwargs = {}
+    for name, f in fields.items():
+        full = f"{prefix}{name}"
+        if name in data:
+            kwargs[name] = _convert(data[name], hints[name], full, sources)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(full, "is required and has no default; set it in the YAML or as "
+                                    f"{full}=VALUE", source=sources.get(prefix.rstrip(".")))
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        full = f"{prefix}{exc.key}"
+        raise ConfigError(full, exc.message, source=exc.source or sources.get(full)) from None
+
+
+def build(data: dict, sources: Optional[_Sources] = None, world_size: Optional[int] = None) -> Config:
+    """Turn plain nested data into a ``Config``; ``world_size`` also runs the cross-section checks."""
+    cfg = _build_dataclass(Config, data, "", sources or {})
+    if world_size is not None:
+        validate(cfg, world_size)
+    return cfg
+
+
+def _resolve_paths(data: dict, base: Path) -> None:
+    """Relative data paths are taken relative to the config file's directory."""
+    section = data.get("data")
+    if not isinstance(section, dict):
+        return
+    for key, value in section.items():
+        if key.endswith("_path") and isinstance(value, str) and value and not os.path.isabs(value):
+            candidate = base / value
+            if candidate.exists():
+                section[key] = str(candidate.resolve())
+
+
+def load_config(path: Optional[os.PathLike] = None, overrides: Iterable[str] = (),
+                world_size: Optional[int] = None) -> Config:
+    """Load ``path`` (default: the embedded tiny_cpu.yaml), apply dotted overrides and validate.
+
+    Args:
+        path: a YAML file. Relative ``data.*_path`` values are resolved against its directory when
+            the file exists there, else against the working directory.
+        overrides: ``section.key=value`` strings, applied in order (values parsed as YAML).
+        world_size: when given, the cross-section checks (TP/PP divisibility, batch sizes) run too.
+    """
+    path = Path(path) if path is not None else default_config_path()
+    if not path.is_file():
+        raise ConfigError("--config", f"no such config file: {path}")
+    data, sources = _yaml_with_lines(path)
+    _resolve_paths(data, path.parent)
+    for key, value in parse_overrides(overrides):
+        _set_dotted(data, key, value)
+        sources[key] = "command line"
+    return build(data, sources, world_size)
+
+
+def write_resolved(cfg: Config, run_dir: os.PathLike) -> Path:
+    """Write the resolved config to ``run_dir/config.yaml`` (loadable again with load_config)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.yaml"
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    os.replace(tmp, out)
+    return out

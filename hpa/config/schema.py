@@ -1,0 +1,310 @@
+"""The config schema: one small frozen, keyword-only dataclass per concern (STYLE rules 5 and 6).
+
+YAML is plain data; ``hpa.config.load`` checks every key and type against these classes. Each class
+validates its own fields in ``__post_init__``; checks that span sections live in ``validate``.
+Sections ``algorithm``, ``reward`` and ``data`` are defined next to their owners' needs in
+``algorithm.py``, ``reward.py`` and ``data.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+from .algorithm import AlgorithmConfig
+from .data import DataConfig
+from .errors import ConfigError, check_choice, check_range
+from .reward import RewardConfig
+
+BACKENDS = ("auto", "nccl", "gloo")
+DTYPES = ("float32", "bfloat16", "float16")
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+ACTIVATIONS = ("swiglu", "gelu")
+ROLLOUT_ENGINES = ("megatron", "vllm")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+RESUME_MODES = ("auto", "never")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < 1:
+            raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Parallel layout. DP = world_size / (TP · PP · CP)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    backend: str = "auto"
+    timeout_minutes: int = 30
+
+    def __post_init__(self):
+        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "context_parallel_size", "virtual_pipeline_model_parallel_size", "timeout_minutes")
+        check_choice("backend", self.backend, BACKENDS)
+        if self.context_parallel_size != 1:
+            raise ConfigError("context_parallel_size", "context parallelism is reserved in the "
+                              "config but not implemented yet; set it to 1")
+        if self.virtual_pipeline_model_parallel_size is not None:
+            raise ConfigError("virtual_pipeline_model_parallel_size", "virtual pipeline stages are "
+                              "reserved in the config but not implemented yet; leave it null")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("sequence_parallel", "sequence parallelism needs tensor_model_parallel_size > 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama-style decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention).
+
+    ``vocab_size`` is the tokenizer's; the embedding is padded up to a multiple of
+    ``make_vocab_size_divisible_by`` · TP as megatron does.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    max_sequence_length: int
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    normalization: str = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    activation: str = "swiglu"
+    add_qkv_bias: bool = False
+    untie_embeddings_and_output_weights: bool = True
+    rotary_base: float = 10000.0
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    params_dtype: str = "float32"
+    transformer_impl: str = "auto"
+    make_vocab_size_divisible_by: int = 128
+    policy_path: Optional[str] = None
+    reference_path: Optional[str] = None
+    critic_path: Optional[str] = None
+
+    def __post_init__(self):
+        _positive(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                  "max_sequence_length", "num_query_groups", "ffn_hidden_size",
+                  "make_vocab_size_divisible_by")
+        check_choice("normalization", self.normalization, NORMALIZATIONS)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_choice("params_dtype", self.params_dtype, DTYPES)
+        check_choice("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        check_range("hidden_dropout", self.hidden_dropout, low=0.0, high=1.0, high_open=True)
+        check_range("attention_dropout", self.attention_dropout, low=0.0, high=1.0, high_open=True)
+        check_range("norm_epsilon", self.norm_epsilon, low=0.0, low_open=True)
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError("hidden_size", f"{self.hidden_size} is not divisible by "
+                              f"num_attention_heads={self.num_attention_heads}")
+        if self.num_attention_heads % self.kv_heads:
+            raise ConfigError("num_query_groups", f"num_attention_heads={self.num_attention_heads} is not "
+                              f"divisible by num_query_groups={self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Sampling for the online (PPO) part."""
+
+    engine: str = "megatron"
+    n: int = 4
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    seed: int = 0
+    vllm_tensor_parallel_size: int = 2
+    gpu_memory_utilization: float = 0.85
+    colocate: bool = True
+
+    def __post_init__(self):
+        check_choice("engine", self.engine, ROLLOUT_ENGINES)
+        _positive(self, "n", "max_new_tokens", "vllm_tensor_parallel_size")
+        check_range("temperature", self.temperature, low=0.0)
+        check_range("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        check_range("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0, low_open=True)
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError("top_k", f"must be -1 (off) or a positive integer, got {self.top_k}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """megatron-core's optimizer (Adam with decoupled weight decay, i.e. AdamW)."""
+
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    critic_lr: Optional[float] = None
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_fraction: float = 0.0
+    lr_decay_style: str = "constant"
+
+    def __post_init__(self):
+        check_range("lr", self.lr, low=0.0, low_open=True)
+        check_range("min_lr", self.min_lr, low=0.0, high=self.lr)
+        check_range("weight_decay", self.weight_decay, low=0.0)
+        check_range("adam_beta1", self.adam_beta1, low=0.0, high=1.0, high_open=True)
+        check_range("adam_beta2", self.adam_beta2, low=0.0, high=1.0, high_open=True)
+        check_range("adam_eps", self.adam_eps, low=0.0, low_open=True)
+        check_range("clip_grad", self.clip_grad, low=0.0)
+        check_range("lr_warmup_fraction", self.lr_warmup_fraction, low=0.0, high=1.0)
+        check_choice("lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
+        if self.critic_lr is not None:
+            check_range("critic_lr", self.critic_lr, low=0.0, low_open=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The loop: how long, how big, where.
+
+    ``global_batch_size`` counts prompts per step over all DP ranks; each rolls out ``rollout.n``
+    responses. ``micro_batch_size`` is per rank and per pipeline micro-batch.
+    """
+
+    total_steps: int
+    seed: int = 1234
+    run_dir: str = "runs/hpa"
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    preference_batch_size: int = 8
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: Optional[int] = None
+    ppo_max_token_len_per_rank: Optional[int] = None
+    eval_interval: int = 0
+    log_interval: int = 1
+
+    def __post_init__(self):
+        _positive(self, "total_steps", "global_batch_size", "micro_batch_size", "preference_batch_size",
+                  "ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_rank", "log_interval")
+        check_range("eval_interval", self.eval_interval, low=0)
+        if not self.run_dir:
+            raise ConfigError("run_dir", "must name a directory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Saving and resuming. ``resume`` is ``auto``, ``never`` or a checkpoint path."""
+
+    save_interval: int = 0
+    resume: str = "auto"
+    keep_last: int = 2
+    keep_top_k: int = 5
+    dir: Optional[str] = None
+
+    def __post_init__(self):
+        check_range("save_interval", self.save_interval, low=0)
+        check_range("keep_last", self.keep_last, low=1)
+        check_range("keep_top_k", self.keep_top_k, low=0)
+        if not self.resume:
+            raise ConfigError("resume", "use 'auto', 'never' or a checkpoint path")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "hpa"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+
+    def __post_init__(self):
+        check_choice("mode", self.mode, WANDB_MODES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    console: bool = True
+    level: str = "INFO"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The root. Components receive their own section, never this object (STYLE rule 5)."""
+
+    model: ModelConfig
+    trainer: TrainerConfig
+    data: DataConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
+    model_parallel = (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+                      * parallel.context_parallel_size)
+    if world_size % model_parallel:
+        raise ConfigError(
+            "parallel.tensor_model_parallel_size",
+            f"world size {world_size} is not divisible by TP·PP·CP = "
+            f"{parallel.tensor_model_parallel_size}·{parallel.pipeline_model_parallel_size}·"
+            f"{parallel.context_parallel_size} = {model_parallel}; launch a multiple of "
+            f"{model_parallel} processes or change the layout")
+    return world_size // model_parallel
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Checks that span sections. Raises ConfigError naming the first offending key."""
+    tp = cfg.parallel.tensor_model_parallel_size
+    pp = cfg.parallel.pipeline_model_parallel_size
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
+    m = cfg.model
+    if m.num_attention_heads % tp:
+        raise ConfigError("model.num_attention_heads", f"{m.num_attention_heads} heads are not divisible "
+                          f"by parallel.tensor_model_parallel_size={tp}")
+    if m.kv_heads % tp:
+        raise ConfigError("model.num_query_groups", f"{m.kv_heads} kv-heads are not divisible by "
+                          f"parallel.tensor_model_parallel_size={tp}; choose a TP that divides them")
+    if m.num_layers % (pp * vpp):
+        raise ConfigError("model.num_layers", f"{m.num_layers} layers are not divisible by "
+                          f"parallel.pipeline_model_parallel_size={pp}"
+                          + (f" x virtual stages {vpp}" if vpp > 1 else ""))
+    dp = data_parallel_size(cfg.parallel, world_size)
+    t = cfg.trainer
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError("trainer.global_batch_size", f"{t.global_batch_size} is not divisible by "
+                          f"trainer.micro_batch_size·DP = {t.micro_batch_size}·{dp}")
+    if t.preference_batch_size % dp:
+        raise ConfigError("trainer.preference_batch_size", f"{t.preference_batch_size} is not divisible "
+                          f"by the data-parallel size {dp}")
+    if t.ppo_mini_batch_size is not None and t.global_batch_size % t.ppo_mini_batch_size:
+        raise ConfigError("trainer.ppo_mini_batch_size", f"global_batch_size={t.global_batch_size} "
+                          f"is not divisible by ppo_mini_batch_size={t.ppo_mini_batch_size}")
+    if cfg.rollout.max_new_tokens >= m.max_sequence_length:
+        raise ConfigError("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for the "
+                          f"prompt within model.max_sequence_length={m.max_sequence_length}")
+    if cfg.parallel.use_distributed_optimizer and cfg.parallel.backend == "gloo" and m.params_dtype != "float32":
+        raise ConfigError("model.params_dtype", "the CPU/gloo path runs in float32")
+
+
+def to_dict(cfg) -> dict:
+    """Plain data (tuples as lists) for YAML/JSON."""
+
+    def plain(value):
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(dataclasses.asdict(cfg))

@@ -1,0 +1,211 @@
+"""Padding, batch collation and micro-batch planning.
+
+Prompts are padded on the left (generation appends on the right, so every row's last prompt token
+sits in the same column); training sequences are padded on the right. Masks are 1 on real tokens.
+
+Micro-batch planners work on sequence lengths and return lists of indices into the batch, so each
+micro-batch's outputs can be put back in the original order with ``restore_order``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+
+def _target_length(seqs: Sequence[Sequence[int]], length: Optional[int], pad_to_multiple_of: int) -> int:
+    longest = max((len(s) for s in seqs), default=0)
+    target = longest if length is None else length
+    if target < longest:
+        raise ValueError(f"pad length {length} is shorter than the longest sequence ({longest} tokens)")
+    return -(-target // pad_to_multiple_of) * pad_to_multiple_of
+
+
+def pad_left(seqs: Sequence[Sequence[int]], pad_id: int, *, length: Optional[int] = None,
+             pad_to_multiple_of: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad ``seqs``; returns ``ids [b, s]`` (int64) and ``attention_mask [b, s]`` (int64, 1 = token)."""
+    s = _target_length(seqs, length, pad_to_multiple_of)
+    ids = torch.full((len(seqs), s), pad_id, dtype=torch.long)  # [b, s]
+    mask = torch.zeros((len(seqs), s), dtype=torch.long)  # [b, s]
+    for row, seq in enumerate(seqs):
+        if len(seq):
+            ids[row, s - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[row, s - len(seq):] = 1
+    return ids, mask
+
+
+def pad_right(seqs: Sequence[Sequence[int]], pad_value: int, *, length: Optional[int] = None,
+              pad_to_multiple_of: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ``seqs``; returns ``values [b, s]`` (int64) and ``attention_mask [b, s]`` (int64, 1 = token)."""
+    s = _target_length(seqs, length, pad_to_multiple_of)
+    values = torch.full((len(seqs), s), pad_value, dtype=torch.long)  # [b, s]
+    mask = torch.zeros((len(seqs), s), dtype=torch.long)  # [b, s]
+    for row, seq in enumerate(seqs):
+        if len(seq):
+            values[row, :len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[row, :len(seq)] = 1
+    return values, mask
+
+
+@dataclasses.dataclass
+class PromptBatch:
+    """Left-padded prompts for generation.
+
+    Attributes:
+        input_ids: ``[b, p]``, pad id on the left.
+        attention_mask: ``[b, p]``, 1 on prompt tokens.
+        position_ids: ``[b, p]``, 0 at each row's first real token (0 on padding too).
+        ground_truths: one per row, None where the record had none.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    ground_truths: List[Optional[str]]
+
+
+def collate_prompts(examples: Sequence, pad_id: int, *, pad_to_multiple_of: int = 1) -> PromptBatch:
+    """Collate ``PromptExample``s (anything with ``prompt_ids`` and ``ground_truth``)."""
+    ids, mask = pad_left([e.prompt_ids for e in examples], pad_id, pad_to_multiple_of=pad_to_multiple_of)
+    position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, p]
+    return PromptBatch(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                       ground_truths=[getattr(e, "ground_truth", None) for e in examples])
+
+
+@dataclasses.dataclass
+class PreferenceBatch:
+    """Right-padded preference pairs; chosen and rejected share one length ``s`` so they can be
+    concatenated into one ``[2b, s]`` forward.
+
+    Attributes:
+        chosen_input_ids, rejected_input_ids: ``[b, s]`` prompt + response, pad id on the right.
+        chosen_attention_mask, rejected_attention_mask: ``[b, s]``, 1 on real tokens.
+        chosen_response_mask, rejected_response_mask: ``[b, s]``, 1 on response tokens only (the loss mask).
+        ref_chosen_logps, ref_rejected_logps: ``[b]`` reference sequence log-probs, filled in later.
+    """
+
+    chosen_input_ids: torch.Tensor
+    chosen_attention_mask: torch.Tensor
+    chosen_response_mask: torch.Tensor
+    rejected_input_ids: torch.Tensor
+    rejected_attention_mask: torch.Tensor
+    rejected_response_mask: torch.Tensor
+    ref_chosen_logps: Optional[torch.Tensor] = None
+    ref_rejected_logps: Optional[torch.Tensor] = None
+
+
+def collate_preferences(examples: Sequence, pad_id: int, *, pad_to_multiple_of: int = 1) -> PreferenceBatch:
+    """Collate ``PreferenceExample``s."""
+    chosen = [e.chosen_input_ids for e in examples]
+    rejected = [e.rejected_input_ids for e in examples]
+    s = _target_length(chosen + rejected, None, pad_to_multiple_of)
+    chosen_ids, chosen_mask = pad_right(chosen, pad_id, length=s)
+    rejected_ids, rejected_mask = pad_right(rejected, pad_id, length=s)
+    chosen_resp, _ = pad_right([e.chosen_response_mask for e in examples], 0, length=s)
+    rejected_resp, _ = pad_right([e.rejected_response_mask for e in examples], 0, length=s)
+    return PreferenceBatch(chosen_input_ids=chosen_ids, chosen_attention_mask=chosen_mask,
+                           chosen_response_mask=chosen_resp, rejected_input_ids=rejected_ids,
+                           rejected_attention_mask=rejected_mask, rejected_response_mask=rejected_resp)
+
+
+@dataclasses.dataclass
+class SFTBatch:
+    """Right-padded SFT sequences: ``input_ids``, ``attention_mask``, ``response_mask``, all ``[b, s]``."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+
+
+def collate_sft(examples: Sequence, pad_id: int, *, pad_to_multiple_of: int = 1) -> SFTBatch:
+    """Collate ``SFTExample``s."""
+    ids, mask = pad_right([e.input_ids for e in examples], pad_id, pad_to_multiple_of=pad_to_multiple_of)
+    response_mask, _ = pad_right([e.response_mask for e in examples], 0, length=ids.shape[1])
+    return SFTBatch(input_ids=ids, attention_mask=mask, response_mask=response_mask)
+
+
+def token_budget_micro_batches(lengths: Sequence[int], max_token_len: int) -> List[List[int]]:
+    """Split a batch into micro-batches whose padded size ``max_len * count`` is <= ``max_token_len``.
+
+    Sequences are taken longest first (stable for ties) and packed greedily, so similar lengths share
+    a micro-batch and little is padded. A sequence longer than ``max_token_len`` gets a micro-batch
+    of its own (it cannot be split here; the budget is then exceeded by that one sequence).
+
+    Args:
+        lengths: token count of each sequence of the batch.
+        max_token_len: padded tokens allowed per micro-batch (e.g. ``ppo_max_token_len_per_rank``).
+
+    Returns:
+        index lists into ``lengths``; each index appears in exactly one list, indices ascending
+        within a list. Use ``restore_order`` to scatter per-micro-batch results back.
+    """
+    if max_token_len < 1:
+        raise ValueError(f"max_token_len must be positive, got {max_token_len}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: List[List[int]] = []
+    current: List[int] = []
+    current_max = 0
+    for i in order:
+        new_max = max(current_max, lengths[i])
+        if current and new_max * (len(current) + 1) > max_token_len:
+            groups.append(sorted(current))
+            current, new_max = [], lengths[i]
+        current.append(i)
+        current_max = new_max
+    if current:
+        groups.append(sorted(current))
+    return groups
+
+
+def balanced_micro_batches(lengths: Sequence[int], num_micro_batches: int) -> List[List[int]]:
+    """Split a batch into exactly ``num_micro_batches`` non-empty groups of balanced token counts.
+
+    Megatron's pipeline schedule needs the same number of micro-batches on every DP rank: each rank
+    computes ``len(token_budget_micro_batches(...))``, the caller takes the max across DP ranks and
+    passes it here. Longest sequences are placed first, each into the group with the fewest tokens
+    (then fewest sequences), so group sums differ by at most one sequence's length.
+
+    Returns:
+        ``num_micro_batches`` index lists, each ascending; every index appears exactly once.
+    """
+    if not 1 <= num_micro_batches <= len(lengths):
+        raise ValueError(f"num_micro_batches={num_micro_batches} must be in [1, batch size {len(lengths)}]; "
+                         f"an empty micro-batch cannot go through the pipeline schedule")
+    heap = [(0, 0, g) for g in range(num_micro_batches)]  # (tokens, count, group)
+    groups: List[List[int]] = [[] for _ in range(num_micro_batches)]
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        tokens, count, g = heapq.heappop(heap)
+        groups[g].append(i)
+        heapq.heappush(heap, (tokens + lengths[i], count + 1, g))
+    return [sorted(g) for g in groups]
+
+
+def restore_order(chunks: Sequence[Union[torch.Tensor, Sequence]],
+                  groups: Sequence[Sequence[int]]) -> Union[torch.Tensor, list]:
+    """Put per-micro-batch results back in batch order.
+
+    Args:
+        chunks: result of micro-batch ``j``, ``[len(groups[j]), ...]`` tensors or lists.
+        groups: the index lists the micro-batches were built from.
+
+    Returns:
+        ``[b, ...]`` tensor (when chunks are tensors) or list, row ``i`` being the result of index ``i``.
+    """
+    index = [i for g in groups for i in g]
+    if sorted(index) != list(range(len(index))):
+        raise ValueError("groups must cover 0..b-1 exactly once")
+    if len(chunks) != len(groups) or any(len(c) != len(g) for c, g in zip(chunks, groups)):
+        raise ValueError("each chunk must have one row per index of its group")
+    if chunks and isinstance(chunks[0], torch.Tensor):
+        stacked = torch.cat(list(chunks), dim=0)  # [b, ...] in micro-batch order
+        out = torch.empty_like(stacked)
+        out[torch.as_tensor(index, dtype=torch.long)] = stacked
+        return out
+    out = [None] * len(index)
+    for chunk, group in zip(chunks, groups):
+        for row, i in zip(chunk, group):
+            out[i] = row
+    return out

@@ -1,0 +1,173 @@
+"""Process-group initialisation from torchrun or Slurm, and megatron's model-parallel state.
+
+This is the only module that imports ``megatron.core.parallel_state`` (a test enforces it).
+``initialize`` is called once per process; it returns the ``ParallelGroups`` the rest of hpa uses.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from hpa.config.schema import ParallelConfig, data_parallel_size
+
+from .groups import ParallelGroups
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchEnv:
+    """Where this process sits, read from the launcher's environment variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``"gpu[003-005,9],cpu1"`` -> ``"gpu003"``."""
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise ValueError("SLURM_JOB_NODELIST is empty")
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end]
+    match = re.match(r"^([^\[]*)\[([^\]]+)\](.*)$", first)
+    if not match:
+        return first
+    prefix, ranges, suffix = match.groups()
+    head = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{head}{suffix}"
+
+
+def _int_env(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ValueError(f"environment variable {key}={env[key]!r} is not an integer") from None
+
+
+def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
+    """torchrun variables first; else Slurm's (``srun`` without torchrun); else one process."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(rank=_int_env(env, "RANK"), world_size=_int_env(env, "WORLD_SIZE"),
+                         local_rank=_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+                         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                         master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)), launcher="torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        if "SLURM_JOB_NODELIST" not in env and "MASTER_ADDR" not in env:
+            raise ValueError("launched by srun but neither SLURM_JOB_NODELIST nor MASTER_ADDR is set")
+        addr = env.get("MASTER_ADDR") or first_slurm_host(env["SLURM_JOB_NODELIST"])
+        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else \
+            20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        return LaunchEnv(rank=_int_env(env, "SLURM_PROCID"), world_size=_int_env(env, "SLURM_NTASKS"),
+                         local_rank=_int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+                         master_addr=addr, master_port=port, launcher="slurm")
+    return LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                     master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)), launcher="single")
+
+
+def choose_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("parallel.backend=nccl needs CUDA, which is not available here; use gloo or auto")
+    return requested
+
+
+def initialize(parallel: ParallelConfig, *, seed: int = 1234,
+               launch: Optional[LaunchEnv] = None) -> ParallelGroups:
+    """Initialise torch.distributed and megatron's model-parallel state; return the groups.
+
+    Args:
+        parallel: the ``parallel`` config section.
+        seed: base seed; megatron derives the TP-rank-specific model-parallel RNG stream from it.
+        launch: overrides the environment (tests); default ``read_launch_env()``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    launch = launch or read_launch_env()
+    backend = choose_backend(parallel.backend)
+    dp = data_parallel_size(parallel, launch.world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(launch.local_rank)
+        device = torch.device("cuda", launch.local_rank)
+    else:
+        import megatron_patches
+
+        megatron_patches.apply_cpu_patches()
+        device = torch.device("cpu")
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            rank=launch.rank, world_size=launch.world_size,
+            timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        distributed_timeout_minutes=parallel.timeout_minutes,
+        create_gloo_process_groups=backend != "gloo",
+    )
+    set_seed(seed)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    groups = ParallelGroups(
+        world_size=launch.world_size, rank=launch.rank, local_rank=launch.local_rank, backend=backend,
+        device=device,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size, data_parallel_size=dp,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_group=pgs.tp, pp_group=pgs.pp, cp_group=pgs.cp, dp_group=pgs.dp, dp_cp_group=pgs.dp_cp,
+        mp_group=pgs.mp, embd_group=getattr(pgs, "embd", None), pg_collection=pgs,
+    )
+    logger.info("initialised %s on %s (%s, launcher=%s)", groups.layout, device, backend, launch.launcher)
+    return groups
+
+
+def set_seed(seed: int) -> None:
+    """Seed python/numpy/torch and megatron's model-parallel RNG tracker (TP-rank aware)."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

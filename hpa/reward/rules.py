@@ -1,0 +1,145 @@
+"""Rule rewards: ``fn(response_text: str, ground_truth: str, **kwargs) -> float``, chosen by name.
+
+Custom functions with the same signature are loaded from ``package.module:function`` only when the
+config sets ``allow_custom_code: true``: loading imports and runs that code with the trainer's
+permissions, so it must be code you trust.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from hpa.config.errors import ConfigError
+from hpa.config.reward import check_custom_function_spec
+from hpa.registry import Registry
+from hpa.reward.shaping import BaseRewardOutput, RewardInputs
+
+RULE_REWARDS = Registry("rule reward")
+
+RuleFn = Callable[..., float]
+
+# As verl: only the tail is searched; the final answer sits at the end and long texts make regexes slow.
+GSM8K_CLIP_CHARS = 300
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
+
+
+def _clean_number(text: str) -> str:
+    return text.replace(",", "").replace("$", "").strip()
+
+
+def extract_gsm8k_answer(text: str, method: str = "strict") -> Optional[str]:
+    """The final answer of a GSM8K-style solution, as verl's ``gsm8k.extract_solution``.
+
+    Only the last ``GSM8K_CLIP_CHARS`` characters are searched.
+    ``strict``: the last ``#### <number>`` (the format is part of what is scored).
+    ``flexible``: the last number anywhere (the fallback for answers without ``####``), skipping
+    matches that are only ``.`` or ``,``.
+    Commas and ``$`` are removed in both modes (verl removes them in strict mode only).
+
+    Returns:
+        The answer string, or None when there is none.
+    """
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"unknown GSM8K extraction method {method!r}; valid: strict, flexible")
+    text = text[-GSM8K_CLIP_CHARS:]
+    if method == "strict":
+        found = _GSM8K_STRICT.findall(text)
+        return _clean_number(found[-1]) if found else None
+    for candidate in reversed(_NUMBER.findall(text)):
+        cleaned = _clean_number(candidate)
+        if cleaned not in ("", "."):
+            return cleaned
+    return None
+
+
+def gsm8k_score(response_text: str, ground_truth: str, *, method: str = "strict",
+                format_score: float = 0.0, score: float = 1.0) -> float:
+    """``score`` when the extracted answer equals the ground truth (commas and ``$`` removed from
+    both), ``format_score`` when an answer was found but is wrong, 0 when none was found."""
+    answer = extract_gsm8k_answer(response_text, method)
+    if answer is None:
+        return 0.0
+    return score if answer == _clean_number(ground_truth) else format_score
+
+
+@RULE_REWARDS.register("gsm8k")
+def gsm8k_strict_reward(response_text: str, ground_truth: str, **kwargs) -> float:
+    return gsm8k_score(response_text, ground_truth, method="strict", **kwargs)
+
+
+@RULE_REWARDS.register("gsm8k_flexible")
+def gsm8k_flexible_reward(response_text: str, ground_truth: str, **kwargs) -> float:
+    return gsm8k_score(response_text, ground_truth, method="flexible", **kwargs)
+
+
+@RULE_REWARDS.register("exact_match")
+def exact_match_reward(response_text: str, ground_truth: str, **kwargs) -> float:
+    """1 when the stripped response equals the stripped ground truth, else 0."""
+    return float(response_text.strip() == ground_truth.strip())
+
+
+def load_custom_function(spec: str, *, allow_custom_code: bool, key: str = "reward.custom_function") -> RuleFn:
+    """Import ``package.module:function`` (it must be importable from ``sys.path``).
+
+    This runs the module's code: only for trusted code, and only with ``allow_custom_code``.
+
+    Raises:
+        ConfigError: naming ``key`` when custom code is not allowed, the spec is malformed, the module
+            does not import, or the attribute is missing or not callable.
+    """
+    check_custom_function_spec(key, spec)
+    if not allow_custom_code:
+        raise ConfigError(key, f"{spec!r} is custom code, which runs with the trainer's permissions; set "
+                               "reward.allow_custom_code: true if you trust it, or remove it")
+    module_name, attr_path = spec.split(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(key, f"cannot import module {module_name!r} ({e}); put it on PYTHONPATH or fix "
+                               "the module path") from e
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(key, f"module {module_name!r} has no attribute {attr_path!r}; check the "
+                                   "name after the colon")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(key, f"{spec!r} is a {type(obj).__name__}, not a function "
+                               "fn(response_text, ground_truth, **kwargs) -> float")
+    return obj
+
+
+class RuleReward:
+    """Base reward from rule functions: ``[b, 1] = weight · Σ_fn fn(text, ground_truth)``.
+
+    Args:
+        fns: rule functions (from ``RULE_REWARDS`` or ``load_custom_function``).
+        weight: multiplies the sum.
+    """
+
+    def __init__(self, fns: Sequence[RuleFn], weight: float = 1.0):
+        if not fns:
+            raise ValueError("RuleReward needs at least one rule function")
+        self.fns = list(fns)
+        self.weight = weight
+
+    @classmethod
+    def from_names(cls, names: Sequence[str], weight: float = 1.0,
+                   custom: Optional[RuleFn] = None) -> "RuleReward":
+        fns = [RULE_REWARDS.get(n) for n in names] + ([custom] if custom is not None else [])
+        return cls(fns, weight)
+
+    def __call__(self, inputs: RewardInputs) -> BaseRewardOutput:
+        if inputs.response_texts is None or inputs.ground_truths is None:
+            raise ValueError("rule rewards need RewardInputs.response_texts and ground_truths")
+        if len(inputs.response_texts) != len(inputs.ground_truths):
+            raise ValueError(f"{len(inputs.response_texts)} responses but {len(inputs.ground_truths)} "
+                             "ground truths")
+        scores = [self.weight * sum(float(fn(text, truth)) for fn in self.fns)
+                  for text, truth in zip(inputs.response_texts, inputs.ground_truths)]
+        return BaseRewardOutput(rewards=torch.tensor(scores, dtype=torch.float32,
+                                                     device=inputs.response_mask.device).unsqueeze(1))

@@ -1,0 +1,1 @@
+"""The HPA training loop and its machinery (optimizer, pipeline-schedule step, checkpoints)."""

@@ -1,0 +1,81 @@
+"""megatron DDP wrapping, megatron optimizer (plain or distributed) and LR schedule."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from hpa.config.schema import OptimConfig, ParallelConfig
+from hpa.distributed.groups import ParallelGroups
+
+
+def wrap_ddp(model: torch.nn.Module, parallel: ParallelConfig, groups: ParallelGroups):
+    """Wrap a GPTModel in megatron's DistributedDataParallel and wire grad finalisation.
+
+    The model's TransformerConfig gets ``finalize_model_grads_func`` (DP all-reduce, tied-embedding
+    and layer-norm reductions across stages) and ``no_sync_func`` so the pipeline schedule can defer
+    the DP reduction to the last micro-batch.
+    """
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+
+    config = model.config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                  pg_collection=groups.pg_collection)
+    config.finalize_model_grads_func = functools.partial(finalize_model_grads,
+                                                         pg_collection=groups.pg_collection)
+    config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def build_optimizer(ddp_model, optim: OptimConfig, parallel: ParallelConfig, groups: ParallelGroups,
+                    lr: Optional[float] = None):
+    """megatron's Adam (decoupled weight decay) over one DDP-wrapped model.
+
+    Args:
+        lr: overrides ``optim.lr`` (the critic uses ``optim.critic_lr``).
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = ddp_model.config
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr if lr is not None else optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp_model],
+                                       use_gloo_process_groups=groups.backend != "gloo",
+                                       pg_collection=groups.pg_collection)
+    config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def build_lr_scheduler(optimizer, optim: OptimConfig, total_steps: int, lr: Optional[float] = None):
+    """megatron's OptimizerParamScheduler: linear warmup over a fraction of the steps, then decay."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    max_lr = lr if lr is not None else optim.lr
+    warmup = int(round(optim.lr_warmup_fraction * total_steps))
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else max_lr, max_lr=max_lr, min_lr=min(optim.min_lr, max_lr),
+        lr_warmup_steps=warmup, lr_decay_steps=max(total_steps, warmup + 1),
+        lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+        wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")

@@ -1,0 +1,96 @@
+"""Micro-batches through megatron's pipeline schedule, and the optimizer step.
+
+Loss normalisation contract: a ``loss_fn`` returns a loss that is already normalised by *global*
+counts (tokens or sequences over all DP ranks and all micro-batches of the step), so that summing
+it over micro-batches and ranks gives the intended objective exactly. megatron's schedule divides
+each micro-batch loss by the number of micro-batches, and its DDP averages gradients over DP; the
+closure here multiplies by ``num_microbatches · dp`` to undo both.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hpa.distributed.groups import ParallelGroups
+from hpa.models.heads import capture_final_hidden
+
+# loss_fn(batch, output [b, s, v/tp | K], hidden [b, s, h] | None) -> (loss [], metrics)
+LossFn = Callable[[dict, torch.Tensor, Optional[torch.Tensor]], Tuple[torch.Tensor, Dict]]
+
+
+def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, groups: ParallelGroups, *,
+                     forward_only: bool = False, capture_hidden: bool = False) -> List[Dict]:
+    """Run ``micro_batches`` through ``get_forward_backward_func`` (1F1B under PP).
+
+    Args:
+        model: a GPTModel, possibly DDP-wrapped.
+        micro_batches: dicts with ``input_ids [b, s]`` and ``position_ids [b, s]`` plus whatever
+            ``loss_fn`` reads; every rank of a model replica passes the same list.
+        loss_fn: called on the last stage only.
+        capture_hidden: also hand the final hidden states ``[b, s, h]`` to ``loss_fn``.
+
+    Returns:
+        The metrics dict of every micro-batch on the last pipeline stage; ``[]`` on other stages.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    if not micro_batches:
+        return []
+    num_microbatches = len(micro_batches)
+    scale = float(num_microbatches * groups.data_parallel_size)
+
+    def forward_step(data_iterator, module):
+        batch = next(data_iterator)
+        if capture_hidden and groups.is_last_stage:
+            with capture_final_hidden(module) as box:
+                output = module(batch["input_ids"], batch["position_ids"], None)
+            hidden = box[0].transpose(0, 1)  # [s, b, h] -> [b, s, h]
+        else:
+            output = module(batch["input_ids"], batch["position_ids"], None)
+            hidden = None
+
+        def loss_func(output_tensor):
+            loss, metrics = loss_fn(batch, output_tensor, hidden)
+            return loss * scale, metrics
+
+        return output, loss_func
+
+    first = micro_batches[0]["input_ids"]
+    fb = get_forward_backward_func(pp_size=groups.pipeline_model_parallel_size)
+    return fb(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=first.shape[1],
+        micro_batch_size=first.shape[0],
+        forward_only=forward_only,
+        pg_collection=groups.pg_collection,
+        **({"p2p_communicator": P2PCommunicator(pp_group=groups.pp_group, config=_config(model))}
+           if groups.pipeline_model_parallel_size > 1 else {}),
+    )
+
+
+def _config(model):
+    from hpa.models.heads import unwrap
+
+    return unwrap(model).config
+
+
+def zero_grad(ddp_model, optimizer) -> None:
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def optimizer_step(optimizer, lr_scheduler=None) -> Tuple[bool, float]:
+    """One megatron optimizer step (grad clipping inside). Returns (updated, grad_norm).
+
+    ``updated`` is False when megatron skipped the step (fp16 overflow).
+    """
+    updated, grad_norm, _ = optimizer.step()
+    if updated and lr_scheduler is not None:
+        lr_scheduler.step(increment=1)
+    return bool(updated), float(grad_norm) if grad_norm is not None else float("nan")

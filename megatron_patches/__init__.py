@@ -1,0 +1,58 @@
+"""CPU/gloo support for megatron-core, applied once and explicitly by ``hpa.distributed.init``.
+
+Each patch lives in its own module and says what it changes, why, the upstream version it targets
+and when it can be removed. Nothing is patched on import: ``apply_cpu_patches()`` does it, and only
+when CUDA is not in use. None of the patches changes numerics.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Tuple
+
+SUPPORTED_MEGATRON_CORE = ("0.16.",)
+
+# Order matters: cpu_device proxies the module-level ``torch`` of every megatron module loaded by
+# then, so the patches that replace functions come after it and see the proxied modules.
+PATCHES: Tuple[str, ...] = (
+    "cpu_device",
+    "rng_tracker",
+    "clip_grads",
+    "distrib_optimizer",
+)
+
+_applied: Tuple[str, ...] = ()
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    pass
+
+
+def check_megatron_version() -> str:
+    """Return the installed megatron-core version, or raise when the patches do not target it."""
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", "unknown")
+    if not any(version.startswith(prefix) for prefix in SUPPORTED_MEGATRON_CORE):
+        raise UnsupportedMegatronVersion(
+            f"megatron-core {version} is not supported by hpa's CPU patches (supported: "
+            f"{', '.join(p + 'x' for p in SUPPORTED_MEGATRON_CORE)}). Install the pinned version: "
+            f"pip install 'megatron-core>=0.16,<0.17'."
+        )
+    return version
+
+
+def apply_cpu_patches() -> Tuple[str, ...]:
+    """Apply every patch once; returns the names applied. Idempotent."""
+    global _applied
+    if _applied:
+        return _applied
+    check_megatron_version()
+    for name in PATCHES:
+        importlib.import_module(f"{__name__}.{name}").apply()
+    _applied = PATCHES
+    return _applied
+
+
+def applied() -> Tuple[str, ...]:
+    return _applied

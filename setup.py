@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hpa",
+    version="0.1.0",
+    description="Hybrid Preference Alignment (online PPO + offline DPO + hierarchical KL) on megatron-core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hpa", "hpa.*", "megatron_patches", "data_tools"]) + ["hpa.configs"],
+    package_dir={"hpa.configs": "configs"},
+    package_data={"hpa.configs": ["*.yaml"]},
+    install_requires=[
+        # torch is installed first, pinned (see README); any 2.x this range admits is accepted here
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.17",
+        "sentencepiece>=0.2",
+        "datasets>=2.19",
+        "wandb>=0.17",
+        "pyyaml>=6.0",
+        "numpy>=1.26",
+        "tqdm>=4.66",
+        "psutil>=5.9",
+        "safetensors>=0.4",
+        "transformers>=4.45",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.10"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+    },
+    entry_points={"console_scripts": ["hpa=hpa.cli:main"]},
+)

@@ -1,0 +1,103 @@
+import pathlib
+import random
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hpa.data.collate import (balanced_micro_batches, collate_preferences, collate_prompts, collate_sft,  # noqa: E402
+                              pad_left, pad_right, restore_order, token_budget_micro_batches)
+from hpa.data.preferences import PreferenceExample, SFTExample  # noqa: E402
+from hpa.data.prompts import PromptExample  # noqa: E402
+
+PAD = 0
+
+
+def test_pad_left_and_right_values_and_masks():
+    ids, mask = pad_left([[5, 6, 7], [8]], PAD)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    ids, mask = pad_right([[5, 6, 7], [8]], PAD, pad_to_multiple_of=4)
+    assert ids.tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]] and mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert ids.dtype == torch.long
+    with pytest.raises(ValueError, match="shorter"):
+        pad_right([[1, 2, 3]], PAD, length=2)
+
+
+def test_collate_prompts_left_pads_with_positions():
+    batch = collate_prompts([PromptExample("a", [5, 6, 7], "8"), PromptExample("b", [9])], pad_id=3)
+    assert batch.input_ids.tolist() == [[5, 6, 7], [3, 3, 9]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch.position_ids.tolist() == [[0, 1, 2], [0, 0, 0]]
+    assert batch.ground_truths == ["8", None]
+
+
+def test_collate_preferences_shares_length_and_masks_responses():
+    ex = [PreferenceExample(prompt_ids=[5, 6], chosen_ids=[7, 2], rejected_ids=[8, 9, 9, 2]),
+          PreferenceExample(prompt_ids=[5], chosen_ids=[4], rejected_ids=[4, 4])]
+    b = collate_preferences(ex, PAD)
+    assert b.chosen_input_ids.shape == b.rejected_input_ids.shape == (2, 6)
+    assert b.chosen_input_ids.tolist() == [[5, 6, 7, 2, 0, 0], [5, 4, 0, 0, 0, 0]]
+    assert b.chosen_attention_mask.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]]
+    assert b.chosen_response_mask.tolist() == [[0, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0]]
+    assert b.rejected_response_mask.tolist() == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]]
+    assert b.ref_chosen_logps is None
+
+
+def test_collate_sft():
+    b = collate_sft([SFTExample([5, 6], [7, 2]), SFTExample([5], [2])], PAD)
+    assert b.input_ids.tolist() == [[5, 6, 7, 2], [5, 2, 0, 0]]
+    assert b.response_mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+def assert_partition(groups, n):
+    flat = [i for g in groups for i in g]
+    assert sorted(flat) == list(range(n))
+    assert all(g == sorted(g) and g for g in groups)
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 50), min_size=1, max_size=40), budget=st.integers(1, 200))
+def test_token_budget_respects_budget_and_covers_once(lengths, budget):
+    groups = token_budget_micro_batches(lengths, budget)
+    assert_partition(groups, len(lengths))
+    for g in groups:
+        padded = max(lengths[i] for i in g) * len(g)
+        assert padded <= budget or len(g) == 1  # an over-long sequence goes alone
+
+
+def test_token_budget_packs_similar_lengths():
+    assert token_budget_micro_batches([10, 3, 9, 2, 3], 20) == [[0, 2], [1, 3, 4]]
+    assert token_budget_micro_batches([30, 1], 20) == [[0], [1]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 50), min_size=1, max_size=40), data=st.data())
+def test_balanced_gives_exact_count_and_balance(lengths, data):
+    k = data.draw(st.integers(1, len(lengths)))
+    groups = balanced_micro_batches(lengths, k)
+    assert len(groups) == k
+    assert_partition(groups, len(lengths))
+    sums = [sum(lengths[i] for i in g) for g in groups]
+    assert max(sums) - min(sums) <= max(lengths)
+
+
+def test_balanced_rejects_more_groups_than_sequences():
+    with pytest.raises(ValueError, match="empty micro-batch"):
+        balanced_micro_batches([3, 4], 3)
+
+
+def test_restore_order_scatters_back_tensors_and_lists():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 20) for _ in range(17)]
+    values = torch.arange(17.0) * 10  # [b]
+    for groups in (token_budget_micro_batches(lengths, 40), balanced_micro_batches(lengths, 4)):
+        chunks = [values[g] * 1 for g in groups]  # e.g. per-sequence log-probs of each micro-batch
+        assert torch.equal(restore_order(chunks, groups), values)
+        assert restore_order([[f"r{i}" for i in g] for g in groups], groups) == [f"r{i}" for i in range(17)]
+    with pytest.raises(ValueError):
+        restore_order([values[:2]], [[0, 2]])

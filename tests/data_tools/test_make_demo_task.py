@@ -1,0 +1,69 @@
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
+
+from data_tools.make_demo_task import demo_exact_match, main, make_demo_task  # noqa: E402
+from data_tools.train_tokenizer import read_corpus, train_sentencepiece  # noqa: E402
+from hpa.data.preferences import PreferenceDataset  # noqa: E402
+from hpa.data.prompts import PromptDataset  # noqa: E402
+from hpa.data.tokenizer import build_tokenizer  # noqa: E402
+
+FILES = ("prompts.jsonl", "eval_prompts.jsonl", "preferences.jsonl", "sft.jsonl", "corpus.txt")
+
+
+def read(path):
+    return [json.loads(l) for l in open(path)]
+
+
+def test_deterministic_given_seed(tmp_path):
+    make_demo_task(str(tmp_path / "a"), 300, seed=3)
+    main(["--out-dir", str(tmp_path / "b"), "--num-prompts", "300", "--seed", "3"])
+    make_demo_task(str(tmp_path / "c"), 300, seed=4)
+    for name in FILES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert (tmp_path / "a" / "prompts.jsonl").read_bytes() != (tmp_path / "c" / "prompts.jsonl").read_bytes()
+
+
+def test_records_are_consistent_and_rewarded(tmp_path):
+    counts = make_demo_task(str(tmp_path), 500, seed=0, num_eval_prompts=30)
+    assert counts["prompts.jsonl"] == counts["preferences.jsonl"] == counts["sft.jsonl"] == 500
+    assert counts["eval_prompts.jsonl"] == 30
+    prompts, prefs, sft = (read(tmp_path / n) for n in ("prompts.jsonl", "preferences.jsonl", "sft.jsonl"))
+    for p, q, s in zip(prompts, prefs, sft):
+        assert p["prompt"] == q["prompt"] == s["prompt"]
+        assert demo_exact_match(q["chosen"], p["ground_truth"]) == 1.0
+        assert demo_exact_match(s["response"], p["ground_truth"]) == 1.0
+        assert demo_exact_match(q["rejected"], p["ground_truth"]) == 0.0
+    tasks = {p["prompt"].split()[0] for p in prompts}
+    assert tasks == {"add", "copy", "reverse"}
+    rev = next(p for p in prompts if p["prompt"].startswith("reverse"))
+    assert rev["ground_truth"] == " ".join(reversed(rev["prompt"].split()[1:-1]))
+    add = next(p for p in prompts if p["prompt"].startswith("add"))
+    a, b = add["prompt"].split()[1:3]
+    assert add["ground_truth"] == str(int(a) + int(b))
+    # copy/reverse eval prompts are held out; add has only 100 facts and is shared on purpose
+    train = {p["prompt"] for p in prompts}
+    held_out = [e["prompt"] for e in read(tmp_path / "eval_prompts.jsonl") if not e["prompt"].startswith("add")]
+    assert held_out and not train & set(held_out)
+
+
+def test_exact_match_rule():
+    assert demo_exact_match(" c  b a \n", "c b a") == 1.0
+    assert demo_exact_match("c b a b", "c b a") == 0.0
+    assert demo_exact_match("", "8") == 0.0
+
+
+def test_short_responses_with_a_tiny_tokenizer(tmp_path):
+    make_demo_task(str(tmp_path), 400, seed=1, max_len=4)
+    path = train_sentencepiece(read_corpus(str(tmp_path / "corpus.txt")), str(tmp_path / "tok"), vocab_size=256)
+    tok = build_tokenizer("sentencepiece", path)
+    prefs = PreferenceDataset.load(str(tmp_path / "preferences.jsonl"), tok, max_prompt_length=16,
+                                   max_response_length=16)
+    assert len(prefs) == 400 and prefs.stats["num_rejected"] == 0
+    prompts = PromptDataset.load(str(tmp_path / "eval_prompts.jsonl"), tok, max_prompt_length=16,
+                                 prompt_truncation="skip")
+    assert len(prompts) == 64 and prompts.stats["num_truncated"] == 0
+    for ex in prompts:
+        assert tok.decode(tok.encode(ex.ground_truth)) == ex.ground_truth  # no unknown pieces
