@@ -153,7 +153,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, tp_group, vocab_size, temperature):
-        start, num_valid = _shard_layout(logits, tp_group, vocab_size)
+        _, num_valid = _shard_layout(logits, tp_group, vocab_size)
         z = _scaled(logits[..., :num_valid], temperature, fresh=False)  # [..., n]
         m = _all_reduce_(_local_max(z), dist.ReduceOp.MAX, tp_group)  # [...]
         owned = not _aliases_input(logits, temperature)
@@ -194,14 +194,14 @@ class _VocabParallelKL(torch.autograd.Function):
         zp = _scaled(logits_p[..., :num_valid], temperature, fresh=True)  # [..., n]
         zq = _scaled(logits_q[..., :num_valid], temperature, fresh=True)  # [..., n]
         m = _all_reduce_(torch.stack([_local_max(zp), _local_max(zq)]), dist.ReduceOp.MAX, tp_group)  # [2, ...]
-        tp = zp.sub_(m[0].unsqueeze(-1))  # zp − mp
-        tq = zq.sub_(m[1].unsqueeze(-1))  # zq − mq
-        sum_q = tq.exp().sum(dim=-1)
-        ep = tp.exp()
-        sum_p = ep.sum(dim=-1)
+        shifted_p = zp.sub_(m[0].unsqueeze(-1))  # tp = zp − mp
+        shifted_q = zq.sub_(m[1].unsqueeze(-1))  # tq = zq − mq
+        sum_q = shifted_q.exp().sum(dim=-1)
+        exp_p = shifted_p.exp()
+        sum_p = exp_p.sum(dim=-1)
         # KL = Σ p·(log p − log q) = Σ e^tp·(tp − tq) / sp − log sp + log sq.
-        cross = ep.mul_(tp.sub_(tq)).sum(dim=-1)
-        del zp, zq, tp, tq, ep
+        cross = exp_p.mul_(shifted_p.sub_(shifted_q)).sum(dim=-1)
+        del zp, zq, shifted_p, shifted_q, exp_p
         stats = _all_reduce_(torch.stack([sum_p, sum_q, cross]), dist.ReduceOp.SUM, tp_group)  # [3, ...]
         log_sp, log_sq = stats[0].log(), stats[1].log()
         kl = stats[2] / stats[0] - log_sp + log_sq

@@ -380,6 +380,9 @@ def filter_responses(rewards: torch.Tensor, valid: torch.Tensor, mode: str, k: f
 class ShapedReward:
     """Output of UncertaintyAwareReward; per-term tensors are ``[b]`` float32.
 
+    Only ``rewards`` and ``token_level_scores`` are cleaned of non-finite values; the per-term tensors
+    keep what was computed (``raw`` of an invalid row may be NaN), so read them through ``valid``.
+
     Args:
         rewards: final reward (0 where invalid).
         token_level_scores: ``[b, r]`` rewards on the last response token.

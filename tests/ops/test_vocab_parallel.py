@@ -239,10 +239,14 @@ def test_large_logits_stay_finite_and_correct(op, dtype):
     ref = reference(dict(width=32, vocab_size=None, temperature=1.0, labels=labels,
                          weights={o: torch.ones(4) for o in OPS}), logits_p=p, logits_q=q)[op]
     np.testing.assert_allclose(value.detach().double().numpy(), ref["value"], rtol=1e-6, atol=1e-2)
-    np.testing.assert_allclose(p_.grad.double().numpy(), ref["grad_p"], rtol=0, atol=1e-2 if dtype == torch.bfloat16
-                               else 1e-4)
-    if op == "log_probs":
-        assert value[0].item() == pytest.approx(-2e4 - math.log(2), abs=1e-2)
+    # KL's p-gradient is ~1e3 here (log p − log q ~ 2e4), so the tolerance is relative; bf16 grads round.
+    rtol, atol = (1e-2, 1e-2) if dtype == torch.bfloat16 else (1e-5, 1e-4)
+    np.testing.assert_allclose(p_.grad.double().numpy(), ref["grad_p"], rtol=rtol, atol=atol)
+    if op == "log_probs":  # the clamp makes several logits tie at the max
+        row = p[0].double()
+        num_max = int((row == row.max()).sum())
+        expected = (row[2] - row.max()).item() - math.log(num_max)  # about -2e4
+        assert value[0].item() == pytest.approx(expected, abs=1e-2)
 
 
 def test_hand_computed_values():
