@@ -25,10 +25,22 @@ _Sources = Dict[str, str]  # dotted key -> "file:line" or "command line"
 
 
 def default_config_path() -> Path:
-    """The embedded default, ``configs/tiny_cpu.yaml`` (shipped inside the package as hpa.configs)."""
-    from importlib import resources
+    """The embedded default, ``configs/tiny_cpu.yaml``.
 
-    return Path(str(resources.files("hpa.configs").joinpath("tiny_cpu.yaml")))
+    Installed wheels carry ``configs/`` as the package ``hpa.configs``; an editable install (or a
+    source checkout) reads it next to the ``hpa`` package.
+    """
+    import importlib.util
+
+    import hpa
+
+    source_tree = Path(hpa.__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
+    if source_tree.is_file():
+        return source_tree
+    spec = importlib.util.find_spec("hpa.configs")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("--config", "the embedded default configs are not installed; pass --config")
+    return Path(list(spec.submodule_search_locations)[0]) / "tiny_cpu.yaml"
 
 
 def _yaml_with_lines(path: Path) -> Tuple[dict, _Sources]:

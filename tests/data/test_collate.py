@@ -1,18 +1,14 @@
-import pathlib
 import random
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from hpa.data.collate import (balanced_micro_batches, collate_preferences, collate_prompts, collate_sft,  # noqa: E402
+from hpa.data.collate import (balanced_micro_batches, collate_preferences, collate_prompts, collate_sft,
                               pad_left, pad_right, restore_order, token_budget_micro_batches)
-from hpa.data.preferences import PreferenceExample, SFTExample  # noqa: E402
-from hpa.data.prompts import PromptExample  # noqa: E402
+from hpa.data.preferences import PreferenceExample, SFTExample
+from hpa.data.prompts import PromptExample
 
 PAD = 0
 

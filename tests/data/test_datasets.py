@@ -1,18 +1,14 @@
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
+import pytest
 
-import pytest  # noqa: E402
-
-from data_tools.train_tokenizer import train_sentencepiece  # noqa: E402
-from hpa.config.data import ON_ERROR_CHOICES, PROMPT_TRUNCATIONS, RESPONSE_TRUNCATIONS, DataConfig  # noqa: E402
-from hpa.config.errors import ConfigError  # noqa: E402
-from hpa.data.preferences import RESPONSE_TRUNCATION_MODES, PreferenceDataset, SFTDataset  # noqa: E402
-from hpa.data.prompts import (ON_ERROR_MODES, PROMPT_TRUNCATION_MODES, PromptDataset, RecordError,  # noqa: E402
+from data_tools.train_tokenizer import train_sentencepiece
+from hpa.config.data import ON_ERROR_CHOICES, PROMPT_TRUNCATIONS, RESPONSE_TRUNCATIONS, DataConfig
+from hpa.config.errors import ConfigError
+from hpa.data.preferences import RESPONSE_TRUNCATION_MODES, PreferenceDataset, SFTDataset
+from hpa.data.prompts import (ON_ERROR_MODES, PROMPT_TRUNCATION_MODES, PromptDataset, RecordError,
                               rejects_path_for)
-from hpa.data.tokenizer import build_tokenizer  # noqa: E402
+from hpa.data.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,9 @@
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import pytest  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from hpa.data.sampler import DistributedBatchSampler  # noqa: E402
+from hpa.data.sampler import DistributedBatchSampler
 
 
 def make(n=23, g=6, rank=0, dp=3, seed=7, shuffle=True):

@@ -1,10 +1,6 @@
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
-
-import pytest  # noqa: E402
+import pytest
 
 from data_tools.train_tokenizer import main as train_main, read_corpus, train_sentencepiece
 from hpa.config.data import TOKENIZER_KINDS

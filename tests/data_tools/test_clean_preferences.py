@@ -1,15 +1,11 @@
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from data_tools.clean_preferences import (clean_preferences, edit_similarity, levenshtein,  # noqa: E402
+from data_tools.clean_preferences import (clean_preferences, edit_similarity, levenshtein,
                                           main)
-from hpa.data.prompts import RejectLog  # noqa: E402
+from hpa.data.prompts import RejectLog
 
 
 def reference_levenshtein(a, b):

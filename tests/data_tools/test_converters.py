@@ -1,14 +1,10 @@
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
+import pytest
 
-import pytest  # noqa: E402
-
-from data_tools import prepare_gsm8k, prepare_hh_rlhf, prepare_ultrafeedback  # noqa: E402
-from data_tools.train_tokenizer import train_sentencepiece  # noqa: E402
-from hpa.data.prompts import RecordError  # noqa: E402
+from data_tools import prepare_gsm8k, prepare_hh_rlhf, prepare_ultrafeedback
+from data_tools.train_tokenizer import train_sentencepiece
+from hpa.data.prompts import RecordError
 
 
 def write_lines(path, lines):

@@ -1,14 +1,10 @@
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
-
-from data_tools.make_demo_task import demo_exact_match, main, make_demo_task  # noqa: E402
-from data_tools.train_tokenizer import read_corpus, train_sentencepiece  # noqa: E402
-from hpa.data.preferences import PreferenceDataset  # noqa: E402
-from hpa.data.prompts import PromptDataset  # noqa: E402
-from hpa.data.tokenizer import build_tokenizer  # noqa: E402
+from data_tools.make_demo_task import demo_exact_match, main, make_demo_task
+from data_tools.train_tokenizer import read_corpus, train_sentencepiece
+from hpa.data.preferences import PreferenceDataset
+from hpa.data.prompts import PromptDataset
+from hpa.data.tokenizer import build_tokenizer
 
 FILES = ("prompts.jsonl", "eval_prompts.jsonl", "preferences.jsonl", "sft.jsonl", "corpus.txt")
 

@@ -1,13 +1,9 @@
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from hpa.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten, mean_pool  # noqa: E402
+from hpa.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten, mean_pool
 
 X = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
 MASK = torch.tensor([[1, 1, 1, 0]])

@@ -5,17 +5,13 @@ so the per-case tests, and the TP1 == TP2 invariance test, read the same results
 """
 
 import math
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_kl, vocab_parallel_log_probs  # noqa: E402
-from tests.multirank import run_ranks  # noqa: E402
+from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_kl, vocab_parallel_log_probs
+from tests.multirank import run_ranks
 
 OPS = ("log_probs", "entropy", "kl")
 PADDING_LOGIT = 1e6  # written into padded columns: any leak into the softmax is obvious

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # repo root, without a package install
 
 import pytest
 

@@ -1,10 +1,6 @@
 import io
 import math
-import pathlib
-import sys
 import threading
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # repo root, without a package install
 
 import pytest
 import torch

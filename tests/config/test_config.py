@@ -1,0 +1,175 @@
+"""Config loading: YAML + overrides, documented errors, cross-section checks, resolved config."""
+
+import textwrap
+
+import pytest
+import yaml
+
+from hpa.config import ConfigError, load_config, write_resolved
+from hpa.config.load import build
+from hpa.config.schema import Config, validate
+
+BASE = textwrap.dedent("""\
+    model:
+      num_layers: 4
+      hidden_size: 64
+      num_attention_heads: 8
+      num_query_groups: 4
+      vocab_size: 128
+      max_sequence_length: 64
+    data:
+      tokenizer_kind: sentencepiece
+      tokenizer_path: tok.model
+      prompt_path: prompts.jsonl
+      preference_path: prefs.jsonl
+    trainer:
+      total_steps: 10
+      global_batch_size: 8
+      micro_batch_size: 2
+      preference_batch_size: 8
+    """)
+
+
+@pytest.fixture
+def cfg_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(BASE)
+    return path
+
+
+def test_loads_with_recipe_defaults(cfg_file):
+    cfg = load_config(cfg_file)
+    assert isinstance(cfg, Config)
+    assert cfg.parallel.tensor_model_parallel_size == 1
+    assert cfg.rollout.n == 4 and cfg.rollout.temperature == 0.7
+    assert cfg.algorithm.hpa is not None
+    assert cfg.logging.wandb.mode == "offline"
+    assert cfg.checkpoint.resume == "auto"
+
+
+def test_dotted_overrides_are_typed_and_applied_in_order(cfg_file):
+    cfg = load_config(cfg_file, ["parallel.tensor_model_parallel_size=2", "trainer.total_steps=4",
+                                 "optim.lr=3e-4", "trainer.total_steps=5", "logging.wandb.mode=disabled"])
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.trainer.total_steps == 5
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.logging.wandb.mode == "disabled"
+
+
+def test_frozen(cfg_file):
+    cfg = load_config(cfg_file)
+    with pytest.raises(Exception):
+        cfg.trainer.total_steps = 3  # noqa
+
+
+def test_unknown_key_in_yaml_names_key_file_line_and_closest(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(BASE.replace("  total_steps: 10\n", "  total_steps: 10\n  totl_steps: 3\n"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    line = BASE.replace("  total_steps: 10\n", "  total_steps: 10\n  totl_steps: 3\n").splitlines().index(
+        "  totl_steps: 3") + 1
+    assert f"{path}:{line}" in msg
+    assert "trainer.totl_steps" in msg and "unknown key" in msg
+    assert "trainer.total_steps" in msg  # the closest valid key
+
+
+def test_unknown_override_names_closest(cfg_file):
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg_file, ["parallel.tensor_parallel_size=2"])
+    msg = str(err.value)
+    assert "command line" in msg and "parallel.tensor_parallel_size" in msg
+    assert "parallel.tensor_model_parallel_size" in msg
+
+
+def test_unknown_section(cfg_file):
+    with pytest.raises(ConfigError, match="closest valid keys: .*trainer"):
+        load_config(cfg_file, ["trainr.total_steps=3"])
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("trainer.total_steps=abc", "trainer.total_steps.*must be of type int, got str"),
+    ("trainer.total_steps=1.5", "trainer.total_steps.*must be of type int, got float"),
+    ("parallel.sequence_parallel=3", "parallel.sequence_parallel.*must be of type bool"),
+    ("model.num_layers=null", "model.num_layers.*must be a int, not null"),
+    ("rollout=5", "rollout.*must be a section"),
+])
+def test_wrong_types(cfg_file, override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(cfg_file, [override])
+
+
+def test_bad_override_syntax(cfg_file):
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(cfg_file, ["trainer.total_steps"])
+
+
+def test_missing_required_key(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(BASE.replace("  num_layers: 4\n", ""))
+    with pytest.raises(ConfigError, match="model.num_layers.*required"):
+        load_config(path)
+
+
+def test_value_checks_name_the_full_key(cfg_file):
+    with pytest.raises(ConfigError, match="rollout.top_p"):
+        load_config(cfg_file, ["rollout.top_p=1.5"])
+    with pytest.raises(ConfigError, match="parallel.backend.*valid: auto, nccl, gloo"):
+        load_config(cfg_file, ["parallel.backend=mpi"])
+
+
+@pytest.mark.parametrize("overrides,world,key", [
+    (["parallel.tensor_model_parallel_size=3"], 3, "model.num_attention_heads"),
+    (["parallel.tensor_model_parallel_size=8", "model.num_query_groups=4"], 8, "model.num_query_groups"),
+    (["parallel.pipeline_model_parallel_size=3"], 3, "model.num_layers"),
+    (["parallel.tensor_model_parallel_size=2"], 3, "parallel.tensor_model_parallel_size"),
+    (["trainer.global_batch_size=6"], 2, "trainer.global_batch_size"),
+])
+def test_cross_checks(cfg_file, overrides, world, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg_file, overrides, world_size=world)
+    assert err.value.key == key
+
+
+def test_cross_checks_pass_for_valid_layout(cfg_file):
+    cfg = load_config(cfg_file, ["parallel.tensor_model_parallel_size=2",
+                                 "parallel.pipeline_model_parallel_size=2"], world_size=8)
+    validate(cfg, 8)  # dp = 2; 8 % (2 * 2) == 0
+
+
+def test_resolved_config_round_trips(cfg_file, tmp_path):
+    cfg = load_config(cfg_file, ["trainer.total_steps=7"])
+    out = write_resolved(cfg, tmp_path / "run")
+    assert out == tmp_path / "run" / "config.yaml"
+    again = load_config(out)
+    assert again == cfg
+    assert yaml.safe_load(out.read_text())["trainer"]["total_steps"] == 7
+
+
+def test_relative_data_paths_resolve_against_config_dir(tmp_path):
+    (tmp_path / "prompts.jsonl").write_text("")
+    path = tmp_path / "r.yaml"
+    path.write_text(BASE)
+    cfg = load_config(path)
+    assert cfg.data.prompt_path == str((tmp_path / "prompts.jsonl").resolve())
+    assert cfg.data.preference_path == "prefs.jsonl"  # not there: left relative to the working dir
+
+
+def test_embedded_default_loads():
+    cfg = load_config(None, world_size=1)
+    assert cfg.trainer.run_dir == "runs/tiny_cpu"
+    assert cfg.model.params_dtype == "float32"
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  num_layers: [1, 2\ntrainer: {}\n")
+    with pytest.raises(ConfigError, match=f"{path}:\\d+.*cannot parse YAML"):
+        load_config(path)
+
+
+def test_build_from_plain_data():
+    data = yaml.safe_load(BASE)
+    cfg = build(data, world_size=2)
+    assert cfg.trainer.micro_batch_size == 2
