@@ -10,7 +10,7 @@ setup(
     package_data={"hpa.configs": ["*.yaml"]},
     install_requires=[
         # torch is installed first, pinned (see README); any 2.x this range admits is accepted here
-        "torch>=2.4",
+        "torch>=2.6",
         "megatron-core>=0.16,<0.17",
         "sentencepiece>=0.2",
         "datasets>=2.19",

@@ -23,6 +23,9 @@ COPY_PENALTY_MODES: Tuple[str, ...] = ("linear", "step")
 # == hpa.reward.shaping.EMBEDDING_SOURCES
 DIVERSITY_SOURCES: Tuple[str, ...] = ("policy", "reward_model")
 
+# == hpa.reward.train_rm.BOOTSTRAP_KINDS.names()
+BOOTSTRAP_KINDS: Tuple[str, ...] = ("multinomial", "poisson")
+
 # "package.module:function" (dotted identifiers on both sides of one colon).
 CUSTOM_FUNCTION_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -140,6 +143,43 @@ class MonitorConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardModelTrainingConfig:
+    """``hpa train-rm``: Bradley-Terry training of the reward model ensemble (``reward.num_heads`` heads).
+
+    Batch sizes, steps, seed and run directory come from the ``trainer`` section
+    (``preference_batch_size`` pairs per step over all DP ranks, ``micro_batch_size`` pairs per
+    micro-batch, ``total_steps``, ``eval_interval``), the learning rate from ``optim``.
+
+    Args:
+        bootstrap: give every head its own bootstrap resample of the pairs (integer per-pair weights,
+            drawn once per pair and head from ``trainer.seed``); False: every head sees every pair once.
+        bootstrap_kind: ``poisson`` (independent Poisson(1) counts) or ``multinomial`` (N draws with
+            replacement per head, the classic bootstrap).
+        margin: m in ``−log σ(r_chosen − r_rejected − m)``; 0 is the plain Bradley-Terry loss.
+        eval_fraction: fraction of the preference pairs held out for evaluation (a seeded, fixed
+            split); ignored when ``eval_path`` is set.
+        eval_path: a separate preference file for evaluation; None: hold out ``eval_fraction``.
+        init_path: start from these reward model weights (a ``reward_model/`` directory) instead of
+            a random initialisation; None: random.
+    """
+
+    bootstrap: bool = True
+    bootstrap_kind: str = "poisson"
+    margin: float = 0.0
+    eval_fraction: float = 0.05
+    eval_path: Optional[str] = None
+    init_path: Optional[str] = None
+
+    def __post_init__(self):
+        check_choice("bootstrap_kind", self.bootstrap_kind, BOOTSTRAP_KINDS)
+        check_range("margin", self.margin, low=0.0)
+        check_range("eval_fraction", self.eval_fraction, low=0.0, high=1.0, high_open=True)
+        for key in ("eval_path", "init_path"):
+            if getattr(self, key) == "":
+                raise ConfigError(key, "is an empty string; leave it out (null) or give a path")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     """The ``reward`` section.
 
@@ -159,6 +199,7 @@ class RewardConfig:
         shaping: see ShapingConfig.
         filter: see FilterConfig.
         monitor: see MonitorConfig.
+        training: see RewardModelTrainingConfig (``hpa train-rm`` only).
     """
 
     model_paths: Tuple[str, ...] = ()
@@ -170,6 +211,7 @@ class RewardConfig:
     shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
     filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)
     monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
+    training: RewardModelTrainingConfig = dataclasses.field(default_factory=RewardModelTrainingConfig)
 
     def __post_init__(self):
         for i, path in enumerate(self.model_paths):

@@ -1,0 +1,372 @@
+"""The rollout interface: ``RolloutEngine.generate(prompts, SamplingParams) -> RolloutBatch``.
+
+Every backend (the native Megatron engine, vLLM) samples ``n`` responses per prompt and returns a
+``RolloutBatch``: left-padded prompts, right-padded responses with their mask, the log-prob of every
+sampled token, finish reasons and group ids. Later phases attach more per-row tensors (old/ref
+log-probs, values, rewards, advantages, ...) in ``extras``.
+
+Log-prob convention (all engines): ``log softmax(logits / T)`` of the sampled token over the true
+vocabulary, before top-k/top-p truncation; ``T = 1`` for greedy. The training forward reproduces it
+with ``vocab_parallel_log_probs(logits, labels, tp_group, vocab_size, temperature=T)``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple, Union
+
+import torch
+
+FINISH_STOP = "stop"  # EOS or a stop id was sampled (and is part of the response)
+FINISH_LENGTH = "length"  # max_new_tokens reached
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample.
+
+    Attributes:
+        n: responses per prompt.
+        temperature: 0 means greedy.
+        top_p: nucleus mass in ``(0, 1]``; 1 is off.
+        top_k: -1 is off.
+        max_new_tokens: response length limit.
+        stop_token_ids: ids that end a response (besides EOS); the stop token is kept in the
+            response and masked in.
+        ignore_eos: do not stop on the tokenizer's EOS.
+        seed: seeds the sampling generator; the same seed gives the same tokens under any TP size.
+            Vary it per step (and per DP rank, if the prompts could repeat) to get fresh samples.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    stop_token_ids: Tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or positive, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_config(cls, rollout_cfg, **overrides) -> "SamplingParams":
+        """From ``RolloutConfig`` (``rollout.*``); keyword overrides win (e.g. ``seed=step``)."""
+        values = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                      top_k=rollout_cfg.top_k, max_new_tokens=rollout_cfg.max_new_tokens,
+                      seed=rollout_cfg.seed)
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerInfo:
+    """What an engine needs from the tokenizer.
+
+    Attributes:
+        vocab_size: true vocabulary size (the model's embedding may be padded beyond it).
+        eos_token_id: ends a response unless ``SamplingParams.ignore_eos``.
+        pad_token_id: fills prompts on the left and responses on the right.
+    """
+
+    vocab_size: int
+    eos_token_id: int
+    pad_token_id: int
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "TokenizerInfo":
+        """From an ``hpa.data.tokenizer.Tokenizer``."""
+        return cls(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+
+
+@dataclass
+class TrainingSequences:
+    """Right-padded ``prompt + response`` rows for the training forward (``forward_backward``).
+
+    Row i holds its prompt without left padding at ``[0, p_i)`` and its response at
+    ``[p_i, p_i + r_i)``. The logits at position t predict ``labels[t] = input_ids[t + 1]``, so the
+    log-prob of response token j sits at position ``p_i - 1 + j`` (``response_index``).
+
+    Attributes:
+        input_ids: ``[b, s]`` with ``s = p + r``; pad id after the response.
+        position_ids: ``[b, s]``, ``0..s-1``.
+        labels: ``[b, s]``, next token (pad at the end).
+        response_mask: ``[b, s]`` float, 1 where ``labels`` is a (masked-in) response token.
+        response_index: ``[b, r]`` int64, the position whose logits predict response token j
+            (clamped into range on padding; mask those out with the rollout's response mask).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    response_mask: torch.Tensor
+    response_index: torch.Tensor
+
+    def to_response(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position values ``[b, s, ...]`` (log-probs, values, KL...) -> ``[b, r, ...]``."""
+        index = self.response_index.to(values.device)
+        if values.dim() > 2:
+            index = index.view(*index.shape, *([1] * (values.dim() - 2))).expand(
+                *index.shape, *values.shape[2:])
+        return values.gather(1, index)
+
+    def micro_batch(self, rows=None) -> Dict[str, torch.Tensor]:
+        """The dict ``forward_backward`` takes (optionally only ``rows``)."""
+        out = {"input_ids": self.input_ids, "position_ids": self.position_ids, "labels": self.labels,
+               "response_mask": self.response_mask, "response_index": self.response_index}
+        if rows is not None:
+            out = {k: v[rows] for k, v in out.items()}
+        return out
+
+
+Index = Union[torch.Tensor, Sequence[int], slice]
+
+
+@dataclass
+class RolloutBatch:
+    """Sampled responses of one (DP-local) batch of prompts; row i came from prompt ``group_ids[i]``.
+
+    Attributes:
+        prompt_ids: ``[b, p]`` int64, left-padded with ``pad_token_id``.
+        prompt_mask: ``[b, p]`` int64, 1 on prompt tokens.
+        response_ids: ``[b, r]`` int64, right-padded with ``pad_token_id``.
+        response_mask: ``[b, r]`` float32, 1 on sampled tokens (including the final EOS/stop token).
+        log_probs: ``[b, r]`` float32, sampled-token log-probs (module docstring), 0 on padding.
+        finish_reasons: ``b`` strings, ``"stop"`` (EOS/stop id) or ``"length"`` (max_new_tokens).
+        group_ids: ``[b]`` int64, index of the prompt (in the ``generate`` call) a row answers.
+        pad_token_id: the id used for padding.
+        extras: optional per-row tensors ``[b, ...]`` added by later phases (``old_log_probs``,
+            ``ref_log_probs``, ``values``, ``rewards``, ``advantages``, ...); see ``set``.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    log_probs: torch.Tensor
+    finish_reasons: List[str]
+    group_ids: torch.Tensor
+    pad_token_id: int = 0
+    extras: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        b = self.prompt_ids.shape[0]
+        for name in ("prompt_mask", "response_ids", "response_mask", "log_probs", "group_ids"):
+            if getattr(self, name).shape[0] != b:
+                raise ValueError(f"RolloutBatch.{name} has {getattr(self, name).shape[0]} rows, prompt_ids {b}")
+        if self.response_mask.shape != self.response_ids.shape or self.log_probs.shape != self.response_ids.shape:
+            raise ValueError("RolloutBatch.response_mask and log_probs must have response_ids' shape "
+                             f"{tuple(self.response_ids.shape)}")
+        if len(self.finish_reasons) != b:
+            raise ValueError(f"RolloutBatch.finish_reasons has {len(self.finish_reasons)} entries for {b} rows")
+        for name, value in self.extras.items():
+            self._check_extra(name, value)
+
+    def _check_extra(self, name: str, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != self.batch_size:
+            raise ValueError(f"RolloutBatch extra {name!r} must be a tensor with {self.batch_size} rows, "
+                             f"got {getattr(value, 'shape', type(value))}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def prompt_lengths(self) -> torch.Tensor:
+        """``[b]`` int64."""
+        return self.prompt_mask.sum(dim=1).long()
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """``[b]`` int64."""
+        return self.response_mask.sum(dim=1).long()
+
+    def set(self, name: str, value: torch.Tensor) -> "RolloutBatch":
+        """Attach (or replace) a per-row tensor ``[b, ...]``; returns self."""
+        self._check_extra(name, value)
+        self.extras[name] = value
+        return self
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.extras[name]
+        except KeyError:
+            raise KeyError(f"RolloutBatch has no extra {name!r}; present: {sorted(self.extras)}") from None
+
+    def select(self, rows: Index) -> "RolloutBatch":
+        """The rows ``rows`` (bool mask ``[b]``, indices or slice), extras included."""
+        if isinstance(rows, slice):
+            index = torch.arange(self.batch_size)[rows]
+        else:
+            index = torch.as_tensor(rows)
+            if index.dtype == torch.bool:
+                if index.shape != (self.batch_size,):
+                    raise ValueError(f"a bool row mask must have shape [{self.batch_size}], got {tuple(index.shape)}")
+                index = index.nonzero(as_tuple=True)[0]
+            index = index.long().reshape(-1)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t[index.to(t.device)]
+
+        return RolloutBatch(prompt_ids=take(self.prompt_ids), prompt_mask=take(self.prompt_mask),
+                            response_ids=take(self.response_ids), response_mask=take(self.response_mask),
+                            log_probs=take(self.log_probs),
+                            finish_reasons=[self.finish_reasons[i] for i in index.tolist()],
+                            group_ids=take(self.group_ids), pad_token_id=self.pad_token_id,
+                            extras={k: take(v) for k, v in self.extras.items()})
+
+    @staticmethod
+    def concat(batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
+        """Stack batches row-wise (prompts re-left-padded and responses re-right-padded to the widest).
+
+        Group ids are kept as they are: offset them first if the batches came from different
+        ``generate`` calls.
+        """
+        if not batches:
+            raise ValueError("RolloutBatch.concat needs at least one batch")
+        pad = batches[0].pad_token_id
+        p = max(b.prompt_ids.shape[1] for b in batches)
+        r = max(b.response_ids.shape[1] for b in batches)
+
+        def left(t, value):
+            return torch.nn.functional.pad(t, (p - t.shape[1], 0), value=value)
+
+        def right(t, value):
+            return torch.nn.functional.pad(t, (0, r - t.shape[1]), value=value)
+
+        keys = set(batches[0].extras)
+        if any(set(b.extras) != keys for b in batches):
+            raise ValueError("RolloutBatch.concat: every batch must carry the same extras")
+        extras = {}
+        for k in keys:
+            parts = [b.extras[k] for b in batches]
+            if len({t.shape[1:] for t in parts}) > 1:
+                if any(t.dim() != 2 for t in parts):
+                    raise ValueError(f"RolloutBatch.concat: extra {k!r} has different shapes "
+                                     f"{[tuple(t.shape) for t in parts]}")
+                width = max(t.shape[1] for t in parts)  # response-aligned [b, r]: right-pad with 0
+                parts = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts]
+            extras[k] = torch.cat(parts)
+        return RolloutBatch(
+            prompt_ids=torch.cat([left(b.prompt_ids, pad) for b in batches]),
+            prompt_mask=torch.cat([left(b.prompt_mask, 0) for b in batches]),
+            response_ids=torch.cat([right(b.response_ids, pad) for b in batches]),
+            response_mask=torch.cat([right(b.response_mask, 0) for b in batches]),
+            log_probs=torch.cat([right(b.log_probs, 0) for b in batches]),
+            finish_reasons=[f for b in batches for f in b.finish_reasons],
+            group_ids=torch.cat([b.group_ids for b in batches]), pad_token_id=pad, extras=extras)
+
+    def training_sequences(self) -> TrainingSequences:
+        """Right-padded ``prompt (no left padding) + response`` rows, see ``TrainingSequences``."""
+        b, p = self.prompt_ids.shape
+        r = self.response_ids.shape[1]
+        s = p + r
+        device = self.prompt_ids.device
+        prompt_len = self.prompt_lengths.to(device)  # [b]
+        input_ids = torch.full((b, s), self.pad_token_id, dtype=torch.long, device=device)
+        # Left-aligned prompt: column j of the padded prompt moves to j - (p - p_i).
+        cols = torch.arange(p, device=device).unsqueeze(0) - (p - prompt_len).unsqueeze(1)  # [b, p]
+        real = self.prompt_mask.bool()
+        rows = torch.arange(b, device=device).unsqueeze(1).expand(b, p)
+        input_ids[rows[real], cols[real]] = self.prompt_ids[real]
+        resp_pos = prompt_len.unsqueeze(1) + torch.arange(r, device=device).unsqueeze(0)  # [b, r]
+        resp_real = self.response_mask.bool()
+        input_ids[torch.arange(b, device=device).unsqueeze(1).expand(b, r)[resp_real],
+                  resp_pos[resp_real]] = self.response_ids.to(device)[resp_real]
+        labels = torch.full_like(input_ids, self.pad_token_id)
+        labels[:, :-1] = input_ids[:, 1:]
+        response_index = (resp_pos - 1).clamp(0, s - 1)  # [b, r]
+        response_mask = torch.zeros((b, s), dtype=torch.float32, device=device)
+        response_mask.scatter_(1, response_index, self.response_mask.float().to(device))
+        position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s).contiguous()
+        return TrainingSequences(input_ids=input_ids, position_ids=position_ids, labels=labels,
+                                 response_mask=response_mask, response_index=response_index)
+
+
+def logprob_consistency(rollout_log_probs: torch.Tensor, training_log_probs: torch.Tensor,
+                        mask: torch.Tensor, group=None) -> Dict[str, float]:
+    """How far the rollout engine's log-probs are from the training forward's on the same tokens.
+
+    Args:
+        rollout_log_probs: ``[b, r]`` from ``RolloutBatch.log_probs``.
+        training_log_probs: ``[b, r]`` from the policy forward (same temperature).
+        mask: ``[b, r]`` response mask.
+        group: reduce over this process group (e.g. the DP group); None for local numbers.
+
+    Returns:
+        ``rollout/logprob_diff_mean`` (mean |diff| over masked tokens) and ``rollout/logprob_diff_max``.
+    """
+    diff = (rollout_log_probs.float() - training_log_probs.detach().float()).abs()
+    m = mask.float()
+    stats = torch.stack([(diff * m).sum(), m.sum()]).double()  # [2]
+    peak = torch.where(m > 0, diff, torch.zeros_like(diff)).max().double().reshape(1) if diff.numel() \
+        else torch.zeros(1, dtype=torch.float64, device=diff.device)
+    if group is not None:
+        from hpa.distributed.comm import all_reduce_max, all_reduce_sum
+
+        all_reduce_sum(stats, group)
+        all_reduce_max(peak, group)
+    return {"rollout/logprob_diff_mean": float(stats[0] / stats[1].clamp(min=1)),
+            "rollout/logprob_diff_max": float(peak[0])}
+
+
+class RolloutEngine(abc.ABC):
+    """A backend the trainer samples from (chosen by ``rollout.engine``)."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+        """Sample ``params.n`` responses for each prompt.
+
+        Args:
+            prompts: token-id lists (no padding), or a left-padded ``hpa.data.collate.PromptBatch``.
+            params: sampling parameters.
+
+        Returns:
+            ``RolloutBatch`` with ``len(prompts) · n`` rows; the n responses of prompt g are
+            consecutive rows with ``group_ids == g``.
+        """
+
+    def sync_weights(self, *args, **kwargs) -> None:
+        """Copy the current policy weights into the engine; a no-op for engines that use them in place."""
+
+    def sleep(self) -> None:
+        """Release the engine's memory (KV cache, and weights where it keeps its own) between rollouts."""
+
+    def wake(self) -> None:
+        """Undo ``sleep``."""
+
+
+def prompt_token_lists(prompts) -> List[List[int]]:
+    """Token-id lists from a list of lists or from a left-padded ``PromptBatch``."""
+    if hasattr(prompts, "input_ids") and hasattr(prompts, "attention_mask"):
+        ids, mask = prompts.input_ids, prompts.attention_mask.bool()
+        return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
+    out = [[int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)] for p in prompts]
+    if not out:
+        raise ValueError("generate() needs at least one prompt")
+    if any(len(p) == 0 for p in out):
+        raise ValueError("generate() got an empty prompt; every prompt needs at least one token")
+    return out
+
+
+__all__ = ["FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "RolloutBatch", "RolloutEngine", "SamplingParams",
+           "TokenizerInfo", "TrainingSequences", "logprob_consistency", "prompt_token_lists"]

@@ -1,0 +1,221 @@
+"""Native rollout engine: incremental decoding on the policy GPTModel as it is sharded for training.
+
+Decoding uses megatron-core's own KV cache: a ``StaticInferenceContext`` passed as
+``inference_context=`` to ``GPTModel.forward``. Its attention layers allocate per-layer key/value
+buffers ``[max_seq, b, groups/tp, head_dim]`` on the first (prefill) call, append each step's keys and
+values at ``sequence_len_offset`` and apply RoPE to the whole cached prefix; with the context the
+last stage returns only the last position's logits, gathered over TP (``runtime_gather_output``),
+``[b, 1, v_padded]``.
+
+Layout of one ``generate`` call (``b = prompts · n`` rows, ``p`` = longest prompt):
+
+- Prompts are left-padded to ``p``; step 0 (prefill) runs ``[b, p]``, every later step ``[b, 1]``.
+- Attention mask: megatron's local ``DotProductAttention`` uses a given ``attention_mask`` *instead of*
+  its causal mask (``FusedScaleMaskSoftmax`` only builds the causal mask when the mask is None), so
+  the engine passes the full ``causal | padded key`` mask ``[b, 1, s_q, s_k]`` (True = masked).
+  Masked scores become -10000 and get exactly zero weight in fp32.
+- RoPE rotates by the position in the padded row (megatron ignores ``position_ids`` for RoPE); RoPE is
+  relative, so a left shift changes attention scores only by rounding.
+- TP: every TP rank of the last stage holds the same gathered ``[b, v]`` logits; TP rank 0 samples
+  (``hpa.rollout.sampling``, generator seeded with ``SamplingParams.seed``), broadcasts over the TP
+  group, and the last stage broadcasts over the PP group, so every rank feeds the same token.
+- PP: each step the stages hand ``[s_q, b, h]`` activations forward with point-to-point send/recv.
+- A row stops on EOS, a stop id or ``max_new_tokens``; finished rows are fed padding (masked, never
+  attended to by other rows) until every row has stopped.
+
+``use_kv_cache=False`` recomputes the whole sequence every step (same mask, no inference context):
+slow, for checking the cache.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from hpa.distributed.groups import ParallelGroups
+
+from .base import (FINISH_LENGTH, FINISH_STOP, RolloutBatch, RolloutEngine, SamplingParams, TokenizerInfo,
+                   prompt_token_lists)
+from .sampling import sample_tokens
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def _group_src(group, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank)
+
+
+def attention_mask(key_valid: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Causal + padding mask for queries at positions ``[start, end)`` over keys ``[0, end)``.
+
+    Args:
+        key_valid: ``[b, >= end]`` bool, True where a key position holds a real token.
+
+    Returns:
+        ``[b, 1, end - start, end]`` bool, True = masked (megatron's convention).
+    """
+    device = key_valid.device
+    q = torch.arange(start, end, device=device).unsqueeze(1)  # [s_q, 1]
+    k = torch.arange(end, device=device).unsqueeze(0)  # [1, s_k]
+    causal = k > q  # [s_q, s_k]
+    padded = ~key_valid[:, :end]  # [b, s_k]
+    return causal.unsqueeze(0).unsqueeze(0) | padded.unsqueeze(1).unsqueeze(2)
+
+
+class MegatronRolloutEngine(RolloutEngine):
+    """Samples from the training policy in place (no weight copy, so ``sync_weights`` is a no-op).
+
+    Args:
+        model: the policy GPTModel (possibly DDP-wrapped), sharded as for training.
+        groups: its ``ParallelGroups``; ``generate`` is collective over the TP×PP model-parallel
+            group, and every DP rank samples its own prompts.
+        tokenizer_info: vocab size, EOS and pad ids.
+        use_kv_cache: False recomputes the full sequence each step (for tests).
+    """
+
+    name = "megatron"
+
+    def __init__(self, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo, *, use_kv_cache: bool = True):
+        from hpa.models.heads import unwrap
+
+        self.model = model
+        self.module = unwrap(model)
+        self.groups = groups
+        self.tokenizer_info = tokenizer_info
+        self.use_kv_cache = use_kv_cache
+        self.config = self.module.config
+        if self.config.sequence_parallel:
+            raise ValueError("the native rollout engine decodes one token per step and cannot split it over "
+                             "the sequence: set parallel.sequence_parallel=false or rollout.engine=vllm")
+        self.max_sequence_length = self.module.max_sequence_length
+
+    # ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+        token_lists = prompt_token_lists(prompts)
+        info, device = self.tokenizer_info, self.groups.device
+        rows: List[List[int]] = [p for p in token_lists for _ in range(params.n)]
+        group_ids = torch.arange(len(token_lists)).repeat_interleave(params.n)  # [b]
+        b, p, r_max = len(rows), max(len(x) for x in rows), params.max_new_tokens
+        total = p + r_max
+        if total > self.max_sequence_length:
+            raise ValueError(f"longest prompt ({p}) + max_new_tokens ({r_max}) = {total} exceeds the model's "
+                             f"max_sequence_length {self.max_sequence_length}; lower rollout.max_new_tokens "
+                             f"or data.max_prompt_length")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {info.eos_token_id})
+        stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+
+        tokens = torch.full((b, total), info.pad_token_id, dtype=torch.long, device=device)  # [b, p + r]
+        key_valid = torch.zeros((b, total), dtype=torch.bool, device=device)  # [b, p + r]
+        for i, seq in enumerate(rows):
+            tokens[i, p - len(seq):p] = torch.tensor(seq, dtype=torch.long)
+            key_valid[i, p - len(seq):p] = True
+        positions = (key_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [b, p + r]; unused by RoPE
+        log_probs = torch.zeros((b, r_max), dtype=torch.float32, device=device)  # [b, r]
+        finished = torch.zeros(b, dtype=torch.bool, device=device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        lengths = torch.zeros(b, dtype=torch.long, device=device)
+
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(int(params.seed))
+        context = self._new_context(b, total) if self.use_kv_cache else None
+
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            steps = 0
+            for step in range(r_max):
+                end = p + step
+                start = 0 if (step == 0 or context is None) else end - 1
+                logits = self._forward(tokens[:, start:end], positions[:, start:end],
+                                       attention_mask(key_valid, start, end), context)  # [b, v] or None
+                if context is not None:
+                    context.increment_sequence_len_offset(end - start)
+                    context.enable_decode_mode()
+                new_tokens, new_log_probs = self._sample_and_broadcast(logits, params, generator, b)
+                active = ~finished
+                new_tokens = torch.where(active, new_tokens, torch.full_like(new_tokens, info.pad_token_id))
+                tokens[:, end] = new_tokens
+                key_valid[:, end] = active
+                log_probs[:, step] = torch.where(active, new_log_probs, torch.zeros_like(new_log_probs))
+                lengths += active.long()
+                hit_stop = active & torch.isin(new_tokens, stop_tensor)
+                stopped |= hit_stop
+                finished |= hit_stop
+                steps = step + 1
+                if bool(finished.all()):
+                    break
+        finally:
+            self.module.set_input_tensor(None)
+            self.module.train(was_training)
+
+        response_ids = tokens[:, p:p + steps].clone()  # [b, r]
+        response_mask = key_valid[:, p:p + steps].float()  # [b, r]
+        prompt_ids, prompt_mask = tokens[:, :p].clone(), key_valid[:, :p].long()
+        return RolloutBatch(prompt_ids=prompt_ids.cpu(), prompt_mask=prompt_mask.cpu(),
+                            response_ids=response_ids.cpu(), response_mask=response_mask.cpu(),
+                            log_probs=log_probs[:, :steps].cpu(),
+                            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped.tolist()],
+                            group_ids=group_ids, pad_token_id=info.pad_token_id)
+
+    # ----------------------------------------------------------------------------------------------
+    def _new_context(self, batch_size: int, max_sequence_length: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        return StaticInferenceContext(batch_size, max_sequence_length)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                 context) -> Optional[torch.Tensor]:
+        """One pipelined forward of ``[b, s_q]`` tokens; the last stage returns ``[b, v_padded]``
+        logits of the last position (gathered over TP), other stages None."""
+        g = self.groups
+        b, s_q = input_ids.shape
+        if not g.is_first_stage:
+            hidden = torch.empty((s_q, b, self.config.hidden_size), dtype=self.config.pipeline_dtype,
+                                 device=g.device)  # [s_q, b, h]
+            dist.recv(hidden, src=_group_src(g.pp_group, g.pp_rank - 1), group=g.pp_group)
+            self.module.set_input_tensor(hidden)
+        if context is not None:
+            out = self.module(input_ids, position_ids, mask, inference_context=context, runtime_gather_output=True)
+        else:
+            out = self.module(input_ids, position_ids, mask)
+        if not g.is_last_stage:
+            dist.send(out.contiguous(), dst=_group_src(g.pp_group, g.pp_rank + 1), group=g.pp_group)
+            return None
+        if context is not None:
+            return out[:, -1, :]  # [b, v_padded]
+        last = out[:, -1, :].contiguous()  # [b, v/tp]
+        if _group_size(g.tp_group) > 1:
+            parts = [torch.empty_like(last) for _ in range(_group_size(g.tp_group))]
+            dist.all_gather(parts, last, group=g.tp_group)
+            last = torch.cat(parts, dim=-1)
+        return last  # [b, v_padded]
+
+    def _sample_and_broadcast(self, logits: Optional[torch.Tensor], params: SamplingParams,
+                              generator: Optional[torch.Generator], b: int):
+        """TP rank 0 of the last stage samples; tokens and log-probs reach every TP and PP rank."""
+        g = self.groups
+        packed = torch.empty((2, b), dtype=torch.float64, device=g.device)  # [token; log-prob]
+        if g.is_last_stage:
+            if g.tp_rank == 0:
+                tok, logp = sample_tokens(logits, temperature=params.temperature, top_k=params.top_k,
+                                          top_p=params.top_p, generator=generator,
+                                          vocab_size=self.tokenizer_info.vocab_size)
+                packed[0], packed[1] = tok.double(), logp.double()
+            if _group_size(g.tp_group) > 1:
+                dist.broadcast(packed, src=_group_src(g.tp_group, 0), group=g.tp_group)
+        if _group_size(g.pp_group) > 1:
+            dist.broadcast(packed, src=g.last_stage_global_rank(), group=g.pp_group)
+        return packed[0].long(), packed[1].float()
+
+
+def build_megatron_engine(rollout_cfg, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo,
+                          **kwargs) -> MegatronRolloutEngine:
+    """``ROLLOUT_ENGINES["megatron"]``."""
+    return MegatronRolloutEngine(model, groups, tokenizer_info, **kwargs)

@@ -1,0 +1,98 @@
+"""Metrics sinks: ``metrics.jsonl`` (one JSON object per step, with ``step``), console and wandb.
+
+Only the main rank writes. wandb is imported lazily, runs ``offline`` by default, and its API key is
+never read or printed by hpa (wandb takes it from its own login or ``WANDB_API_KEY``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Dict, Mapping, Optional
+
+from hpa.config.schema import LoggingConfig
+
+logger = logging.getLogger("hpa")
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible as strings
+    return value
+
+
+class MetricsWriter:
+    """Writes one record per step to every enabled sink.
+
+    Args:
+        run_dir: the run directory; ``metrics.jsonl`` goes there.
+        logging_cfg: the ``logging`` section.
+        is_main: only the main rank writes.
+        run_config: the resolved config as plain data, for wandb's run config.
+        resume: append to an existing ``metrics.jsonl`` (after dropping records at or after
+            ``resume_step``, so a resumed run has one record per step).
+    """
+
+    def __init__(self, run_dir: os.PathLike, logging_cfg: LoggingConfig, *, is_main: bool,
+                 run_config: Optional[Mapping] = None, resume_step: Optional[int] = None):
+        self.is_main = is_main
+        self.cfg = logging_cfg
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._wandb = None
+        if not is_main:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", -1) < resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        if logging_cfg.wandb.mode != "disabled":
+            self._wandb = self._init_wandb(run_dir, run_config)
+
+    def _init_wandb(self, run_dir, run_config):
+        try:
+            import wandb
+        except ImportError:
+            logger.warning("wandb is not installed; logging.wandb.mode=%s ignored", self.cfg.wandb.mode)
+            return None
+        w = self.cfg.wandb
+        return wandb.init(project=w.project, entity=w.entity, name=w.name, mode=w.mode,
+                          dir=str(run_dir), config=dict(run_config or {}), resume="allow")
+
+    def write(self, step: int, metrics: Dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if self.cfg.console:
+            shown = {k: record[k] for k in sorted(record) if k in _CONSOLE_KEYS}
+            logger.info("step %d %s", step, " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()))
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+_CONSOLE_KEYS = ("loss/total", "actor/pg_loss", "dpo/loss", "kl/token", "kl/semantic", "reward/shaped_mean",
+                 "eval/score", "actor/grad_norm", "timing/step_s")
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def read_metrics(run_dir: os.PathLike):
+    """The records of ``<run_dir>/metrics.jsonl`` as a list of dicts."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
