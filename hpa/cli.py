@@ -24,7 +24,7 @@ _HELP = {
 }
 
 # subcommands whose issues are still open; listed so the interface is stable, refused clearly
-_NOT_YET = {"train", "sft", "train-rm", "generate", "report", "plan", "convert"}
+_NOT_YET = {"sft", "generate", "report", "plan"}
 
 
 def command(name: str):
@@ -40,6 +40,51 @@ def _check_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     print(json.dumps(to_dict(cfg), indent=2))
     return 0
+
+
+def _setup_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _distributed(cfg):
+    from hpa.config.schema import validate
+    from hpa.distributed import initialize, read_launch_env
+
+    launch = read_launch_env()
+    validate(cfg, launch.world_size)
+    groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
+    return groups
+
+
+@command("train")
+def _train(args: argparse.Namespace) -> int:
+    _setup_logging()
+    cfg = load_config(args.config, args.overrides)
+    groups = _distributed(cfg)
+    from hpa.distributed import destroy
+    from hpa.trainer.loop import HPATrainer
+
+    try:
+        HPATrainer(cfg, groups).train()
+    finally:
+        destroy()
+    return 0
+
+
+@command("train-rm")
+def _train_rm(args: argparse.Namespace) -> int:
+    from hpa.reward.train_rm import main as train_rm_main
+
+    return train_rm_main(["--config", args.config, *args.overrides] if args.config else list(args.overrides))
+
+
+@command("convert")
+def _convert(args: argparse.Namespace) -> int:
+    from hpa.models.convert import run_convert
+
+    return run_convert(args.rest)
 
 
 def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
@@ -58,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                "parallel.tensor_model_parallel_size=2")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in _HELP.items():
-        p = sub.add_parser(name, help=text, description=text)
+        p = sub.add_parser(name, help=text, description=text, add_help=name != "convert")
+        if name == "convert":  # its own flags: see ``hpa convert --help``
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            continue
         p.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu.yaml)")
         p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
         if name == "check-config":

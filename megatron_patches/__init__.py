@@ -19,6 +19,7 @@ PATCHES: Tuple[str, ...] = (
     "rng_tracker",
     "clip_grads",
     "distrib_optimizer",
+    "tied_embeddings",
 )
 
 _applied: Tuple[str, ...] = ()

@@ -22,6 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
+RECOMPUTE_GRANULARITIES = ("selective", "full")
 ROLLOUT_ENGINES = ("megatron", "vllm")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RESUME_MODES = ("auto", "never")
@@ -89,6 +90,7 @@ class ModelConfig:
     params_dtype: str = "float32"
     transformer_impl: str = "auto"
     make_vocab_size_divisible_by: int = 128
+    recompute_granularity: Optional[str] = None  # None | selective (core attention) | full (whole layers)
     policy_path: Optional[str] = None
     reference_path: Optional[str] = None
     critic_path: Optional[str] = None
@@ -101,6 +103,8 @@ class ModelConfig:
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("params_dtype", self.params_dtype, DTYPES)
         check_choice("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        if self.recompute_granularity is not None:
+            check_choice("recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
         check_range("hidden_dropout", self.hidden_dropout, low=0.0, high=1.0, high_open=True)
         check_range("attention_dropout", self.attention_dropout, low=0.0, high=1.0, high_open=True)
         check_range("norm_epsilon", self.norm_epsilon, low=0.0, low_open=True)

@@ -68,6 +68,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, groups: Par
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # megatron requires it with variable_seq_lengths
         deallocate_pipeline_outputs=not on_cpu,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method="uniform" if model.recompute_granularity == "full" else None,
+        recompute_num_layers=1 if model.recompute_granularity == "full" else None,
     )
 
 

@@ -66,6 +66,15 @@ def attention_mask(key_valid: torch.Tensor, start: int, end: int) -> torch.Tenso
     return causal.unsqueeze(0).unsqueeze(0) | padded.unsqueeze(1).unsqueeze(2)
 
 
+def _attention_honours_masks(module) -> bool:
+    """Whether every layer's core attention is megatron's local ``DotProductAttention``, which uses a
+    given ``attention_mask`` in place of its causal mask (TE's ignores it under a causal mask type)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    cores = [m for name, m in module.named_modules() if name.endswith("core_attention")]
+    return all(isinstance(m, DotProductAttention) for m in cores)
+
+
 class MegatronRolloutEngine(RolloutEngine):
     """Samples from the training policy in place (no weight copy, so ``sync_weights`` is a no-op).
 
@@ -92,6 +101,7 @@ class MegatronRolloutEngine(RolloutEngine):
             raise ValueError("the native rollout engine decodes one token per step and cannot split it over "
                              "the sequence: set parallel.sequence_parallel=false or rollout.engine=vllm")
         self.max_sequence_length = self.module.max_sequence_length
+        self.masks_padding = _attention_honours_masks(self.module)
 
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -106,6 +116,11 @@ class MegatronRolloutEngine(RolloutEngine):
             raise ValueError(f"longest prompt ({p}) + max_new_tokens ({r_max}) = {total} exceeds the model's "
                              f"max_sequence_length {self.max_sequence_length}; lower rollout.max_new_tokens "
                              f"or data.max_prompt_length")
+        if not self.masks_padding and len({len(x) for x in rows}) > 1:
+            raise NotImplementedError(
+                "prompts of different lengths need a padding mask, which this model's attention ignores "
+                "(Transformer Engine attention with a causal mask type drops attention_mask); use "
+                "model.transformer_impl=local, rollout.engine=vllm, or equal-length prompt batches")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {info.eos_token_id})
         stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 

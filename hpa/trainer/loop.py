@@ -1,0 +1,325 @@
+"""``hpa train``: the HPA loop. ``train_step`` reads top to bottom (STYLE rule 10).
+
+One step: roll out → shaped reward → reference / old-policy / critic forwards → advantages →
+mixed PPO + DPO + hierarchical-KL update (ppo_epochs × mini-batches) → critic update → KL
+controller → metrics → evaluation → checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from hpa.algorithms.kl import kl_warmup_scale, make_kl_controller
+from hpa.algorithms.schedules import make_schedule, progress
+from hpa.config import write_resolved
+from hpa.config.schema import Config, to_dict
+from hpa.data.preferences import PreferenceDataset
+from hpa.data.prompts import PromptDataset
+from hpa.data.sampler import DistributedBatchSampler
+from hpa.data.tokenizer import build_tokenizer
+from hpa.distributed import comm
+from hpa.distributed.groups import ParallelGroups
+from hpa.models import build_policy, build_reference, build_value, unwrap
+from hpa.reward import RewardInputs, build_reward
+from hpa.rollout import build_rollout_engine
+from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo, logprob_consistency
+from hpa.trainer import phases
+from hpa.trainer.checkpoint import load_model_weights
+from hpa.trainer.metrics import MetricsWriter
+from hpa.trainer.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
+from hpa.trainer.step import forward_backward, optimizer_step, zero_grad
+
+logger = logging.getLogger("hpa")
+
+
+class HPATrainer:
+    """Owns the models, data and state of one run. Components get their own config sections."""
+
+    def __init__(self, cfg: Config, groups: ParallelGroups):
+        self.cfg, self.groups = cfg, groups
+        self.run_dir = Path(cfg.trainer.run_dir)
+        if groups.is_main:
+            write_resolved(cfg, self.run_dir)
+        self._build_data()
+        self._build_models()
+        algo = cfg.algorithm
+        self.kl_ctrl = make_kl_controller(algo.kl.controller, kl_coef=algo.kl.init_kl_coef,
+                                          target_kl=algo.kl.target_kl, horizon=algo.kl.horizon)
+        self.schedules = {name: make_schedule(**dataclasses.asdict(getattr(algo.hpa, name)))
+                          for name in ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic")}
+        self.schedules["entropy_coef"] = make_schedule(**dataclasses.asdict(algo.ppo.entropy_coef))
+        self.reward = build_reward(cfg.reward)
+        self.metrics = MetricsWriter(self.run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg))
+        self.step = 0
+
+    # ----------------------------------------------------------------------------------- setup
+
+    def _build_data(self) -> None:
+        cfg, g = self.cfg, self.groups
+        rejects = cfg.data.rejects_dir or str(self.run_dir / "rejects")
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path)
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"the tokenizer at data.tokenizer_path has {self.tokenizer.vocab_size} tokens but "
+                             f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
+        self.prompts = PromptDataset.from_config(cfg.data, self.tokenizer, rejects_dir=rejects)
+        self.pairs = PreferenceDataset.from_config(cfg.data, self.tokenizer, rejects_dir=rejects)
+        self.eval_prompts = (PromptDataset.from_config(cfg.data, self.tokenizer, rejects_dir=rejects, split="eval")
+                             if cfg.data.eval_prompt_path else None)
+        seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
+        self.prompt_sampler = DistributedBatchSampler(
+            len(self.prompts), global_batch_size=cfg.trainer.global_batch_size, dp_rank=g.dp_rank,
+            dp_size=g.data_parallel_size, seed=seed, shuffle=cfg.data.shuffle)
+        self.pair_sampler = DistributedBatchSampler(
+            len(self.pairs), global_batch_size=cfg.trainer.preference_batch_size, dp_rank=g.dp_rank,
+            dp_size=g.data_parallel_size, seed=seed + 1, shuffle=cfg.data.shuffle)
+
+    def _build_models(self) -> None:
+        cfg, g = self.cfg, self.groups
+        policy = build_policy(cfg.model, cfg.parallel, g)
+        if cfg.model.policy_path:
+            load_model_weights(policy, cfg.model.policy_path, g)
+        self.reference = build_reference(cfg.model, cfg.parallel, g)
+        if cfg.model.reference_path:
+            load_model_weights(self.reference, cfg.model.reference_path, g)
+        else:  # the frozen reference is the initial policy
+            self.reference.load_state_dict(policy.state_dict())
+        self.policy = wrap_ddp(policy, cfg.parallel, g)
+        self.policy_opt = build_optimizer(self.policy, cfg.optim, cfg.parallel, g)
+        self.policy_sched = build_lr_scheduler(self.policy_opt, cfg.optim, cfg.trainer.total_steps)
+        self.critic = None
+        if cfg.algorithm.advantage.estimator == "gae":
+            critic = build_value(cfg.model, cfg.parallel, g)
+            if cfg.model.critic_path:
+                load_model_weights(critic, cfg.model.critic_path, g, strict=False)
+            lr = cfg.optim.critic_lr or cfg.optim.lr
+            self.critic = wrap_ddp(critic, cfg.parallel, g)
+            self.critic_opt = build_optimizer(self.critic, cfg.optim, cfg.parallel, g, lr=lr)
+            self.critic_sched = build_lr_scheduler(self.critic_opt, cfg.optim, cfg.trainer.total_steps, lr=lr)
+        self.engine = build_rollout_engine(cfg.rollout, unwrap(self.policy), g,
+                                           TokenizerInfo.from_tokenizer(self.tokenizer))
+
+    # ------------------------------------------------------------------------------------ loop
+
+    def train(self) -> Dict[str, float]:
+        last: Dict[str, float] = {}
+        while self.step < self.cfg.trainer.total_steps:
+            start = time.perf_counter()
+            last = self.train_step()
+            last["timing/step_s"] = time.perf_counter() - start
+            self.step += 1
+            if self._due(self.cfg.trainer.eval_interval):
+                last.update(self.evaluate())
+            self.metrics.write(self.step, last)
+        self.metrics.close()
+        return last
+
+    def _due(self, interval: int) -> bool:
+        return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.trainer.total_steps)
+
+    def train_step(self) -> Dict[str, float]:
+        weights = self.step_weights()
+        examples = [self.prompts[i] for i in self.prompt_sampler.next_batch()]
+        batch = self.rollout(examples)
+        ts = batch.training_sequences()
+        metrics = self.reference_and_old_policy(batch, ts)
+        token_scores, mask, reward_metrics = self.score(batch, examples)
+        metrics.update(reward_metrics)
+        if self.critic is not None:
+            batch.set("values", phases.sequence_values(self.critic, ts, self.groups,
+                                                       micro_batch_size=self.mbs))
+        advantages, returns, adv_metrics = phases.compute_advantages(
+            batch, mask, token_scores, self.cfg.algorithm, weights.reward_kl_coef)
+        batch.set("advantages", advantages).set("returns", returns)
+        metrics.update(adv_metrics)
+        pairs = self.preference_micro_batches()
+        metrics.update(self.update_policy(batch, ts, mask, pairs, weights))
+        if self.critic is not None:
+            metrics.update(self.update_critic(batch, ts, mask))
+        metrics.update(self.update_kl_controller(batch, mask, weights))
+        metrics.update(self.weight_metrics(weights))
+        return metrics
+
+    # ---------------------------------------------------------------------------------- phases
+
+    @property
+    def mbs(self) -> int:
+        return self.cfg.trainer.micro_batch_size
+
+    @property
+    def temperature(self) -> float:
+        return self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
+
+    def step_weights(self) -> phases.StepWeights:
+        p = progress(self.step, self.cfg.trainer.total_steps)
+        s = self.schedules
+        return phases.StepWeights(
+            w_ppo=s["w_ppo"](p), w_dpo=s["w_dpo"](p), w_kl=s["w_kl"](p), lambda_token=s["lambda_token"](p),
+            lambda_semantic=s["lambda_semantic"](p), entropy_coef=s["entropy_coef"](p),
+            reward_kl_coef=self.kl_ctrl.value * kl_warmup_scale(p, self.cfg.algorithm.kl.warmup_fraction))
+
+    def rollout(self, examples) -> RolloutBatch:
+        g = self.groups
+        seed = self.cfg.rollout.seed + self.step * g.data_parallel_size + g.dp_rank
+        params = SamplingParams.from_config(self.cfg.rollout, seed=seed)
+        self.policy.eval()
+        with torch.no_grad():
+            batch = self.engine.generate([e.prompt_ids for e in examples], params)
+        self.policy.train()
+        return batch
+
+    def _texts(self, batch: RolloutBatch) -> List[str]:
+        eos = self.tokenizer.eos_id
+        out = []
+        for ids, m in zip(batch.response_ids.tolist(), batch.response_mask.tolist()):
+            out.append(self.tokenizer.decode([t for t, keep in zip(ids, m) if keep and t != eos]))
+        return out
+
+    def score(self, batch: RolloutBatch, examples):
+        """Shaped reward at each response's last token; rows with a non-finite reward (and rows the
+        filter drops) get an all-zero mask, so they reach no loss and move no baseline."""
+        truths = [examples[int(i)].ground_truth for i in batch.group_ids]
+        inputs = RewardInputs(response_ids=batch.response_ids, response_mask=batch.response_mask,
+                              prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
+                              response_texts=self._texts(batch), ground_truths=truths)
+        shaped = self.reward(inputs, policy_embeddings=batch.get("old_pooled"),
+                             all_gather=lambda t: comm.all_gather_cat(t, self.groups.dp_group))
+        keep = shaped.valid.clone()
+        f = self.cfg.reward.filter
+        if f.mode != "none":
+            from hpa.reward.shaping import filter_responses
+
+            keep &= filter_responses(shaped.rewards, shaped.valid, f.mode, f.k)
+        mask = batch.response_mask * keep[:, None].float()
+        metrics = {k: float(v) for k, v in shaped.metrics.items()}
+        metrics["reward/kept_fraction"] = float(keep.float().mean())
+        metrics["response/length_mean"] = float(batch.response_lengths.float().mean())
+        metrics["reward/score_mean"] = float(shaped.raw.mean()) if hasattr(shaped, "raw") else 0.0
+        metrics = comm.reduce_metrics(metrics, self.groups.dp_group)
+        return shaped.token_level_scores, mask, metrics
+
+    def reference_and_old_policy(self, batch: RolloutBatch, ts) -> Dict[str, float]:
+        """Reference and rollout-policy log-probs ``[b, r]`` and response-pooled hidden states ``[b, h]``."""
+        m = self.cfg.model
+        kw = dict(micro_batch_size=self.mbs, vocab_size=m.vocab_size, temperature=self.temperature,
+                  hidden_size=m.hidden_size)
+        ref = phases.sequence_log_probs(self.reference, ts, batch.response_mask, self.groups, **kw)
+        old = phases.sequence_log_probs(self.policy, ts, batch.response_mask, self.groups, **kw)
+        batch.set("ref_log_probs", ref["log_probs"]).set("ref_pooled", ref["pooled"])
+        batch.set("old_log_probs", old["log_probs"]).set("old_pooled", old["pooled"])
+        diff = logprob_consistency(batch.log_probs, old["log_probs"], batch.response_mask)
+        return comm.reduce_metrics({k: float(v) for k, v in diff.items()}, self.groups.dp_group)
+
+    def preference_micro_batches(self) -> List[dict]:
+        examples = [self.pairs[i] for i in self.pair_sampler.next_batch()]
+        mbs = phases.pair_micro_batches(examples, micro_batch_size=self.mbs, pad_id=self.tokenizer.pad_id)
+        ref = phases.pair_sequence_log_probs(self.reference, mbs, self.groups, vocab_size=self.cfg.model.vocab_size)
+        phases.attach_ref_pair_logps(mbs, ref)
+        for mb in mbs:
+            mb["kind"] = "pairs"
+        return mbs
+
+    def _rollout_micro_batches(self, batch: RolloutBatch, ts, mask, rows: List[int]) -> List[dict]:
+        pool_mask = phases.response_token_mask(ts, batch.response_mask)
+        out = []
+        for chunk in phases.chunks(len(rows), self.mbs):
+            idx = torch.tensor([rows[i] for i in chunk])
+            mb = ts.micro_batch(idx)
+            mb.update(kind="rollout", mask=mask[idx], pool_mask=pool_mask[idx],
+                      **{k: batch.get(k)[idx] for k in ("old_log_probs", "ref_log_probs", "ref_pooled",
+                                                        "advantages", "returns")},
+                      **({"values": batch.get("values")[idx]} if self.critic is not None else {}))
+            out.append(mb)
+        return out
+
+    def _mini_batches(self, num_rows: int) -> List[List[int]]:
+        t = self.cfg.trainer
+        num = t.global_batch_size // t.ppo_mini_batch_size if t.ppo_mini_batch_size else 1
+        size = num_rows // num
+        return [list(range(i * size, (i + 1) * size)) for i in range(num)]
+
+    def update_policy(self, batch, ts, mask, pairs: List[dict], weights) -> Dict[str, float]:
+        steps, grad_norms = [], []
+        minis = self._mini_batches(batch.batch_size)
+        pair_split = [pairs[i::len(minis)] for i in range(len(minis))]
+        for _ in range(self.cfg.trainer.ppo_epochs):
+            for rows, pair_mbs in zip(minis, pair_split):
+                rollout_mbs = self._rollout_micro_batches(batch, ts, mask, rows)
+                counts = phases.global_counts(rollout_mbs, pair_mbs, self.groups)
+                loss_fn = phases.make_policy_loss(self.cfg.algorithm, weights, counts, self.groups,
+                                                  vocab_size=self.cfg.model.vocab_size, temperature=self.temperature)
+                zero_grad(self.policy, self.policy_opt)
+                records = forward_backward(self.policy, rollout_mbs + pair_mbs, loss_fn, self.groups,
+                                           capture_hidden=True)
+                _, grad_norm = optimizer_step(self.policy_opt, self.policy_sched)
+                steps.append(phases.step_metrics(records, self.groups))
+                grad_norms.append(grad_norm)
+        metrics = phases.average(steps)
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/lr"] = self.policy_opt.param_groups[0]["lr"]
+        return metrics
+
+    def update_critic(self, batch, ts, mask) -> Dict[str, float]:
+        steps = []
+        for _ in range(self.cfg.trainer.ppo_epochs):
+            for rows in self._mini_batches(batch.batch_size):
+                mbs = self._rollout_micro_batches(batch, ts, mask, rows)
+                counts = phases.global_counts(mbs, [], self.groups)
+                zero_grad(self.critic, self.critic_opt)
+                records = forward_backward(self.critic, mbs, phases.make_critic_loss(self.cfg.algorithm, counts),
+                                           self.groups)
+                optimizer_step(self.critic_opt, self.critic_sched)
+                steps.append(phases.step_metrics(records, self.groups))
+        return phases.average(steps)
+
+    def update_kl_controller(self, batch: RolloutBatch, mask, weights) -> Dict[str, float]:
+        """The controller follows the DP-mean KL between the rollout policy and the reference."""
+        from hpa.algorithms.kl import kl_penalty
+        from hpa.algorithms.losses import masked_mean
+
+        kl = masked_mean(kl_penalty(batch.get("old_log_probs"), batch.get("ref_log_probs"),
+                                    self.cfg.algorithm.kl.reward_estimator), mask)
+        current = comm.all_reduce_mean(kl.reshape(1).double(), self.groups.dp_group).item()
+        n_steps = batch.batch_size * self.groups.data_parallel_size
+        self.kl_ctrl.update(current, n_steps)
+        return {"actor/kl_coef": weights.reward_kl_coef, "actor/reward_kl": current}
+
+    @staticmethod
+    def weight_metrics(w: phases.StepWeights) -> Dict[str, float]:
+        return {"hpa/w_ppo": w.w_ppo, "hpa/w_dpo": w.w_dpo, "hpa/w_kl": w.w_kl,
+                "hpa/lambda_token": w.lambda_token, "hpa/lambda_semantic": w.lambda_semantic}
+
+    # ------------------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> Dict[str, float]:
+        """Greedy responses on this rank's slice of the held-out prompts; the rule score averaged."""
+        if self.eval_prompts is None:
+            return {}
+        g = self.groups
+        mine = list(range(g.dp_rank, len(self.eval_prompts), g.data_parallel_size))
+        n = comm.all_reduce_max(torch.tensor([len(mine)]), g.dp_group).item()
+        mine = (mine + mine[:1] * n)[:n]  # equal work on every DP rank (the repeat is not counted)
+        examples = [self.eval_prompts[i] for i in mine]
+        params = SamplingParams.from_config(self.cfg.rollout, n=1, temperature=0.0)
+        self.policy.eval()
+        with torch.no_grad():
+            batch = self.engine.generate([e.prompt_ids for e in examples], params)
+        self.policy.train()
+        from hpa.reward.rules import RuleReward
+
+        rule = RuleReward.from_names(self.cfg.reward.rules or ("exact_match",), 1.0, None)
+        texts = self._texts(batch)
+        scores = rule(RewardInputs(response_ids=batch.response_ids, response_mask=batch.response_mask,
+                                   response_texts=texts, ground_truths=[e.ground_truth for e in examples])).rewards[:, 0]
+        counted = len(set(mine))
+        total = torch.tensor([float(scores[:counted].sum()), float(counted)], dtype=torch.float64)
+        comm.all_reduce_sum(total, g.dp_group)
+        return {"eval/score": total[0].item() / max(total[1].item(), 1.0),
+                "eval/response_length": float(batch.response_lengths.float().mean())}

@@ -1,0 +1,318 @@
+"""The phases of one HPA step, each a function with explicit inputs (the loop in ``loop.py`` calls them).
+
+Loss normalisation (what the weights mean): every loss term is normalised by a *global* count of
+the current mini-batch, taken over all DP ranks and all micro-batches: PPO, entropy and the token
+KL by response tokens, the semantic distance by response sequences, DPO by preference pairs. Each
+micro-batch contributes ``w · (its share of the term)``, so the gradient of the optimizer step is
+exactly ``w_ppo·∇L_ppo + w_dpo·∇L_dpo + w_kl·∇L_hier_kl`` whatever the number of micro-batches of
+each kind or the DP size; with ``w_dpo = 0`` the step is plain PPO, with ``w_ppo = w_kl = 0`` it
+is plain DPO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hpa.algorithms import advantages as adv_lib
+from hpa.algorithms.dpo import dpo_loss
+from hpa.algorithms.hybrid import hpa_objective
+from hpa.algorithms.kl import apply_kl_penalty, hierarchical_kl
+from hpa.algorithms.losses import Aggregation
+from hpa.algorithms.ppo import entropy_bonus, policy_loss, value_loss
+from hpa.config.algorithm import AlgorithmConfig
+from hpa.distributed import comm
+from hpa.distributed.groups import ParallelGroups
+from hpa.ops.masked import mean_pool
+from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from hpa.rollout.base import RolloutBatch, TrainingSequences
+from hpa.trainer.step import forward_backward
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWeights:
+    """The scheduled coefficients of one step (progress p = step / total_steps)."""
+
+    w_ppo: float
+    w_dpo: float
+    w_kl: float
+    lambda_token: float
+    lambda_semantic: float
+    entropy_coef: float
+    reward_kl_coef: float
+
+
+def chunks(n: int, size: int) -> List[List[int]]:
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def response_token_mask(ts: TrainingSequences, response_mask: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` mask of the input positions that hold response tokens (for mean pooling)."""
+    s = ts.input_ids.shape[1]
+    out = torch.zeros_like(ts.input_ids, dtype=torch.float32)
+    return out.scatter_(1, (ts.response_index + 1).clamp(max=s - 1), response_mask.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# forward-only passes (results broadcast from the last pipeline stage to every stage)
+
+
+def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
+                 fn: Callable[[dict, torch.Tensor, Optional[torch.Tensor]], Dict[str, torch.Tensor]],
+                 shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, torch.Tensor]:
+    """Run ``fn(batch, output, hidden)`` on every micro-batch, concatenate along rows.
+
+    Args:
+        shapes: each output's trailing shape (after the row dimension), so stages that are not last
+            can receive the broadcast.
+    """
+    def loss_fn(batch, output, hidden):
+        return output.new_zeros(()), fn(batch, output, hidden)
+
+    with torch.no_grad():
+        results = forward_backward(model, micro_batches, loss_fn, groups, forward_only=True,
+                                   capture_hidden=True)
+    rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
+    out = {}
+    for key, trailing in shapes.items():
+        if groups.is_last_stage:
+            value = torch.cat([r[key] for r in results]).float().contiguous()
+        else:
+            value = torch.empty((rows, *trailing), dtype=torch.float32, device=groups.device)
+        if groups.pipeline_model_parallel_size > 1:
+            comm.broadcast_tensor(value, src=groups.last_stage_global_rank(), group=groups.pp_group)
+        out[key] = value
+    return out
+
+
+def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor, groups: ParallelGroups, *,
+                       micro_batch_size: int, vocab_size: int, temperature: float,
+                       hidden_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Per-response-token log-probs ``[b, r]`` (and the pooled response hidden state ``[b, h]``)."""
+    pool_mask = response_token_mask(ts, response_mask)
+    rows = chunks(ts.input_ids.shape[0], micro_batch_size)
+    mbs = [dict(ts.micro_batch(r), pool_mask=pool_mask[r]) for r in rows]
+    r = ts.response_index.shape[1]
+
+    def fn(batch, logits, hidden):
+        logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size,
+                                        temperature=temperature)  # [b, s]
+        out = {"log_probs": logp.gather(1, batch["response_index"])}  # [b, r]
+        if hidden_size is not None:
+            out["pooled"] = mean_pool(hidden.float(), batch["pool_mask"])  # [b, h]
+        return out
+
+    shapes = {"log_probs": (r,)}
+    if hidden_size is not None:
+        shapes["pooled"] = (hidden_size,)
+    return forward_only(model, mbs, groups, fn, shapes)
+
+
+def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, micro_batch_size: int) -> torch.Tensor:
+    """Critic values ``[b, r]``: the value of the state before each response token (as verl)."""
+    rows = chunks(ts.input_ids.shape[0], micro_batch_size)
+    mbs = [ts.micro_batch(r) for r in rows]
+
+    def fn(batch, values, hidden):
+        return {"values": values[..., 0].gather(1, batch["response_index"])}
+
+    return forward_only(critic, mbs, groups, fn, {"values": (ts.response_index.shape[1],)})["values"]
+
+
+# ---------------------------------------------------------------------------------------------
+# advantages
+
+
+def compute_advantages(batch: RolloutBatch, mask: torch.Tensor, token_scores: torch.Tensor,
+                       algo: AlgorithmConfig, reward_kl_coef: float) -> Tuple[torch.Tensor, torch.Tensor, Dict]:
+    """Token rewards (scores, minus the in-reward KL when configured) -> (advantages, returns) ``[b, r]``."""
+    metrics: Dict[str, float] = {}
+    rewards = token_scores
+    if algo.kl.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_penalty(token_scores, batch.get("old_log_probs"),
+                                               batch.get("ref_log_probs"), mask, reward_kl_coef,
+                                               kind=algo.kl.reward_estimator)
+        metrics.update({f"actor/{k}": float(v) for k, v in kl_metrics.items()})
+    # a row masked out (non-finite reward, filtered) is its own group, so it cannot move a group baseline
+    valid = mask.sum(dim=1) > 0
+    group_ids = torch.where(valid, batch.group_ids, -1 - torch.arange(batch.batch_size))
+    values = batch.extras.get("values")
+    a = algo.advantage
+    advantages, returns = adv_lib.compute_advantages(a.estimator, rewards, mask, values=values,
+                                                     group_ids=group_ids, gamma=a.gamma, lam=a.lam,
+                                                     norm_by_std=a.norm_by_std, epsilon=a.epsilon)
+    return advantages * mask, returns, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# preference pairs
+
+
+def pair_micro_batches(examples, *, micro_batch_size: int, pad_id: int) -> List[dict]:
+    """Preference examples -> micro-batches of ``micro_batch_size`` pairs, chosen rows then rejected rows.
+
+    Each holds ``input_ids``/``position_ids``/``labels`` ``[2m, s]`` and ``label_mask`` ``[2m, s]``
+    (1 where the label is a response token), right-padded.
+    """
+    out = []
+    for rows in chunks(len(examples), micro_batch_size):
+        seqs = [examples[i].chosen_input_ids for i in rows] + [examples[i].rejected_input_ids for i in rows]
+        masks = [examples[i].chosen_response_mask for i in rows] + \
+                [examples[i].rejected_response_mask for i in rows]
+        s = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), s + 1), pad_id, dtype=torch.long)
+        resp = torch.zeros((len(seqs), s + 1), dtype=torch.float32)
+        for i, (seq, m) in enumerate(zip(seqs, masks)):
+            ids[i, :len(seq)] = torch.tensor(seq)
+            resp[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
+        out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:], "label_mask": resp[:, 1:],
+                    "position_ids": torch.arange(s).expand(len(seqs), s)})
+    return out
+
+
+def pair_sequence_log_probs(model, micro_batches: List[dict], groups: ParallelGroups, *,
+                            vocab_size: int) -> torch.Tensor:
+    """Summed response log-probs of every row of ``micro_batches`` (reference side of DPO)."""
+    def fn(batch, logits, hidden):
+        logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size)
+        return {"seq_logp": (logp * batch["label_mask"]).sum(dim=1, keepdim=True)}
+
+    return forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)})["seq_logp"][:, 0]
+
+
+def attach_ref_pair_logps(micro_batches: List[dict], ref_seq_logps: torch.Tensor) -> None:
+    start = 0
+    for mb in micro_batches:
+        n = mb["input_ids"].shape[0]
+        mb["ref_seq_logp"] = ref_seq_logps[start:start + n]
+        start += n
+
+
+# ---------------------------------------------------------------------------------------------
+# the mixed update
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalCounts:
+    """Counts over all DP ranks of one mini-batch (what makes every loss term's weight exact)."""
+
+    tokens: float
+    sequences: float
+    pairs: float
+
+
+def global_counts(rollout_mbs: Sequence[dict], pair_mbs: Sequence[dict], groups: ParallelGroups) -> GlobalCounts:
+    local = torch.tensor([
+        sum(float(mb["mask"].sum()) for mb in rollout_mbs),
+        sum(float((mb["mask"].sum(dim=1) > 0).sum()) for mb in rollout_mbs),
+        sum(mb["input_ids"].shape[0] / 2 for mb in pair_mbs),
+    ], dtype=torch.float64)
+    comm.all_reduce_sum(local, groups.dp_group)
+    tokens, seqs, pairs = local.tolist()
+    return GlobalCounts(tokens=max(tokens, 1.0), sequences=max(seqs, 1.0), pairs=max(pairs, 1.0))
+
+
+def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: GlobalCounts, groups: ParallelGroups,
+                     *, vocab_size: int, temperature: float):
+    """The loss closure of the mixed step; dispatches on ``batch["kind"]`` (``rollout`` or ``pairs``)."""
+    aggregation = Aggregation(mode=algo.ppo.loss_agg_mode, num_global_tokens=counts.tokens,
+                              num_global_seqs=counts.sequences, dp_size=1,
+                              loss_scale_factor=algo.ppo.loss_scale_factor)
+    ppo, dpo = algo.ppo, algo.dpo
+
+    def rollout_loss(batch, logits, hidden):
+        logp_s = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size,
+                                          temperature=temperature)  # [b, s]
+        logp = logp_s.gather(1, batch["response_index"])  # [b, r]
+        mask = batch["mask"]
+        pg, pg_m = policy_loss(batch["old_log_probs"], logp, batch["advantages"], mask, name=ppo.policy_loss,
+                               clip_ratio=ppo.clip_ratio, clip_ratio_low=ppo.clip_ratio_low,
+                               clip_ratio_high=ppo.clip_ratio_high, clip_ratio_c=ppo.clip_ratio_c,
+                               aggregation=aggregation)
+        ent_s = vocab_parallel_entropy(logits, groups.tp_group, vocab_size=vocab_size, temperature=temperature)
+        ent, ent_m = entropy_bonus(ent_s.gather(1, batch["response_index"]), mask, weights.entropy_coef,
+                                   aggregation=aggregation)
+        pooled = mean_pool(hidden.float(), batch["pool_mask"])  # [b, h]
+        hier, hier_m = hierarchical_kl(logp, batch["ref_log_probs"], mask, pooled, batch["ref_pooled"],
+                                       lambda_token=weights.lambda_token,
+                                       lambda_semantic=weights.lambda_semantic, kind=algo.kl.estimator,
+                                       distance=algo.hpa.semantic_distance, aggregation=aggregation)
+        if not algo.kl.use_kl_loss:
+            hier = hier * 0.0
+        total, total_m = hpa_objective(pg + ent, None, hier, w_ppo=weights.w_ppo, w_dpo=weights.w_dpo,
+                                       w_kl=weights.w_kl)
+        metrics = {f"actor/{k}": v for k, v in pg_m.items()}
+        metrics.update({"actor/entropy": ent_m["entropy"], "kl/token": hier_m["token_kl"],
+                        "kl/semantic": hier_m["semantic_distance"], "kl/hier": hier_m["hier_kl"]})
+        return total, metrics
+
+    def pair_loss(batch, logits, hidden):
+        logp_s = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size)
+        seq = (logp_s * batch["label_mask"]).sum(dim=1)  # [2m]
+        m = seq.shape[0] // 2
+        lengths = batch["label_mask"].sum(dim=1)
+        loss, d_m = dpo_loss(seq[:m], seq[m:], batch["ref_seq_logp"][:m], batch["ref_seq_logp"][m:],
+                             beta=dpo.beta, variant=dpo.loss, label_smoothing=dpo.label_smoothing,
+                             chosen_lengths=lengths[:m], rejected_lengths=lengths[m:],
+                             num_global_pairs=counts.pairs, dp_size=1)
+        metrics = {"dpo/loss": d_m["dpo_loss"], "dpo/reward_acc": d_m["dpo_reward_accuracy"],
+                   "dpo/margin": d_m["dpo_reward_margin"], "dpo/chosen_reward": d_m["dpo_chosen_reward"],
+                   "dpo/rejected_reward": d_m["dpo_rejected_reward"]}
+        return weights.w_dpo * loss, metrics
+
+    def loss_fn(batch, logits, hidden):
+        return rollout_loss(batch, logits, hidden) if batch["kind"] == "rollout" else pair_loss(batch, logits, hidden)
+
+    return loss_fn
+
+
+def make_critic_loss(algo: AlgorithmConfig, counts: GlobalCounts):
+    aggregation = Aggregation(mode=algo.ppo.loss_agg_mode, num_global_tokens=counts.tokens,
+                              num_global_seqs=counts.sequences, dp_size=1,
+                              loss_scale_factor=algo.ppo.loss_scale_factor)
+
+    def loss_fn(batch, values, hidden):
+        vpreds = values[..., 0].gather(1, batch["response_index"])  # [b, r]
+        loss, m = value_loss(vpreds, batch["returns"], batch["values"], batch["mask"],
+                             clip_range_value=algo.ppo.value_clip, aggregation=aggregation)
+        return loss, {f"critic/{k}": v for k, v in m.items()}
+
+    return loss_fn
+
+
+# metrics that are a micro-batch's share of a globally normalised loss: summed, not averaged
+SHARE_KEYS = frozenset({"actor/pg_loss", "actor/entropy", "kl/token", "kl/semantic", "kl/hier", "dpo/loss",
+                        "critic/vf_loss"})
+
+
+def step_metrics(records: Sequence[Dict], groups: ParallelGroups) -> Dict[str, float]:
+    """Metrics of one optimizer step from its per-micro-batch records (only the last stage has them).
+
+    Loss shares (``SHARE_KEYS``) are summed over micro-batches and DP ranks, which gives the loss of
+    the whole mini-batch; every other metric is a micro-batch mean, averaged over micro-batches and
+    then over DP ranks.
+    """
+    values: Dict[str, List[float]] = {}
+    for record in records:
+        for k, v in record.items():
+            values.setdefault(k, []).append(float(v))
+    local = {k: (sum(v) if k in SHARE_KEYS else sum(v) / len(v)) for k, v in values.items()}
+    last = groups.last_stage_global_rank()
+    keys = sorted(local)
+    if groups.pipeline_model_parallel_size > 1:
+        keys = comm.broadcast_object(keys, src=last, group=groups.pp_group)
+    vec = torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64)
+    if groups.pipeline_model_parallel_size > 1:
+        comm.broadcast_tensor(vec, src=last, group=groups.pp_group)
+    share = torch.tensor([k in SHARE_KEYS for k in keys])
+    summed = comm.all_reduce_sum(vec.clone(), groups.dp_group)
+    out = torch.where(share, summed, summed / groups.data_parallel_size)
+    return dict(zip(keys, out.tolist()))
+
+
+def average(dicts: Sequence[Dict[str, float]]) -> Dict[str, float]:
+    """Mean over optimizer steps (ppo_epochs × mini-batches)."""
+    keys = sorted({k for d in dicts for k in d})
+    return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}

@@ -1,0 +1,150 @@
+"""One shared reward-model pipeline for tests/reward/test_train_rm.py and test_reward_model.py.
+
+Three spawns in all (imports cost ~10 s per process here), run once per pytest session:
+
+* tp1_pp1_dp1: save a random K=3 initial checkpoint, ``run_train_rm`` from it on the demo task
+  (bootstrap on), then score a fixed batch with ``ModelReward`` (the trained model; the trained model
+  twice as two reward models; a K=1 model) and run ``UncertaintyAwareReward`` on it.
+* tp2_pp1_dp1 and tp1_pp2_dp1: one training step from the same initial checkpoint (its loss must
+  equal TP1's first step) and the same ``ModelReward`` scores of the TP1-trained checkpoint.
+
+The demo task is ``copy`` of one symbol (the model must match the response symbol to the prompt's):
+the full task is beyond a 2-layer, hidden-32 model in the ~80 steps a test can afford.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from multirank import run_ranks
+
+NUM_HEADS = 3
+STEPS = 80
+_CACHE: dict = {}
+
+
+def make_config(root: str, run_dir: str, *, tp: int = 1, pp: int = 1, steps: int = STEPS, num_heads: int = NUM_HEADS,
+                init_path: str | None = None, extra=()):
+    from hpa.config import load_config
+
+    overrides = [
+        f"data.tokenizer_path={root}/tok.model", f"data.prompt_path={root}/prompts.jsonl",
+        f"data.preference_path={root}/preferences.jsonl", f"data.sft_path={root}/sft.jsonl",
+        f"data.eval_prompt_path={root}/eval_prompts.jsonl",
+        "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
+        "model.num_query_groups=2", "model.make_vocab_size_divisible_by=16",
+        f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
+        "parallel.backend=gloo", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
+        "trainer.preference_batch_size=32", "trainer.micro_batch_size=16", "trainer.log_interval=1000",
+        "optim.lr=1e-2", "optim.lr_warmup_fraction=0", "checkpoint.save_interval=0",
+        f"reward.num_heads={num_heads}", "reward.rules=[]", "reward.training.eval_fraction=0.1",
+        *( [f"reward.training.init_path={init_path}"] if init_path else []), *extra]
+    return load_config(None, overrides)
+
+
+def make_data(root: str) -> None:
+    from data_tools.make_demo_task import make_demo_task
+    from data_tools.train_tokenizer import read_corpus, train_sentencepiece
+
+    make_demo_task(root, 1000, seed=0, tasks=("copy",), min_len=1, max_len=1, num_eval_prompts=3)
+    train_sentencepiece(read_corpus(f"{root}/corpus.txt"), f"{root}/tok", vocab_size=128)
+
+
+def scoring_inputs(root: str, num: int = 12):
+    """RewardInputs-like tensors of the first eval pairs: left-padded prompts, right-padded responses
+    (chosen rows first, then rejected)."""
+    from hpa.data import build_tokenizer
+    from hpa.data.collate import pad_left, pad_right
+
+    tok = build_tokenizer("sentencepiece", f"{root}/tok.model")
+    records = [json.loads(line) for line in open(f"{root}/preferences.jsonl")][:num]
+    prompts = [tok.encode(r["prompt"]) for r in records] * 2
+    responses = [tok.encode(r[k]) + [tok.eos_id] for k in ("chosen", "rejected") for r in records]
+    prompt_ids, prompt_mask = pad_left(prompts, tok.pad_id)
+    response_ids, response_mask = pad_right(responses, tok.pad_id)
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+            "response_mask": response_mask, "pad_id": tok.pad_id}
+
+
+def _score(groups, cfg, paths, num_heads, inputs, *, shaped: bool = False):
+    import dataclasses
+
+    from hpa.config.reward import RewardConfig
+    from hpa.reward import RewardInputs, build_reward
+    from hpa.reward.model import ModelReward
+
+    reward_cfg = RewardConfig(model_paths=tuple(paths), num_heads=num_heads)
+    mr = ModelReward.from_config(reward_cfg, cfg.model, cfg.parallel, groups, pad_id=inputs["pad_id"],
+                                 micro_batch_size=5)
+    ri = RewardInputs(response_ids=inputs["response_ids"], response_mask=inputs["response_mask"],
+                      prompt_ids=inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"])
+    out = mr(ri)
+    result = {"rewards": out.rewards.numpy(), "embeddings": None if out.embeddings is None else out.embeddings.numpy()}
+    if shaped:
+        uar = build_reward(dataclasses.replace(reward_cfg), mr)
+        first, second = uar(ri), uar(ri)
+        result["shaped"] = {k: getattr(first, k).numpy() for k in ("rewards", "raw", "sigma", "diversity", "valid")}
+        result["shaped_second_diversity"] = second.diversity.numpy()
+        result["shaped_metrics"] = first.metrics
+    return result
+
+
+def _first_metrics_line(run_dir: str) -> dict:
+    with open(Path(run_dir) / "rm_metrics.jsonl") as f:
+        return json.loads(f.readline())
+
+
+def tp1_worker(groups, root, out):
+    from hpa.models import build_reward as build_reward_model
+    from hpa.reward.model import write_reward_model_info
+    from hpa.reward.train_rm import run_train_rm
+    from hpa.trainer.checkpoint import save_model_weights
+
+    cfg = make_config(root, f"{out}/tp1")
+    torch.manual_seed(0)
+    save_model_weights(build_reward_model(cfg.model, cfg.parallel, groups, num_heads=NUM_HEADS), f"{out}/init", groups)
+    write_reward_model_info(f"{out}/init", num_heads=NUM_HEADS, hidden_size=cfg.model.hidden_size)
+    save_model_weights(build_reward_model(cfg.model, cfg.parallel, groups, num_heads=1), f"{out}/k1", groups)
+
+    cfg = make_config(root, f"{out}/tp1", init_path=f"{out}/init")
+    start = time.time()
+    final = run_train_rm(cfg, groups=groups)
+    train_seconds = time.time() - start
+    trained = f"{out}/tp1/reward_model"
+    inputs = scoring_inputs(root)
+    lines = [json.loads(line) for line in open(f"{out}/tp1/rm_metrics.jsonl")]
+    return {"final": final, "lines": lines, "train_seconds": train_seconds,
+            "score": _score(groups, cfg, [trained], NUM_HEADS, inputs, shaped=True),
+            "score_two_models": _score(groups, cfg, [trained, trained], NUM_HEADS, inputs),
+            "score_k1": _score(groups, cfg, [f"{out}/k1"], 1, inputs)}
+
+
+def layout_worker(groups, root, out, tp, pp):
+    from hpa.reward.train_rm import run_train_rm
+
+    run_dir = f"{out}/tp{tp}_pp{pp}"
+    cfg = make_config(root, run_dir, tp=tp, pp=pp, steps=1, init_path=f"{out}/init")
+    final = run_train_rm(cfg, groups=groups)
+    return {"final": final, "first": _first_metrics_line(run_dir),
+            "score": _score(groups, cfg, [f"{out}/tp1/reward_model"], NUM_HEADS, scoring_inputs(root))}
+
+
+def results() -> dict:
+    """Run the pipeline once per session; returns the per-layout results and the data root."""
+    if not _CACHE:
+        tmp = tempfile.mkdtemp(prefix="hpa_rm_")
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+        root, out = f"{tmp}/data", f"{tmp}/runs"
+        make_data(root)
+        _CACHE["root"], _CACHE["out"] = root, out
+        _CACHE["tp1"] = run_ranks(tp1_worker, args=(root, out))[0]
+        _CACHE["tp2"] = run_ranks(layout_worker, tp=2, args=(root, out, 2, 1))
+        _CACHE["pp2"] = run_ranks(layout_worker, pp=2, args=(root, out, 1, 2))
+    return _CACHE
