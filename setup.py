@@ -21,6 +21,7 @@ setup(
         "psutil>=5.9",
         "safetensors>=0.4",
         "transformers>=4.45",
+        "matplotlib>=3.7",  # hpa report (imported lazily)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.10"],

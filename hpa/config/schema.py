@@ -203,6 +203,25 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """``hpa sft``: supervised fine-tuning on ``data.sft_path`` before HPA.
+
+    The weights go to ``output_dir`` (default ``<trainer.run_dir>/sft``); point
+    ``model.policy_path`` there for ``hpa train``.
+    """
+
+    total_steps: int = 200
+    global_batch_size: int = 32
+    lr: Optional[float] = None
+    output_dir: Optional[str] = None
+
+    def __post_init__(self):
+        _positive(self, "total_steps", "global_batch_size")
+        if self.lr is not None:
+            check_range("lr", self.lr, low=0.0, low_open=True)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Saving and resuming. ``resume`` is ``auto``, ``never`` or a checkpoint path."""
 
@@ -250,6 +269,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -285,9 +305,12 @@ def validate(cfg: Config, world_size: int) -> None:
                           + (f" x virtual stages {vpp}" if vpp > 1 else ""))
     dp = data_parallel_size(cfg.parallel, world_size)
     t = cfg.trainer
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError("trainer.global_batch_size", f"{t.global_batch_size} is not divisible by "
-                          f"trainer.micro_batch_size·DP = {t.micro_batch_size}·{dp}")
+    if t.global_batch_size % dp:
+        raise ConfigError("trainer.global_batch_size", f"{t.global_batch_size} prompts per step are not "
+                          f"divisible by the data-parallel size {dp}")
+    if cfg.sft.global_batch_size % dp:
+        raise ConfigError("sft.global_batch_size", f"{cfg.sft.global_batch_size} is not divisible by the "
+                          f"data-parallel size {dp}")
     if t.preference_batch_size % dp:
         raise ConfigError("trainer.preference_batch_size", f"{t.preference_batch_size} is not divisible "
                           f"by the data-parallel size {dp}")

@@ -25,6 +25,10 @@ Layout of one ``generate`` call (``b = prompts · n`` rows, ``p`` = longest prom
 
 ``use_kv_cache=False`` recomputes the whole sequence every step (same mask, no inference context):
 slow, for checking the cache.
+
+Limits: Transformer Engine attention drops ``attention_mask`` under a causal mask type, so with the
+TE spec prompts of different lengths are refused (use ``model.transformer_impl=local`` or vLLM);
+sequence parallelism is refused (a decode step has one position). The batch comes back on the CPU.
 """
 
 from __future__ import annotations
@@ -133,7 +137,6 @@ class MegatronRolloutEngine(RolloutEngine):
         log_probs = torch.zeros((b, r_max), dtype=torch.float32, device=device)  # [b, r]
         finished = torch.zeros(b, dtype=torch.bool, device=device)
         stopped = torch.zeros(b, dtype=torch.bool, device=device)
-        lengths = torch.zeros(b, dtype=torch.long, device=device)
 
         generator = None
         if not params.greedy:
@@ -159,7 +162,6 @@ class MegatronRolloutEngine(RolloutEngine):
                 tokens[:, end] = new_tokens
                 key_valid[:, end] = active
                 log_probs[:, step] = torch.where(active, new_log_probs, torch.zeros_like(new_log_probs))
-                lengths += active.long()
                 hit_stop = active & torch.isin(new_tokens, stop_tensor)
                 stopped |= hit_stop
                 finished |= hit_stop

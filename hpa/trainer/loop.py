@@ -110,6 +110,8 @@ class HPATrainer:
 
     def train(self) -> Dict[str, float]:
         last: Dict[str, float] = {}
+        if self.cfg.trainer.eval_interval > 0 and self.step == 0:
+            self.metrics.write(0, self.evaluate())  # the starting point of the learning curve
         while self.step < self.cfg.trainer.total_steps:
             start = time.perf_counter()
             last = self.train_step()

@@ -84,7 +84,7 @@ class MetricsWriter:
             self._wandb = None
 
 
-_CONSOLE_KEYS = ("loss/total", "actor/pg_loss", "dpo/loss", "kl/token", "kl/semantic", "reward/shaped_mean",
+_CONSOLE_KEYS = ("sft/nll", "actor/pg_loss", "dpo/loss", "kl/token", "kl/semantic", "reward/shaped_mean",
                  "eval/score", "actor/grad_norm", "timing/step_s")
 
 

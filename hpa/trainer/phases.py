@@ -287,7 +287,8 @@ SHARE_KEYS = frozenset({"actor/pg_loss", "actor/entropy", "kl/token", "kl/semant
                         "critic/vf_loss"})
 
 
-def step_metrics(records: Sequence[Dict], groups: ParallelGroups) -> Dict[str, float]:
+def step_metrics(records: Sequence[Dict], groups: ParallelGroups,
+                 share_keys: frozenset = SHARE_KEYS) -> Dict[str, float]:
     """Metrics of one optimizer step from its per-micro-batch records (only the last stage has them).
 
     Loss shares (``SHARE_KEYS``) are summed over micro-batches and DP ranks, which gives the loss of
@@ -298,7 +299,7 @@ def step_metrics(records: Sequence[Dict], groups: ParallelGroups) -> Dict[str, f
     for record in records:
         for k, v in record.items():
             values.setdefault(k, []).append(float(v))
-    local = {k: (sum(v) if k in SHARE_KEYS else sum(v) / len(v)) for k, v in values.items()}
+    local = {k: (sum(v) if k in share_keys else sum(v) / len(v)) for k, v in values.items()}
     last = groups.last_stage_global_rank()
     keys = sorted(local)
     if groups.pipeline_model_parallel_size > 1:
@@ -306,7 +307,7 @@ def step_metrics(records: Sequence[Dict], groups: ParallelGroups) -> Dict[str, f
     vec = torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64)
     if groups.pipeline_model_parallel_size > 1:
         comm.broadcast_tensor(vec, src=last, group=groups.pp_group)
-    share = torch.tensor([k in SHARE_KEYS for k in keys])
+    share = torch.tensor([k in share_keys for k in keys])
     summed = comm.all_reduce_sum(vec.clone(), groups.dp_group)
     out = torch.where(share, summed, summed / groups.data_parallel_size)
     return dict(zip(keys, out.tolist()))

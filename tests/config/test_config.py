@@ -124,7 +124,7 @@ def test_value_checks_name_the_full_key(cfg_file):
     (["parallel.tensor_model_parallel_size=8", "model.num_query_groups=4"], 8, "model.num_query_groups"),
     (["parallel.pipeline_model_parallel_size=3"], 3, "model.num_layers"),
     (["parallel.tensor_model_parallel_size=2"], 3, "parallel.tensor_model_parallel_size"),
-    (["trainer.global_batch_size=6"], 2, "trainer.global_batch_size"),
+    (["trainer.global_batch_size=7"], 2, "trainer.global_batch_size"),
 ])
 def test_cross_checks(cfg_file, overrides, world, key):
     with pytest.raises(ConfigError) as err:

@@ -253,3 +253,29 @@ def test_tp2_pp2_checkpoint_exports_identically_at_tp1(converted, local_groups, 
     assert got.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_export_writes_sharded_safetensors_that_transformers_loads(converted, local_groups, tmp_path):
+    import transformers
+
+    from hpa.config.schema import ModelConfig, ParallelConfig
+    from hpa.models import build_reference
+    from hpa.models.convert import export_hf_checkpoint
+    from hpa.trainer.checkpoint import load_model_weights
+
+    root, models, _ = converted
+    ckpt = root / "llama_megatron"
+    meta = json.loads((ckpt / "hpa_convert.json").read_text())
+    model_cfg = ModelConfig(**meta["model"])
+    megatron = build_reference(model_cfg, ParallelConfig(), local_groups)
+    load_model_weights(megatron, ckpt, local_groups)
+    out = export_hf_checkpoint(megatron, model_cfg, local_groups, tmp_path / "hf", family="llama",
+                               hf_config_base=meta["hf_config"], max_shard_bytes=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all((out / f).is_file() for f in files)
+    assert not list(out.glob(".part-*"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids()).logits, models["llama"](input_ids()).logits,
+                                   atol=0, rtol=0)

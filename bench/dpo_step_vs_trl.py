@@ -1,0 +1,320 @@
+"""DPO training throughput: hpa's DPO path against TRL's ``DPOTrainer``, on CPU, fp32.
+
+Usage::
+
+    python bench/dpo_step_vs_trl.py [--steps N --warmup W --batch B --seq S --hidden H --layers L
+                                     --vocab V --threads T]
+
+Both sides train the same Llama-style architecture (RMSNorm, SwiGLU, RoPE, untied embeddings; random
+weights, not equal across sides) on the same synthetic preference pairs, in the same order, with the
+same batch (B pairs per optimizer step, one micro-batch), the same number of steps, sigmoid DPO with
+beta 0.1, Adam lr 1e-6, gradient clipping at 1.0, and a reference forward every step (TRL's
+``precompute_ref_log_probs=False``; hpa's trainer always runs its reference forward each step).
+
+- hpa: ``hpa.distributed.initialize`` (TP1/PP1/DP1, gloo, one process), ``build_policy`` /
+  ``build_reference`` from the ``ModelConfig``, megatron DDP + optimizer; one step is what
+  ``HPATrainer.preference_micro_batches`` + ``update_policy`` do with ``w_ppo = w_kl = 0``:
+  ``phases.pair_sequence_log_probs`` (reference), ``phases.make_policy_loss`` through
+  ``forward_backward`` (``capture_hidden=True`` as in the trainer), ``optimizer_step``,
+  ``phases.step_metrics``.
+- TRL: ``DPOTrainer`` with a ``LlamaForCausalLM`` of the same sizes and a local word-level tokenizer
+  (one word per token id, so TRL's tokenisation gives exactly the ids hpa trains on; checked).
+
+Timing: each side runs in its own subprocess with ``torch.set_num_threads(T)`` (and OMP/MKL set to
+T); the first ``--warmup`` steps are excluded. A step is timed from the reference forward to the end
+of the optimizer step (TRL: ``on_step_begin`` to ``on_step_end``); batch collation is outside the
+window on both sides. Tokens per step are counted the same way on both sides: the non-pad tokens of
+the sequences the step trains on, i.e. prompt+chosen plus prompt+rejected for every pair (both
+implementations run the prompt once per sequence); the counts of the two sides are checked equal.
+
+Prints one JSON object: ``{"hpa_tokens_per_s", "trl_tokens_per_s", "ratio" (hpa / trl), "config",
+"torch", "trl", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Tuple
+
+PAD, UNK, EOS = 0, 1, 2  # token ids; words "t3".."t{V-1}" are ids 3..V-1
+BETA, LR, CLIP = 0.1, 1e-6, 1.0
+
+Pair = Tuple[List[int], List[int], List[int]]  # prompt ids, chosen ids (EOS last), rejected ids (EOS last)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=8, help="measured optimizer steps per side")
+    p.add_argument("--warmup", type=int, default=2, help="steps run first and not measured")
+    p.add_argument("--batch", type=int, default=8, help="preference pairs per step (one micro-batch)")
+    p.add_argument("--seq", type=int, default=128, help="longest prompt+response (tokens)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=None, help="default hidden / 64")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--side", choices=("hpa", "trl"), default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.heads is None:
+        args.heads = max(1, args.hidden // 64)
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.seq < 8:
+        p.error("--seq must be at least 8")
+    if args.vocab < 16:
+        p.error("--vocab must be at least 16")
+    return args
+
+
+def model_sizes(args) -> Dict[str, int]:
+    ffn = -(-(8 * args.hidden // 3) // 64) * 64  # Llama's 8/3·h rounded up to a multiple of 64
+    return {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": args.heads,
+            "num_query_groups": args.heads, "ffn_hidden_size": ffn, "vocab_size": args.vocab,
+            "max_sequence_length": args.seq}
+
+
+def make_pairs(args) -> List[Pair]:
+    """``(warmup + steps) · batch`` random pairs; prompt ``[s/4, s/2]``, each response up to the rest."""
+    rng = random.Random(args.seed)
+    s = args.seq
+    word = lambda: rng.randrange(3, args.vocab)  # noqa: E731
+    pairs = []
+    for _ in range((args.warmup + args.steps) * args.batch):
+        p = rng.randint(s // 4, s // 2)
+        prompt = [word() for _ in range(p)]
+        chosen = [word() for _ in range(rng.randint(max(1, s // 8), s - p - 1))] + [EOS]
+        rejected = [word() for _ in range(rng.randint(max(1, s // 8), s - p - 1))] + [EOS]
+        pairs.append((prompt, chosen, rejected))
+    return pairs
+
+
+def pair_tokens(pairs: List[Pair]) -> int:
+    return sum(2 * len(p) + len(c) + len(r) for p, c, r in pairs)
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------- hpa
+
+
+def run_hpa(args) -> Dict:
+    _set_threads(args.threads)
+    import torch
+
+    from hpa.config.algorithm import AlgorithmConfig
+    from hpa.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from hpa.data.preferences import PreferenceExample
+    from hpa.distributed import LaunchEnv, destroy, initialize
+    from hpa.models import build_policy, build_reference
+    from hpa.trainer import phases
+    from hpa.trainer.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
+    from hpa.trainer.step import forward_backward, optimizer_step, zero_grad
+
+    total = args.warmup + args.steps
+    model_cfg = ModelConfig(**model_sizes(args), make_vocab_size_divisible_by=128, params_dtype="float32",
+                            transformer_impl="local")
+    parallel = ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, backend="gloo")
+    optim = OptimConfig(lr=LR, clip_grad=CLIP)
+    algo = AlgorithmConfig()
+    assert algo.dpo.loss == "sigmoid" and algo.dpo.beta == BETA
+    weights = phases.StepWeights(w_ppo=0.0, w_dpo=1.0, w_kl=0.0, lambda_token=0.0, lambda_semantic=0.0,
+                                 entropy_coef=0.0, reward_kl_coef=0.0)
+    groups = initialize(parallel, seed=args.seed, launch=LaunchEnv(
+        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=_free_port(), launcher="single"))
+    try:
+        policy = build_policy(model_cfg, parallel, groups)
+        reference = build_reference(model_cfg, parallel, groups)
+        reference.load_state_dict(policy.state_dict())  # as HPATrainer: the reference is the initial policy
+        policy = wrap_ddp(policy, parallel, groups)
+        opt = build_optimizer(policy, optim, parallel, groups)
+        sched = build_lr_scheduler(opt, optim, total)
+        examples = [PreferenceExample(prompt_ids=p, chosen_ids=c, rejected_ids=r) for p, c, r in make_pairs(args)]
+        times, tokens = [], []
+        for step in range(total):
+            batch = examples[step * args.batch:(step + 1) * args.batch]
+            mbs = phases.pair_micro_batches(batch, micro_batch_size=args.batch, pad_id=PAD)  # collation
+            start = time.perf_counter()
+            ref = phases.pair_sequence_log_probs(reference, mbs, groups, vocab_size=model_cfg.vocab_size)
+            phases.attach_ref_pair_logps(mbs, ref)
+            for mb in mbs:
+                mb["kind"] = "pairs"
+            counts = phases.global_counts([], mbs, groups)
+            loss_fn = phases.make_policy_loss(algo, weights, counts, groups, vocab_size=model_cfg.vocab_size,
+                                              temperature=1.0)
+            zero_grad(policy, opt)
+            records = forward_backward(policy, mbs, loss_fn, groups, capture_hidden=True)
+            optimizer_step(opt, sched)
+            metrics = phases.step_metrics(records, groups)
+            times.append(time.perf_counter() - start)
+            # non-pad tokens of prompt+chosen and prompt+rejected, as TRL's attention_mask counts them
+            tokens.append(sum(len(e.chosen_input_ids) + len(e.rejected_input_ids) for e in batch))
+        return {"times": times, "tokens": tokens, "last_loss": metrics.get("dpo/loss"),
+                "torch_threads": torch.get_num_threads()}
+    finally:
+        destroy()
+
+
+# ---------------------------------------------------------------------------------------------- trl
+
+
+def _tokenizer(vocab_size: int, out_dir: str):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<unk>": UNK, "</s>": EOS, **{f"t{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>")
+    fast.save_pretrained(out_dir)
+    return PreTrainedTokenizerFast.from_pretrained(out_dir)
+
+
+def _text(ids: List[int]) -> str:
+    return " ".join("</s>" if i == EOS else f"t{i}" for i in ids)
+
+
+def run_trl(args) -> Dict:
+    _set_threads(args.threads)
+    import copy
+
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    sizes = model_sizes(args)
+    pairs = make_pairs(args)
+    total = args.warmup + args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = _tokenizer(args.vocab, os.path.join(tmp, "tokenizer"))
+        # the response strings start with a space: TRL tokenises prompt + chosen as one string
+        data = Dataset.from_list([{"prompt": _text(p), "chosen": " " + _text(c), "rejected": " " + _text(r)}
+                                  for p, c, r in pairs])
+        config = LlamaConfig(vocab_size=sizes["vocab_size"], hidden_size=sizes["hidden_size"],
+                             intermediate_size=sizes["ffn_hidden_size"], num_hidden_layers=sizes["num_layers"],
+                             num_attention_heads=sizes["num_attention_heads"],
+                             num_key_value_heads=sizes["num_query_groups"],
+                             max_position_embeddings=sizes["max_sequence_length"], rms_norm_eps=1e-5,
+                             rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
+                             pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+        model = LlamaForCausalLM(config).float()
+        ref_model = copy.deepcopy(model)
+        dpo_args = DPOConfig(
+            output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=args.batch,
+            gradient_accumulation_steps=1, max_steps=total, learning_rate=LR, lr_scheduler_type="constant",
+            weight_decay=0.0, max_grad_norm=CLIP, beta=BETA, loss_type=["sigmoid"],
+            precompute_ref_log_probs=False, max_length=None, bf16=False, fp16=False,
+            gradient_checkpointing=False, use_cpu=True, report_to=[], save_strategy="no", eval_strategy="no",
+            logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,
+            train_sampling_strategy="sequential")
+        times: List[float] = []
+        tokens: List[int] = []
+
+        class Timer(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                self.start = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                times.append(time.perf_counter() - self.start)
+
+        trainer = DPOTrainer(model=model, ref_model=ref_model, args=dpo_args, train_dataset=data,
+                             processing_class=tokenizer, callbacks=[Timer()])
+        # TRL's tokenisation must give exactly the ids hpa trains on
+        ds = trainer.train_dataset
+        for i in (0, len(ds) - 1):
+            got = (ds[i]["prompt_ids"], ds[i]["chosen_ids"], ds[i]["rejected_ids"])
+            if tuple(map(list, got)) != pairs[i]:
+                raise RuntimeError(f"TRL tokenised pair {i} differently from the hpa side: {got} vs {pairs[i]}")
+        collate = trainer.data_collator
+
+        def counting_collator(examples):
+            batch = collate(examples)
+            tokens.append(int(batch["attention_mask"].sum()))
+            return batch
+
+        trainer.data_collator = counting_collator
+        trainer.train()
+        return {"times": times, "tokens": tokens[:len(times)], "torch_threads": torch.get_num_threads(),
+                "attn_implementation": model.config._attn_implementation}
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def _side(args, side: str) -> Dict:
+    argv = [sys.executable, os.path.abspath(__file__), "--side", side]
+    for key in ("steps", "warmup", "batch", "seq", "hidden", "layers", "heads", "vocab", "threads", "seed"):
+        argv += [f"--{key}", str(getattr(args, key))]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               WANDB_DISABLED="true", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {side} side failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _throughput(result: Dict, warmup: int) -> Tuple[float, int, float]:
+    times, tokens = result["times"][warmup:], result["tokens"][warmup:]
+    return sum(tokens) / sum(times), sum(tokens), statistics.median(times)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.side is not None:
+        result = run_hpa(args) if args.side == "hpa" else run_trl(args)
+        print(json.dumps(result))
+        return 0
+    import torch
+    import trl
+
+    hpa_result, trl_result = _side(args, "hpa"), _side(args, "trl")
+    total = args.warmup + args.steps
+    for name, r in (("hpa", hpa_result), ("trl", trl_result)):
+        if len(r["times"]) != total:
+            raise RuntimeError(f"the {name} side ran {len(r['times'])} steps, expected {total}")
+    if hpa_result["tokens"] != trl_result["tokens"]:
+        raise RuntimeError(f"token counts differ: hpa {hpa_result['tokens']} vs trl {trl_result['tokens']}")
+    hpa_tps, tokens, hpa_med = _throughput(hpa_result, args.warmup)
+    trl_tps, _, trl_med = _throughput(trl_result, args.warmup)
+    out = {
+        "hpa_tokens_per_s": round(hpa_tps, 1),
+        "trl_tokens_per_s": round(trl_tps, 1),
+        "ratio": round(hpa_tps / trl_tps, 3),
+        "config": {**model_sizes(args), "batch_pairs": args.batch, "max_seq": args.seq, "steps": args.steps,
+                   "warmup_steps": args.warmup, "threads": args.threads, "dtype": "float32", "device": "cpu",
+                   "dpo": f"sigmoid beta={BETA}", "ref_forward_every_step": True,
+                   "measured_tokens": tokens, "cpu_count": os.cpu_count(),
+                   "trl_attn_implementation": trl_result.get("attn_implementation")},
+        "step_s_median": {"hpa": round(hpa_med, 4), "trl": round(trl_med, 4)},
+        "torch": torch.__version__,
+        "trl": trl.__version__,
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""``hpa sft``: supervised fine-tuning (NLL on response tokens) through the same machinery as HPA."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from hpa.config import write_resolved
+from hpa.config.schema import Config, OptimConfig
+from hpa.data.preferences import SFTDataset
+from hpa.data.sampler import DistributedBatchSampler
+from hpa.data.tokenizer import build_tokenizer
+from hpa.distributed.groups import ParallelGroups
+from hpa.models import build_policy
+from hpa.ops.vocab_parallel import vocab_parallel_log_probs
+from hpa.trainer import phases
+from hpa.trainer.checkpoint import load_model_weights, save_model_weights
+from hpa.trainer.metrics import MetricsWriter
+from hpa.trainer.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
+from hpa.trainer.step import forward_backward, optimizer_step, zero_grad
+
+logger = logging.getLogger("hpa")
+
+
+def sft_micro_batches(examples, *, micro_batch_size: int, pad_id: int) -> List[dict]:
+    """Right-padded ``input_ids``/``labels``/``label_mask`` ``[m, s]`` micro-batches."""
+    out = []
+    for rows in phases.chunks(len(examples), micro_batch_size):
+        seqs = [examples[i].input_ids for i in rows]
+        masks = [examples[i].response_mask for i in rows]
+        s = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), s + 1), pad_id, dtype=torch.long)
+        resp = torch.zeros((len(seqs), s + 1))
+        for i, (seq, m) in enumerate(zip(seqs, masks)):
+            ids[i, :len(seq)] = torch.tensor(seq)
+            resp[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
+        out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:], "label_mask": resp[:, 1:],
+                    "position_ids": torch.arange(s).expand(len(seqs), s)})
+    return out
+
+
+def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
+    """Train the policy with token-mean NLL over response tokens; save to ``sft.output_dir``."""
+    run_dir = Path(cfg.trainer.run_dir)
+    out_dir = Path(cfg.sft.output_dir or run_dir / "sft")
+    if groups.is_main:
+        write_resolved(cfg, run_dir)
+    tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path)
+    data = SFTDataset.from_config(cfg.data, tokenizer, rejects_dir=cfg.data.rejects_dir or str(run_dir / "rejects"))
+    sampler = DistributedBatchSampler(len(data), global_batch_size=cfg.sft.global_batch_size, dp_rank=groups.dp_rank,
+                                      dp_size=groups.data_parallel_size, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+    model = build_policy(cfg.model, cfg.parallel, groups)
+    if cfg.model.policy_path:
+        load_model_weights(model, cfg.model.policy_path, groups)
+    ddp = wrap_ddp(model, cfg.parallel, groups)
+    optim: OptimConfig = cfg.optim if cfg.sft.lr is None else \
+        type(cfg.optim)(**{**cfg.optim.__dict__, "lr": cfg.sft.lr, "min_lr": min(cfg.optim.min_lr, cfg.sft.lr)})
+    opt = build_optimizer(ddp, optim, cfg.parallel, groups)
+    sched = build_lr_scheduler(opt, optim, cfg.sft.total_steps)
+    writer = MetricsWriter(run_dir / "sft_logs", cfg.logging, is_main=groups.is_main)
+    vocab = cfg.model.vocab_size
+    metrics: Dict[str, float] = {}
+    for step in range(1, cfg.sft.total_steps + 1):
+        examples = [data[i] for i in sampler.next_batch()]
+        mbs = sft_micro_batches(examples, micro_batch_size=cfg.trainer.micro_batch_size, pad_id=tokenizer.pad_id)
+        counts = phases.global_counts([{"mask": mb["label_mask"]} for mb in mbs], [], groups)
+
+        def nll(batch, logits, hidden):
+            logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab)
+            token_nll = -(logp * batch["label_mask"])
+            share = token_nll.sum() / counts.tokens
+            return share, {"sft/nll": share.detach()}
+
+        zero_grad(ddp, opt)
+        records = forward_backward(ddp, mbs, nll, groups)
+        _, grad_norm = optimizer_step(opt, sched)
+        metrics = phases.step_metrics(records, groups, share_keys=frozenset({"sft/nll"}))
+        metrics["sft/grad_norm"] = grad_norm
+        writer.write(step, metrics)
+    writer.close()
+    save_model_weights(ddp, out_dir, groups)
+    logger.info("sft: saved the policy to %s", out_dir)
+    return metrics
