@@ -20,9 +20,11 @@ beta 0.1, Adam lr 1e-6, gradient clipping at 1.0, and a reference forward every 
 - TRL: ``DPOTrainer`` with a ``LlamaForCausalLM`` of the same sizes and a local word-level tokenizer
   (one word per token id, so TRL's tokenisation gives exactly the ids hpa trains on; checked).
 
-Timing: each side runs in its own subprocess with ``torch.set_num_threads(T)`` (and OMP/MKL set to
-T); the first ``--warmup`` steps are excluded. A step is timed from the reference forward to the end
-of the optimizer step (TRL: ``on_step_begin`` to ``on_step_end``); batch collation is outside the
+Timing: each side runs in its own spawned process with ``torch.set_num_threads(T)`` (and OMP/MKL set
+to T); the two processes take turns, one step at a time (hpa then TRL, the order swapped every step),
+so background load on a shared machine hits both alike and they never compete for the cores. The
+first ``--warmup`` steps are excluded. A step is timed from the reference forward to the end of the
+optimizer step (TRL: ``on_step_begin`` to ``on_step_end``); batch collation is outside the
 window on both sides. Tokens per step are counted the same way on both sides: the non-pad tokens of
 the sequences the step trains on, i.e. prompt+chosen plus prompt+rejected for every pair (both
 implementations run the prompt once per sequence); the counts of the two sides are checked equal.
@@ -39,7 +41,6 @@ import os
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +64,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--side", choices=("hpa", "trl"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.heads is None:
         args.heads = max(1, args.hidden // 64)
@@ -118,7 +118,7 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------------------------------- hpa
 
 
-def run_hpa(args) -> Dict:
+def run_hpa(args, turn: "Turn") -> Dict:
     _set_threads(args.threads)
     import torch
 
@@ -154,6 +154,7 @@ def run_hpa(args) -> Dict:
         for step in range(total):
             batch = examples[step * args.batch:(step + 1) * args.batch]
             mbs = phases.pair_micro_batches(batch, micro_batch_size=args.batch, pad_id=PAD)  # collation
+            turn.begin()
             start = time.perf_counter()
             ref = phases.pair_sequence_log_probs(reference, mbs, groups, vocab_size=model_cfg.vocab_size)
             phases.attach_ref_pair_logps(mbs, ref)
@@ -167,6 +168,7 @@ def run_hpa(args) -> Dict:
             optimizer_step(opt, sched)
             metrics = phases.step_metrics(records, groups)
             times.append(time.perf_counter() - start)
+            turn.end()
             # non-pad tokens of prompt+chosen and prompt+rejected, as TRL's attention_mask counts them
             tokens.append(sum(len(e.chosen_input_ids) + len(e.rejected_input_ids) for e in batch))
         return {"times": times, "tokens": tokens, "last_loss": metrics.get("dpo/loss"),
@@ -196,7 +198,7 @@ def _text(ids: List[int]) -> str:
     return " ".join("</s>" if i == EOS else f"t{i}" for i in ids)
 
 
-def run_trl(args) -> Dict:
+def run_trl(args, turn: "Turn") -> Dict:
     _set_threads(args.threads)
     import copy
 
@@ -235,10 +237,12 @@ def run_trl(args) -> Dict:
 
         class Timer(TrainerCallback):
             def on_step_begin(self, *a, **k):
+                turn.begin()
                 self.start = time.perf_counter()
 
             def on_step_end(self, *a, **k):
                 times.append(time.perf_counter() - self.start)
+                turn.end()
 
         trainer = DPOTrainer(model=model, ref_model=ref_model, args=dpo_args, train_dataset=data,
                              processing_class=tokenizer, callbacks=[Timer()])
@@ -264,16 +268,77 @@ def run_trl(args) -> Dict:
 # ---------------------------------------------------------------------------------------------- driver
 
 
-def _side(args, side: str) -> Dict:
-    argv = [sys.executable, os.path.abspath(__file__), "--side", side]
-    for key in ("steps", "warmup", "batch", "seq", "hidden", "layers", "heads", "vocab", "threads", "seed"):
-        argv += [f"--{key}", str(getattr(args, key))]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               WANDB_DISABLED="true", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {side} side failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class Turn:
+    """Lock-step between the two sides: a side runs a step only when the driver says so, so both
+    see the same background load (this bench is meant for shared 2-core machines)."""
+
+    def __init__(self, go, done):
+        self.go, self.done = go, done
+
+    def begin(self) -> None:
+        self.go.wait()
+        self.go.clear()
+
+    def end(self) -> None:
+        self.done.set()
+
+
+def _child(side: str, argv: List[str], go, done, results) -> None:
+    sys.stdout = sys.stderr  # TRL prints its train summary; the driver's JSON is the only stdout
+    args = parse_args(argv)
+    try:
+        result = (run_hpa if side == "hpa" else run_trl)(args, Turn(go, done))
+        results.put((side, "ok", result))
+    except BaseException:
+        import traceback
+
+        results.put((side, "error", traceback.format_exc()))
+        done.set()
+
+
+def run_both(args, argv: List[str]) -> Dict[str, Dict]:
+    """Both sides in their own spawned process; steps alternate hpa/trl (order swapped every step)."""
+    import multiprocessing as mp
+
+    os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+                      WANDB_DISABLED="true", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+                      TOKENIZERS_PARALLELISM="false")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    events = {side: (ctx.Event(), ctx.Event()) for side in ("hpa", "trl")}
+    procs = {side: ctx.Process(target=_child, args=(side, argv, *events[side], results), daemon=True)
+             for side in events}
+    for p in procs.values():
+        p.start()
+    out: Dict[str, Dict] = {}
+
+    def collect(block: bool) -> None:
+        while not results.empty() or block:
+            side, status, value = results.get(timeout=600)
+            if status != "ok":
+                raise RuntimeError(f"the {side} side failed:\n{value}")
+            out[side] = value
+            block = False
+
+    try:
+        for step in range(args.warmup + args.steps):
+            for side in (("hpa", "trl") if step % 2 == 0 else ("trl", "hpa")):
+                go, done = events[side]
+                go.set()
+                while not done.wait(timeout=5):
+                    if not procs[side].is_alive():
+                        collect(block=False)
+                        raise RuntimeError(f"the {side} side exited (code {procs[side].exitcode}) at step {step}")
+                done.clear()
+                collect(block=False)
+        while len(out) < 2:
+            collect(block=True)
+    finally:
+        for p in procs.values():
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    return out
 
 
 def _throughput(result: Dict, warmup: int) -> Tuple[float, int, float]:
@@ -282,15 +347,13 @@ def _throughput(result: Dict, warmup: int) -> Tuple[float, int, float]:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.side is not None:
-        result = run_hpa(args) if args.side == "hpa" else run_trl(args)
-        print(json.dumps(result))
-        return 0
     import torch
     import trl
 
-    hpa_result, trl_result = _side(args, "hpa"), _side(args, "trl")
+    both = run_both(args, argv)
+    hpa_result, trl_result = both["hpa"], both["trl"]
     total = args.warmup + args.steps
     for name, r in (("hpa", hpa_result), ("trl", trl_result)):
         if len(r["times"]) != total:

@@ -90,7 +90,8 @@ def _pool(task: str, min_len: int, max_len: int) -> List[Tuple[str, ...]]:
 
 
 def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_eval_prompts: int = 64,
-                   tasks: Sequence[str] = TASKS, min_len: int = 2, max_len: int = 3) -> Dict[str, int]:
+                   tasks: Sequence[str] = TASKS, min_len: int = 2, max_len: int = 3,
+                   flip_fraction: float = 0.12, num_sft: Optional[int] = None) -> Dict[str, int]:
     """Write the demo task files to ``out_dir`` and return counts per file.
 
     Args:
@@ -98,7 +99,14 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
         num_eval_prompts: held-out prompts, split evenly over the tasks.
         tasks: any of ``add``, ``copy``, ``reverse``.
         min_len, max_len: symbols per ``copy``/``reverse`` prompt.
+        flip_fraction: share of preference pairs whose labels are swapped (chosen is the corruption),
+            the noise DPO must survive; ~12% is typical of human preference data. The flipped pairs
+            are marked ``"flipped": true`` so the noise is known.
+        num_sft: SFT examples (the first ones of the training prompts); default all of them. A small
+            SFT set leaves the policy room to improve during HPA.
     """
+    if not 0.0 <= flip_fraction < 0.5:
+        raise ValueError(f"flip_fraction must be in [0, 0.5), got {flip_fraction}")
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
         raise ValueError(f"tasks must be a non-empty subset of {TASKS}, got {list(tasks)}")
@@ -128,12 +136,16 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
                                     "sft.jsonl": []}
     for task, args in eval_items:
         files["eval_prompts.jsonl"].append({"prompt": _prompt(task, args), "ground_truth": _answer(task, args)})
-    for task, args in train_items:
+    for i, (task, args) in enumerate(train_items):
         prompt, answer = _prompt(task, args), _answer(task, args)
         files["prompts.jsonl"].append({"prompt": prompt, "ground_truth": answer})
-        files["sft.jsonl"].append({"prompt": prompt, "response": answer})
-        files["preferences.jsonl"].append({"prompt": prompt, "chosen": answer,
-                                           "rejected": _corrupt(task, args, answer, rng)})
+        if num_sft is None or i < num_sft:
+            files["sft.jsonl"].append({"prompt": prompt, "response": answer})
+        good, bad = answer, _corrupt(task, args, answer, rng)
+        flipped = rng.random() < flip_fraction
+        if flipped:
+            good, bad = bad, good
+        files["preferences.jsonl"].append({"prompt": prompt, "chosen": good, "rejected": bad, "flipped": flipped})
     counts = {}
     for name, records in files.items():
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
@@ -157,9 +169,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument("--min-len", type=int, default=2)
     parser.add_argument("--max-len", type=int, default=3)
+    parser.add_argument("--flip-fraction", type=float, default=0.12)
+    parser.add_argument("--num-sft", type=int, default=None)
     args = parser.parse_args(argv)
     counts = make_demo_task(args.out_dir, args.num_prompts, args.seed, num_eval_prompts=args.num_eval_prompts,
-                            tasks=args.tasks, min_len=args.min_len, max_len=args.max_len)
+                            tasks=args.tasks, min_len=args.min_len, max_len=args.max_len,
+                            flip_fraction=args.flip_fraction, num_sft=args.num_sft)
     print(json.dumps(counts, indent=2))
 
 

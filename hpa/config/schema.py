@@ -193,6 +193,7 @@ class TrainerConfig:
     ppo_max_token_len_per_rank: Optional[int] = None
     eval_interval: int = 0
     log_interval: int = 1
+    peak_tflops_per_device: Optional[float] = None
 
     def __post_init__(self):
         _positive(self, "total_steps", "global_batch_size", "micro_batch_size", "preference_batch_size",

@@ -82,8 +82,18 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
         return LaunchEnv(rank=_int_env(env, "SLURM_PROCID"), world_size=_int_env(env, "SLURM_NTASKS"),
                          local_rank=_int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
                          master_addr=addr, master_port=port, launcher="slurm")
-    return LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                     master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)), launcher="single")
+    # one process: any free local port will do, so several single-process jobs can share a machine
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else _free_port()
+    return LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=port,
+                     launcher="single")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def choose_backend(requested: str) -> str:

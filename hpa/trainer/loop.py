@@ -7,10 +7,9 @@ controller → metrics → evaluation → checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -59,6 +58,9 @@ class HPATrainer:
         self.reward = build_reward(cfg.reward)
         self.metrics = MetricsWriter(self.run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg))
         self.step = 0
+        self.timings: Dict[str, float] = {}
+        self.num_params = sum(p.numel() for p in self.policy.parameters()) * groups.tensor_model_parallel_size \
+            * groups.pipeline_model_parallel_size  # approximate: replicated norms are counted TP times
 
     # ----------------------------------------------------------------------------------- setup
 
@@ -108,14 +110,27 @@ class HPATrainer:
 
     # ------------------------------------------------------------------------------------ loop
 
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        """Adds the block's wall time to ``timing_s/<name>`` of the current step."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing_s/{name}"
+            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
+
     def train(self) -> Dict[str, float]:
         last: Dict[str, float] = {}
         if self.cfg.trainer.eval_interval > 0 and self.step == 0:
             self.metrics.write(0, self.evaluate())  # the starting point of the learning curve
         while self.step < self.cfg.trainer.total_steps:
-            start = time.perf_counter()
-            last = self.train_step()
-            last["timing/step_s"] = time.perf_counter() - start
+            self.timings = {}
+            with self.timer("step"):
+                last = self.train_step()
+            last.update(comm.reduce_metrics(self.timings, self.groups.dp_group, op="max"))
+            last["perf/throughput"] = last.pop("_tokens") / last["timing_s/step"]
+            last["perf/mfu"] = self._mfu(last)
             self.step += 1
             if self._due(self.cfg.trainer.eval_interval):
                 last.update(self.evaluate())
@@ -129,24 +144,31 @@ class HPATrainer:
     def train_step(self) -> Dict[str, float]:
         weights = self.step_weights()
         examples = [self.prompts[i] for i in self.prompt_sampler.next_batch()]
-        batch = self.rollout(examples)
+        with self.timer("rollout"):
+            batch = self.rollout(examples)
         ts = batch.training_sequences()
         metrics = self.reference_and_old_policy(batch, ts)
-        token_scores, mask, reward_metrics = self.score(batch, examples)
+        with self.timer("reward"):
+            token_scores, mask, reward_metrics = self.score(batch, examples)
         metrics.update(reward_metrics)
         if self.critic is not None:
-            batch.set("values", phases.sequence_values(self.critic, ts, self.groups,
-                                                       micro_batch_size=self.mbs))
+            with self.timer("values"):
+                batch.set("values", phases.sequence_values(self.critic, ts, self.groups, micro_batch_size=self.mbs))
         advantages, returns, adv_metrics = phases.compute_advantages(
             batch, mask, token_scores, self.cfg.algorithm, weights.reward_kl_coef)
         batch.set("advantages", advantages).set("returns", returns)
         metrics.update(adv_metrics)
-        pairs = self.preference_micro_batches()
-        metrics.update(self.update_policy(batch, ts, mask, pairs, weights))
+        with self.timer("reference"):
+            pairs = self.preference_micro_batches()
+        with self.timer("update_actor"):
+            metrics.update(self.update_policy(batch, ts, mask, pairs, weights))
         if self.critic is not None:
-            metrics.update(self.update_critic(batch, ts, mask))
+            with self.timer("update_critic"):
+                metrics.update(self.update_critic(batch, ts, mask))
         metrics.update(self.update_kl_controller(batch, mask, weights))
         metrics.update(self.weight_metrics(weights))
+        metrics.update(self.length_metrics(batch))
+        metrics.update(self.perf_metrics(batch, pairs))
         return metrics
 
     # ---------------------------------------------------------------------------------- phases
@@ -202,8 +224,6 @@ class HPATrainer:
         mask = batch.response_mask * keep[:, None].float()
         metrics = {k: float(v) for k, v in shaped.metrics.items()}
         metrics["reward/kept_fraction"] = float(keep.float().mean())
-        metrics["response/length_mean"] = float(batch.response_lengths.float().mean())
-        metrics["reward/score_mean"] = float(shaped.raw.mean()) if hasattr(shaped, "raw") else 0.0
         metrics = comm.reduce_metrics(metrics, self.groups.dp_group)
         return shaped.token_level_scores, mask, metrics
 
@@ -212,8 +232,10 @@ class HPATrainer:
         m = self.cfg.model
         kw = dict(micro_batch_size=self.mbs, vocab_size=m.vocab_size, temperature=self.temperature,
                   hidden_size=m.hidden_size)
-        ref = phases.sequence_log_probs(self.reference, ts, batch.response_mask, self.groups, **kw)
-        old = phases.sequence_log_probs(self.policy, ts, batch.response_mask, self.groups, **kw)
+        with self.timer("reference"):
+            ref = phases.sequence_log_probs(self.reference, ts, batch.response_mask, self.groups, **kw)
+        with self.timer("old_logprob"):
+            old = phases.sequence_log_probs(self.policy, ts, batch.response_mask, self.groups, **kw)
         batch.set("ref_log_probs", ref["log_probs"]).set("ref_pooled", ref["pooled"])
         batch.set("old_log_probs", old["log_probs"]).set("old_pooled", old["pooled"])
         diff = logprob_consistency(batch.log_probs, old["log_probs"], batch.response_mask)
@@ -297,6 +319,37 @@ class HPATrainer:
     def weight_metrics(w: phases.StepWeights) -> Dict[str, float]:
         return {"hpa/w_ppo": w.w_ppo, "hpa/w_dpo": w.w_dpo, "hpa/w_kl": w.w_kl,
                 "hpa/lambda_token": w.lambda_token, "hpa/lambda_semantic": w.lambda_semantic}
+
+    def length_metrics(self, batch: RolloutBatch) -> Dict[str, float]:
+        """Response lengths over the global batch (mean weighted by responses, max as max)."""
+        lengths = batch.response_lengths.double()
+        g = self.groups.dp_group
+        total = comm.all_reduce_sum(torch.stack([lengths.sum(), torch.tensor(float(len(lengths))),
+                                                 (lengths >= self.cfg.rollout.max_new_tokens).double().sum()]), g)
+        longest = comm.all_reduce_max(lengths.max().reshape(1), g)
+        return {"response_length/mean": (total[0] / total[1]).item(), "response_length/max": longest.item(),
+                "response_length/clip_ratio": (total[2] / total[1]).item()}
+
+    def perf_metrics(self, batch: RolloutBatch, pairs: List[dict]) -> Dict[str, float]:
+        """Tokens this rank trained on (for ``perf/throughput``) and the peak memory."""
+        tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum())
+        tokens += sum(float((mb["input_ids"] != self.tokenizer.pad_id).sum()) for mb in pairs)
+        if torch.cuda.is_available():
+            peak = torch.cuda.max_memory_allocated() / 2**30
+        else:
+            import resource
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+        return {"_tokens": tokens * self.cfg.trainer.ppo_epochs, "perf/max_memory_gb": peak}
+
+    def _mfu(self, metrics: Dict[str, float]) -> float:
+        """Model FLOPs utilisation: 6·N·tokens per second per device over the declared peak."""
+        peak = self.cfg.trainer.peak_tflops_per_device
+        if not peak:
+            return float("nan")  # unknown peak (e.g. CPU): reported as NaN, not as a made-up figure
+        per_device = 6.0 * self.num_params * metrics["perf/throughput"] / (self.groups.tensor_model_parallel_size
+                                                                          * self.groups.pipeline_model_parallel_size)
+        return per_device / (peak * 1e12)
 
     # ------------------------------------------------------------------------------ evaluation
 

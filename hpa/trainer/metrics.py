@@ -85,7 +85,7 @@ class MetricsWriter:
 
 
 _CONSOLE_KEYS = ("sft/nll", "actor/pg_loss", "dpo/loss", "kl/token", "kl/semantic", "reward/shaped_mean",
-                 "eval/score", "actor/grad_norm", "timing/step_s")
+                 "eval/score", "actor/grad_norm", "timing_s/step")
 
 
 def _fmt(v) -> str:

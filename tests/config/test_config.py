@@ -158,7 +158,7 @@ def test_relative_data_paths_resolve_against_config_dir(tmp_path):
 
 def test_embedded_default_loads():
     cfg = load_config(None, world_size=1)
-    assert cfg.trainer.run_dir == "runs/tiny_cpu"
+    assert cfg.trainer.run_dir == "runs/demo"
     assert cfg.model.params_dtype == "float32"
 
 

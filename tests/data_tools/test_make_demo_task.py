@@ -29,9 +29,12 @@ def test_records_are_consistent_and_rewarded(tmp_path):
     prompts, prefs, sft = (read(tmp_path / n) for n in ("prompts.jsonl", "preferences.jsonl", "sft.jsonl"))
     for p, q, s in zip(prompts, prefs, sft):
         assert p["prompt"] == q["prompt"] == s["prompt"]
-        assert demo_exact_match(q["chosen"], p["ground_truth"]) == 1.0
+        good, bad = (q["rejected"], q["chosen"]) if q["flipped"] else (q["chosen"], q["rejected"])
+        assert demo_exact_match(good, p["ground_truth"]) == 1.0
         assert demo_exact_match(s["response"], p["ground_truth"]) == 1.0
-        assert demo_exact_match(q["rejected"], p["ground_truth"]) == 0.0
+        assert demo_exact_match(bad, p["ground_truth"]) == 0.0
+    flipped = sum(q["flipped"] for q in prefs) / len(prefs)
+    assert 0.07 < flipped < 0.17  # the default 12% label noise
     tasks = {p["prompt"].split()[0] for p in prompts}
     assert tasks == {"add", "copy", "reverse"}
     rev = next(p for p in prompts if p["prompt"].startswith("reverse"))
@@ -63,3 +66,9 @@ def test_short_responses_with_a_tiny_tokenizer(tmp_path):
     assert len(prompts) == 64 and prompts.stats["num_truncated"] == 0
     for ex in prompts:
         assert tok.decode(tok.encode(ex.ground_truth)) == ex.ground_truth  # no unknown pieces
+
+
+def test_no_noise_and_small_sft_set(tmp_path):
+    counts = make_demo_task(str(tmp_path), 200, seed=1, num_eval_prompts=12, flip_fraction=0.0, num_sft=50)
+    assert counts["sft.jsonl"] == 50 and counts["preferences.jsonl"] == 200
+    assert not any(q["flipped"] for q in read(tmp_path / "preferences.jsonl"))

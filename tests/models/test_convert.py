@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from multirank import free_port, layout_id, run_ranks
+from multirank import free_port, run_ranks
 
 VOCAB = 70  # pads to 80 at TP1 and 96 at TP2 (divisible by 16 · TP)
 DIVISIBLE_BY = 16

@@ -79,13 +79,13 @@ def test_single_head_has_zero_sigma(runs):
 def test_plugs_into_uncertainty_aware_reward(runs):
     from hpa.reward import ensemble_mean_std
 
-    shaped, raw = runs["tp1"]["shaped"], torch.as_tensor(runs["tp1"]["score"]["rewards"])
+    shaped, raw = runs["tp1"]["score"]["shaped"], torch.as_tensor(runs["tp1"]["score"]["rewards"])
     mean, sigma = ensemble_mean_std(raw)
     assert shaped["valid"].all()
     np.testing.assert_allclose(shaped["raw"], mean.numpy(), atol=ATOL)
     np.testing.assert_allclose(shaped["sigma"], sigma.numpy(), atol=ATOL)
     assert (shaped["sigma"] > 0).all()
     assert (shaped["diversity"] == 0).all()  # empty bank on the first call
-    assert (runs["tp1"]["shaped_second_diversity"] > 0).any()  # the bank holds the first batch
+    assert (runs["tp1"]["score"]["shaped_second_diversity"] > 0).any()  # the bank holds the first batch
     assert np.isfinite(shaped["rewards"]).all()
-    assert runs["tp1"]["shaped_metrics"]["reward/sigma_mean"] > 0
+    assert runs["tp1"]["score"]["shaped_metrics"]["reward/sigma_mean"] > 0

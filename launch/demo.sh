@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The main job on CPU, from nothing: demo task data -> SentencePiece tokenizer -> SFT policy ->
+# reward-model ensemble -> HPA (PPO + DPO + hierarchical KL) -> report.
+# Usage: bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
+set -euo pipefail
+OUT=${1:-runs/demo}
+shift || true
+CONFIG=${HPA_CONFIG:-configs/tiny_cpu.yaml}
+COMMON=(trainer.run_dir="$OUT" data.tokenizer_path="$OUT/data/tok.model" data.prompt_path="$OUT/data/prompts.jsonl"
+        data.preference_path="$OUT/data/preferences.jsonl" data.eval_prompt_path="$OUT/data/eval_prompts.jsonl"
+        data.sft_path="$OUT/data/sft.jsonl")
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+start=$(date +%s)
+
+python -m data_tools.make_demo_task --out-dir "$OUT/data" --num-prompts 4096 --num-eval-prompts 128 \
+    --num-sft 1024 --flip-fraction 0.12 --seed 0
+python -m data_tools.train_tokenizer --input "$OUT/data/corpus.txt" --model-prefix "$OUT/data/tok" --vocab-size 128
+hpa sft --config "$CONFIG" "${COMMON[@]}"
+hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" "$@"
+hpa report "$OUT" || true
+echo "main job finished in $(( $(date +%s) - start )) s; metrics in $OUT/metrics.jsonl"
