@@ -372,6 +372,8 @@ def main(argv=None) -> int:
                    "measured_tokens": tokens, "cpu_count": os.cpu_count(),
                    "trl_attn_implementation": trl_result.get("attn_implementation")},
         "step_s_median": {"hpa": round(hpa_med, 4), "trl": round(trl_med, 4)},
+        "step_s": {"hpa": [round(t, 3) for t in hpa_result["times"][args.warmup:]],
+                   "trl": [round(t, 3) for t in trl_result["times"][args.warmup:]]},
         "torch": torch.__version__,
         "trl": trl.__version__,
     }

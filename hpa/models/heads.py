@@ -21,14 +21,16 @@ class ScalarHead(nn.Module):
         hidden_size: h.
         num_heads: K.
         init_std: standard deviation of the weight init (the bias starts at 0).
+        seed: seed of the weight init, independent of the layout.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int = 1, init_std: float = 0.02):
+    def __init__(self, hidden_size: int, num_heads: int = 1, init_std: float = 0.02, seed: int = 0):
         super().__init__()
         self.num_heads = num_heads
-        self.weight = nn.Parameter(torch.empty(num_heads, hidden_size))
+        # its own generator: the same head under every TP/PP layout (the global RNG stream differs per stage)
+        generator = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(num_heads, hidden_size, generator=generator) * init_std)
         self.bias = nn.Parameter(torch.zeros(num_heads))
-        nn.init.normal_(self.weight, std=init_std)
         self.sequence_parallel = False
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):

@@ -344,6 +344,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
         sink.write(record)
         if groups.is_main and step % t.log_interval == 0:
             logger.info("train-rm step %d: %s", step, {k: round(v, 4) for k, v in record.items() if k != "step"})
+    barrier()  # the metrics file and checkpoint are complete when any rank returns
     return record
 
 

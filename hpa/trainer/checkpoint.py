@@ -33,8 +33,14 @@ def save_model_weights(model, directory: os.PathLike, groups: ParallelGroups) ->
     return directory
 
 
-def load_model_weights(model, directory: os.PathLike, groups: ParallelGroups, strict: bool = True) -> None:
-    """Load weights saved by ``save_model_weights`` under any layout into ``model``."""
+def load_model_weights(model, directory: os.PathLike, groups: ParallelGroups, strict: bool = True,
+                       exclude_prefixes: tuple = ()) -> None:
+    """Load weights saved by ``save_model_weights`` under any layout into ``model``.
+
+    Args:
+        exclude_prefixes: parameters to leave as they are (e.g. ``("output_layer.",)`` to start a critic
+            from a policy checkpoint: same backbone, different head).
+    """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -42,7 +48,12 @@ def load_model_weights(model, directory: os.PathLike, groups: ParallelGroups, st
     if not (directory / "metadata.json").is_file():
         raise FileNotFoundError(f"{directory} is not a megatron distributed checkpoint "
                                 f"(no metadata.json); point model.*_path at a saved checkpoint directory")
+    sharded = {k: v for k, v in _sharded_state_dict(model).items() if not k.startswith(tuple(exclude_prefixes))}
     state = dist_checkpointing.load(
-        _sharded_state_dict(model), str(directory),
-        strict=StrictHandling.RAISE_ALL if strict else StrictHandling.ASSUME_OK_UNEXPECTED)
-    unwrap(model).load_state_dict(state, strict=strict)
+        sharded, str(directory),
+        strict=StrictHandling.RAISE_ALL if strict and not exclude_prefixes else StrictHandling.ASSUME_OK_UNEXPECTED)
+    missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith(tuple(exclude_prefixes)) and not k.endswith("_extra_state")]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")

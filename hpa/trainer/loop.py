@@ -100,7 +100,9 @@ class HPATrainer:
         if cfg.algorithm.advantage.estimator == "gae":
             critic = build_value(cfg.model, cfg.parallel, g)
             if cfg.model.critic_path:
-                load_model_weights(critic, cfg.model.critic_path, g, strict=False)
+                load_model_weights(critic, cfg.model.critic_path, g, exclude_prefixes=("output_layer.",))
+            elif cfg.model.policy_path:  # the critic starts from the policy's backbone
+                load_model_weights(critic, cfg.model.policy_path, g, exclude_prefixes=("output_layer.",))
             lr = cfg.optim.critic_lr or cfg.optim.lr
             self.critic = wrap_ddp(critic, cfg.parallel, g)
             self.critic_opt = build_optimizer(self.critic, cfg.optim, cfg.parallel, g, lr=lr)
@@ -174,6 +176,12 @@ class HPATrainer:
     # ---------------------------------------------------------------------------------- phases
 
     @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary: the embedding rows beyond it (model.vocab_size and megatron's
+        padding) are never sampled and never normalised over, in rollout and training alike."""
+        return self.tokenizer.vocab_size
+
+    @property
     def mbs(self) -> int:
         return self.cfg.trainer.micro_batch_size
 
@@ -230,7 +238,7 @@ class HPATrainer:
     def reference_and_old_policy(self, batch: RolloutBatch, ts) -> Dict[str, float]:
         """Reference and rollout-policy log-probs ``[b, r]`` and response-pooled hidden states ``[b, h]``."""
         m = self.cfg.model
-        kw = dict(micro_batch_size=self.mbs, vocab_size=m.vocab_size, temperature=self.temperature,
+        kw = dict(micro_batch_size=self.mbs, vocab_size=self.vocab_size, temperature=self.temperature,
                   hidden_size=m.hidden_size)
         with self.timer("reference"):
             ref = phases.sequence_log_probs(self.reference, ts, batch.response_mask, self.groups, **kw)
@@ -244,7 +252,7 @@ class HPATrainer:
     def preference_micro_batches(self) -> List[dict]:
         examples = [self.pairs[i] for i in self.pair_sampler.next_batch()]
         mbs = phases.pair_micro_batches(examples, micro_batch_size=self.mbs, pad_id=self.tokenizer.pad_id)
-        ref = phases.pair_sequence_log_probs(self.reference, mbs, self.groups, vocab_size=self.cfg.model.vocab_size)
+        ref = phases.pair_sequence_log_probs(self.reference, mbs, self.groups, vocab_size=self.vocab_size)
         phases.attach_ref_pair_logps(mbs, ref)
         for mb in mbs:
             mb["kind"] = "pairs"
@@ -278,7 +286,7 @@ class HPATrainer:
                 rollout_mbs = self._rollout_micro_batches(batch, ts, mask, rows)
                 counts = phases.global_counts(rollout_mbs, pair_mbs, self.groups)
                 loss_fn = phases.make_policy_loss(self.cfg.algorithm, weights, counts, self.groups,
-                                                  vocab_size=self.cfg.model.vocab_size, temperature=self.temperature)
+                                                  vocab_size=self.vocab_size, temperature=self.temperature)
                 zero_grad(self.policy, self.policy_opt)
                 records = forward_backward(self.policy, rollout_mbs + pair_mbs, loss_fn, self.groups,
                                            capture_hidden=True)

@@ -61,7 +61,7 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     opt = build_optimizer(ddp, optim, cfg.parallel, groups)
     sched = build_lr_scheduler(opt, optim, cfg.sft.total_steps)
     writer = MetricsWriter(run_dir / "sft_logs", cfg.logging, is_main=groups.is_main)
-    vocab = cfg.model.vocab_size
+    vocab = tokenizer.vocab_size  # rows beyond the tokenizer's vocabulary are never normalised over
     metrics: Dict[str, float] = {}
     for step in range(1, cfg.sft.total_steps + 1):
         examples = [data[i] for i in sampler.next_batch()]

@@ -5,7 +5,7 @@ Three spawns in all (imports cost ~10 s per process here), run once per pytest s
 * tp1_pp1_dp1: save a random K=3 initial checkpoint, ``run_train_rm`` from it on the demo task
   (bootstrap on), then score a fixed batch with ``ModelReward`` (the trained model; the trained model
   twice as two reward models; a K=1 model) and run ``UncertaintyAwareReward`` on it.
-* tp2_pp1_dp1 and tp1_pp2_dp1: one training step from the same initial checkpoint (its loss must
+* one 2-process spawn, first as tp2_pp1_dp1, then re-initialised as tp1_pp2_dp1: one training step from the same initial checkpoint (its loss must
   equal TP1's first step) and the same ``ModelReward`` scores of the TP1-trained checkpoint.
 
 The demo task is ``copy`` of one symbol (the model must match the response symbol to the prompt's):
@@ -136,6 +136,18 @@ def layout_worker(groups, root, out, tp, pp):
             "score": _score(groups, cfg, [f"{out}/tp1/reward_model"], NUM_HEADS, scoring_inputs(root))}
 
 
+def two_rank_worker(groups, root, out):
+    """tp2_pp1_dp1, then the same two processes re-initialised as tp1_pp2_dp1 (saves a spawn)."""
+    from hpa.config.schema import ParallelConfig
+    from hpa.distributed import LaunchEnv, initialize
+
+    tp2 = layout_worker(groups, root, out, 2, 1)
+    pp_groups = initialize(ParallelConfig(pipeline_model_parallel_size=2, backend="gloo"),
+                           launch=LaunchEnv(rank=groups.rank, world_size=groups.world_size, local_rank=groups.rank,
+                                            master_addr="127.0.0.1", master_port=0, launcher="torchrun"))
+    return {"tp2": tp2, "pp2": layout_worker(pp_groups, root, out, 1, 2)}
+
+
 def results() -> dict:
     """Run the pipeline once per session; returns the per-layout results and the data root."""
     if not _CACHE:
@@ -145,6 +157,6 @@ def results() -> dict:
         make_data(root)
         _CACHE["root"], _CACHE["out"] = root, out
         _CACHE["tp1"] = run_ranks(tp1_worker, args=(root, out))[0]
-        _CACHE["tp2"] = run_ranks(layout_worker, tp=2, args=(root, out, 2, 1))
-        _CACHE["pp2"] = run_ranks(layout_worker, pp=2, args=(root, out, 1, 2))
+        two = run_ranks(two_rank_worker, tp=2, args=(root, out))
+        _CACHE["tp2"], _CACHE["pp2"] = [r["tp2"] for r in two], [r["pp2"] for r in two]
     return _CACHE
