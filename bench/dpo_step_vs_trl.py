@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.heads = max(1, args.hidden // 64)
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
+        p.error("--steps and --batch must be at least 1, --warmup at least 0")
     if args.seq < 8:
         p.error("--seq must be at least 8")
     if args.vocab < 16:

@@ -17,14 +17,14 @@ _HELP = {
     "sft": "supervised fine-tuning of the initial policy",
     "train-rm": "train a Bradley-Terry reward model ensemble",
     "generate": "generate from a checkpoint, with a KL guard",
-    "report": "summarise a run directory's metrics",
+    "report": "plots and a summary of a run directory's metrics (hpa report RUN_DIR)",
     "plan": "estimate memory per GPU for a config and layout",
     "convert": "convert Hugging Face <-> Megatron checkpoints",
     "check-config": "validate a config with overrides and print the resolved YAML/JSON",
 }
 
 # subcommands whose issues are still open; listed so the interface is stable, refused clearly
-_NOT_YET = {"generate", "report", "plan"}
+_NOT_YET = {"generate", "plan"}
 
 
 def command(name: str):
@@ -95,13 +95,6 @@ def _train_rm(args: argparse.Namespace) -> int:
     return train_rm_main(["--config", args.config, *args.overrides] if args.config else list(args.overrides))
 
 
-@command("convert")
-def _convert(args: argparse.Namespace) -> int:
-    from hpa.models.convert import run_convert
-
-    return run_convert(args.rest)
-
-
 def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         print(f"hpa {name}: not available in this build yet (see the README's status table)",
@@ -118,9 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                "parallel.tensor_model_parallel_size=2")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in _HELP.items():
-        p = sub.add_parser(name, help=text, description=text, add_help=name != "convert")
-        if name == "convert":  # its own flags: see ``hpa convert --help``
-            p.add_argument("rest", nargs=argparse.REMAINDER)
+        p = sub.add_parser(name, help=text, description=text)
+        if name in ("convert", "report"):  # handled before parsing, by their own parsers
             continue
         p.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu.yaml)")
         p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
@@ -131,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["convert"]:  # its own parser (hf-to-megatron | megatron-to-hf)
+        from hpa.models.convert import run_convert
+
+        return run_convert(argv[1:])
+    if argv[:1] == ["report"]:  # hpa report RUN_DIR
+        from hpa.trainer.report import main as report_main
+
+        return report_main(argv[1:])
     args = build_parser().parse_args(argv)
     run = _COMMANDS.get(args.command) or _not_yet(args.command)
     try:
