@@ -24,7 +24,7 @@ _HELP = {
 }
 
 # subcommands whose issues are still open; listed so the interface is stable, refused clearly
-_NOT_YET = {"generate", "plan"}
+_NOT_YET: set = set()
 
 
 def command(name: str):
@@ -67,9 +67,13 @@ def _train(args: argparse.Namespace) -> int:
     from hpa.trainer.loop import HPATrainer
 
     try:
-        HPATrainer(cfg, groups).train()
+        trainer = HPATrainer(cfg, groups)
+        trainer.train()
     finally:
         destroy()
+    if trainer.exit_reason in ("signal", "max_steps_per_run"):
+        print(f"hpa train: stopped at step {trainer.step} ({trainer.exit_reason}) after saving a checkpoint; "
+              f"run the same command again to resume", file=sys.stderr)
     return 0
 
 
@@ -112,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in _HELP.items():
         p = sub.add_parser(name, help=text, description=text)
-        if name in ("convert", "report"):  # handled before parsing, by their own parsers
+        if name in ("convert", "report", "generate", "plan"):  # handled before parsing, by their own parsers
             continue
         p.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu.yaml)")
         p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
@@ -128,6 +132,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from hpa.models.convert import run_convert
 
         return run_convert(argv[1:])
+    if argv[:1] == ["generate"]:  # --prompts/--output/--kl-threshold besides --config and overrides
+        from hpa.trainer.generate import main as generate_main
+
+        return generate_main(argv[1:])
+    if argv[:1] == ["plan"]:  # --world-size/--gpu-memory-gb/--json besides --config and overrides
+        from hpa.plan import main as plan_main
+
+        return plan_main(argv[1:])
     if argv[:1] == ["report"]:  # hpa report RUN_DIR
         from hpa.trainer.report import main as report_main
 

@@ -179,7 +179,9 @@ class TrainerConfig:
     """The loop: how long, how big, where.
 
     ``global_batch_size`` counts prompts per step over all DP ranks; each rolls out ``rollout.n``
-    responses. ``micro_batch_size`` is per rank and per pipeline micro-batch.
+    responses. ``micro_batch_size`` is per rank and per pipeline micro-batch (rollout rows, or
+    preference pairs). ``max_steps_per_run`` ends this process after that many steps with a
+    checkpoint (for time-sliced jobs); the next launch resumes.
     """
 
     total_steps: int
@@ -194,10 +196,12 @@ class TrainerConfig:
     eval_interval: int = 0
     log_interval: int = 1
     peak_tflops_per_device: Optional[float] = None
+    max_steps_per_run: Optional[int] = None
 
     def __post_init__(self):
         _positive(self, "total_steps", "global_batch_size", "micro_batch_size", "preference_batch_size",
-                  "ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_rank", "log_interval")
+                  "ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_rank", "log_interval",
+                  "max_steps_per_run")
         check_range("eval_interval", self.eval_interval, low=0)
         if not self.run_dir:
             raise ConfigError("run_dir", "must name a directory")
@@ -240,6 +244,46 @@ class CheckpointConfig:
             raise ConfigError("resume", "use 'auto', 'never' or a checkpoint path")
 
 
+GRAD_SPIKE_ACTIONS = ("skip", "clip", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """The stability guard (``hpa/trainer/guard.py``).
+
+    A non-finite gradient norm (or loss: it makes the norm non-finite) always skips the step. A grad
+    norm above ``grad_spike_factor`` x the running median of the last ``grad_spike_window`` steps is
+    handled by ``grad_spike_action``. A token KL above ``kl_rollback_threshold`` (the recipe: 0.05),
+    or ``max_consecutive_skips`` skipped steps in a row, rolls back to the last checkpoint and
+    multiplies the LR by ``rollback_lr_factor``. Early stopping (off unless ``early_stop_patience``
+    is set) watches mean(reward) - 0.5 mean(KL) - 0.3 std(reward) over ``early_stop_window`` steps.
+    """
+
+    grad_spike_factor: float = 10.0
+    grad_spike_window: int = 50
+    grad_spike_min_history: int = 10
+    grad_spike_action: str = "skip"
+    kl_rollback_threshold: Optional[float] = 0.05
+    max_consecutive_skips: int = 3
+    rollback_lr_factor: float = 0.5
+    max_rollbacks: int = 5
+    early_stop_patience: Optional[int] = None
+    early_stop_window: int = 1000
+    early_stop_min_delta: float = 0.01
+    early_stop_kl_coef: float = 0.5
+    early_stop_std_coef: float = 0.3
+
+    def __post_init__(self):
+        check_range("grad_spike_factor", self.grad_spike_factor, low=1.0, low_open=True)
+        _positive(self, "grad_spike_window", "grad_spike_min_history", "max_consecutive_skips",
+                  "early_stop_patience", "early_stop_window")
+        check_choice("grad_spike_action", self.grad_spike_action, GRAD_SPIKE_ACTIONS)
+        check_range("rollback_lr_factor", self.rollback_lr_factor, low=0.0, high=1.0, low_open=True)
+        check_range("max_rollbacks", self.max_rollbacks, low=0)
+        if self.kl_rollback_threshold is not None:
+            check_range("kl_rollback_threshold", self.kl_rollback_threshold, low=0.0, low_open=True)
+
+
 @dataclass(frozen=True, kw_only=True)
 class WandbConfig:
     mode: str = "offline"
@@ -271,6 +315,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

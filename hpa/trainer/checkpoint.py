@@ -1,19 +1,51 @@
-"""Model weights through megatron ``dist_checkpointing`` (resharding between any TP/PP layouts).
+"""Checkpoints: megatron ``dist_checkpointing`` for models and optimizers, plus the run state.
 
-A checkpoint saved under one layout loads under another: megatron stores global tensors as shards
-with their global offsets. The full run checkpoint (optimizer, RNG, data positions, manifest) builds
-on these two functions.
+Layout of one checkpoint ``<dir>/step_00000012/``::
+
+    policy/            dist checkpoint: {"model": ..., "optimizer": ...} (any TP/PP can load it)
+    critic/            the same for the critic (when there is one)
+    trainer_state.pt   step, LR schedulers, KL controller, samplers, reward-shaping state, guard, ...
+    rng/rank_00003.pt  CPU / CUDA / numpy / python / megatron-tracker RNG states of each rank
+    manifest.json      every file with its size and sha256; written last
+
+Saving is atomic: everything goes into ``step_N.tmp``, the manifest is written last, the directory is
+renamed, and only then does the ``latest`` pointer move. The previous checkpoint is deleted only by
+retention, after the new one is complete. Loading verifies the manifest and reports the first bad
+file; ``resume=auto`` then falls back to the newest checkpoint that verifies. Every ``.pt`` load uses
+``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import random
+import shutil
 from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
+from hpa.config.schema import CheckpointConfig
+from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.models.heads import unwrap
+
+logger = logging.getLogger("hpa")
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete or corrupt; the message names the file."""
+
+
+# ------------------------------------------------------------------------------------------------
+# model weights only (conversion, reference/reward models, SFT output)
 
 
 def _sharded_state_dict(model):
@@ -27,17 +59,18 @@ def save_model_weights(model, directory: os.PathLike, groups: ParallelGroups) ->
     directory = Path(directory)
     if groups.is_main:
         directory.mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()
+    comm.barrier()
     dist_checkpointing.save(_sharded_state_dict(model), str(directory))
-    torch.distributed.barrier()
+    comm.barrier()
     return directory
 
 
 def load_model_weights(model, directory: os.PathLike, groups: ParallelGroups, strict: bool = True,
                        exclude_prefixes: tuple = ()) -> None:
-    """Load weights saved by ``save_model_weights`` under any layout into ``model``.
+    """Load weights saved by ``save_model_weights`` (or a run checkpoint's model) under any layout.
 
     Args:
+        directory: a weights directory, or a run checkpoint ``step_N`` (its ``policy/`` is read).
         exclude_prefixes: parameters to leave as they are (e.g. ``("output_layer.",)`` to start a critic
             from a policy checkpoint: same backbone, different head).
     """
@@ -45,15 +78,208 @@ def load_model_weights(model, directory: os.PathLike, groups: ParallelGroups, st
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     directory = Path(directory)
+    if (directory / MANIFEST).is_file() and (directory / "policy").is_dir():
+        directory = directory / "policy"
     if not (directory / "metadata.json").is_file():
         raise FileNotFoundError(f"{directory} is not a megatron distributed checkpoint "
                                 f"(no metadata.json); point model.*_path at a saved checkpoint directory")
     sharded = {k: v for k, v in _sharded_state_dict(model).items() if not k.startswith(tuple(exclude_prefixes))}
-    state = dist_checkpointing.load(
-        sharded, str(directory),
-        strict=StrictHandling.RAISE_ALL if strict and not exclude_prefixes else StrictHandling.ASSUME_OK_UNEXPECTED)
+    # tensors are found by their global keys, so a run checkpoint's {"model", "optimizer"} loads too
+    state = dist_checkpointing.load(sharded, str(directory), strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    state = {k: v for k, v in state.items() if k in sharded}  # drop a run checkpoint's optimizer part
     missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(tuple(exclude_prefixes)) and not k.endswith("_extra_state")]
     if strict and (missing or unexpected):
         raise RuntimeError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG
+
+
+def rng_state() -> Dict:
+    from megatron.core import tensor_parallel
+
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+             "python_version": random.getstate()[0], "python_gauss": random.getstate()[2],
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------------------
+# manifest
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path, step: int, score: Optional[float]) -> None:
+    files = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "score": score, "files": files}, indent=1))
+    os.replace(tmp, directory / MANIFEST)
+
+
+def verify(directory: Path) -> Dict:
+    """The manifest of ``directory`` after checking every file; raises CheckpointError naming the first bad one."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{directory}: no {MANIFEST} (the save did not complete)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from None
+    for name, meta in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
+        if path.stat().st_size != meta["bytes"]:
+            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the manifest says {meta['bytes']} "
+                                  f"(truncated shard)")
+        if _sha256(path) != meta["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch (corrupt shard)")
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------------
+# the manager
+
+
+class CheckpointManager:
+    """Saves, finds, verifies, loads and prunes the run checkpoints of one run.
+
+    Args:
+        cfg: the ``checkpoint`` section.
+        run_dir: ``trainer.run_dir``; checkpoints go to ``cfg.dir`` or ``<run_dir>/checkpoints``.
+        groups: the layout (every rank takes part in saving and loading).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: os.PathLike, groups: ParallelGroups):
+        self.cfg, self.groups = cfg, groups
+        self.root = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
+
+    @staticmethod
+    def name(step: int) -> str:
+        return f"step_{step:08d}"
+
+    def save(self, step: int, models: Dict[str, Tuple], state: Dict, score: Optional[float] = None) -> Path:
+        """Save ``models`` (name -> (ddp_model, optimizer)) and the picklable run ``state`` at ``step``."""
+        from megatron.core import dist_checkpointing
+
+        final = self.root / self.name(step)
+        tmp = self.root / (self.name(step) + ".tmp")
+        if self.groups.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        comm.barrier()
+        for name, (model, optimizer) in models.items():
+            model_sd = _sharded_state_dict(model)
+            sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+            if self.groups.is_main:
+                (tmp / name).mkdir()
+            comm.barrier()
+            dist_checkpointing.save(sharded, str(tmp / name))
+        torch.save(rng_state(), tmp / "rng" / f"rank_{self.groups.rank:05d}.pt")
+        if self.groups.is_main:
+            torch.save(state, tmp / "trainer_state.pt")
+        comm.barrier()
+        if self.groups.is_main:
+            write_manifest(tmp, step, score)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            pointer = self.root / (LATEST + ".tmp")
+            pointer.write_text(final.name)
+            os.replace(pointer, self.root / LATEST)
+            self.prune()
+        comm.barrier()
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def candidates(self) -> List[Path]:
+        """Complete checkpoints, newest first (the ``latest`` pointer's target first)."""
+        if not self.root.is_dir():
+            return []
+        found = sorted((p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+                       key=lambda p: p.name, reverse=True)
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            target = self.root / pointer.read_text().strip()
+            if target in found:
+                found.remove(target)
+                found.insert(0, target)
+        return found
+
+    def find_resumable(self, resume: str) -> Optional[Path]:
+        """The checkpoint to resume from: ``auto`` -> the newest one that verifies (falling back and saying
+        so), ``never`` -> None, a path -> that checkpoint (verified). The answer is the main rank's."""
+        choice: Optional[str] = None
+        if self.groups.is_main and resume != "never":
+            paths = [Path(resume)] if resume != "auto" else self.candidates()
+            for path in paths:
+                try:
+                    verify(path)
+                    choice = str(path)
+                    break
+                except CheckpointError as exc:
+                    if resume != "auto":
+                        raise
+                    logger.warning("checkpoint unusable, falling back to the previous one: %s", exc)
+        return Path(choice) if (choice := comm.broadcast_object(choice, src=0)) else None
+
+    def load(self, path: Path, models: Dict[str, Tuple]) -> Dict:
+        """Restore models, optimizers and this rank's RNG from ``path``; return the run state."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        for name, (model, optimizer) in models.items():
+            model_sd = _sharded_state_dict(model)
+            sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+            loaded = dist_checkpointing.load(sharded, str(path / name), strict=StrictHandling.RAISE_ALL)
+            unwrap(model).load_state_dict(loaded["model"], strict=False)
+            optimizer.load_state_dict(loaded["optimizer"])
+        rng_file = path / "rng" / f"rank_{self.groups.rank:05d}.pt"
+        if rng_file.is_file():  # absent when the layout changed: RNG streams cannot be resharded
+            set_rng_state(torch.load(rng_file, weights_only=True))
+        return torch.load(path / "trainer_state.pt", weights_only=True)
+
+    def prune(self) -> None:
+        """Keep the ``keep_last`` newest and the ``keep_top_k`` best-scoring checkpoints (main rank)."""
+        found = sorted((p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+                       key=lambda p: p.name)
+        keep = set(found[-self.cfg.keep_last:])
+        scored = []
+        for p in found:
+            try:
+                score = json.loads((p / MANIFEST).read_text()).get("score")
+            except (OSError, json.JSONDecodeError):
+                continue
+            if score is not None:
+                scored.append((score, p.name, p))
+        keep |= {p for _, _, p in sorted(scored, reverse=True)[:self.cfg.keep_top_k]}
+        for p in found:
+            if p not in keep:
+                shutil.rmtree(p, ignore_errors=True)

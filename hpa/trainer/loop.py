@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import math
+import signal
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -30,11 +33,12 @@ from hpa.models import build_policy, build_reference, build_value, unwrap
 from hpa.reward import RewardInputs, build_reward
 from hpa.rollout import build_rollout_engine
 from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo, logprob_consistency
-from hpa.trainer import phases
-from hpa.trainer.checkpoint import load_model_weights
+from hpa.trainer import faults, phases
+from hpa.trainer.checkpoint import CheckpointManager, load_model_weights
+from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter
 from hpa.trainer.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
-from hpa.trainer.step import forward_backward, optimizer_step, zero_grad
+from hpa.trainer.step import forward_backward, guarded_optimizer_step, optimizer_step, zero_grad
 
 logger = logging.getLogger("hpa")
 
@@ -56,8 +60,18 @@ class HPATrainer:
                           for name in ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic")}
         self.schedules["entropy_coef"] = make_schedule(**dataclasses.asdict(algo.ppo.entropy_coef))
         self.reward = build_reward(cfg.reward)
-        self.metrics = MetricsWriter(self.run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg))
+        self.guard = Guard(cfg.guard)
+        self.ckpt = CheckpointManager(cfg.checkpoint, self.run_dir, groups)
         self.step = 0
+        self.last_eval: Optional[float] = None
+        self.exit_reason = "done"
+        self._signal: Optional[int] = None
+        resumed = self.ckpt.find_resumable(cfg.checkpoint.resume)
+        if resumed is not None:
+            self.restore(resumed)
+            logger.info("resumed from %s at step %d", resumed, self.step)
+        self.metrics = MetricsWriter(self.run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg),
+                                     resume_step=self.step + 1 if resumed is not None else None)
         self.timings: Dict[str, float] = {}
         self.num_params = sum(p.numel() for p in self.policy.parameters()) * groups.tensor_model_parallel_size \
             * groups.pipeline_model_parallel_size  # approximate: replicated norms are counted TP times
@@ -123,22 +137,137 @@ class HPATrainer:
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
 
     def train(self) -> Dict[str, float]:
+        """Run to ``trainer.total_steps`` (or an early stop, a signal, ``max_steps_per_run``).
+
+        Sets ``exit_reason`` to ``done``, ``early_stop``, ``signal`` or ``max_steps_per_run``; in the
+        last two cases a checkpoint was saved and the next launch resumes from it.
+        """
         last: Dict[str, float] = {}
-        if self.cfg.trainer.eval_interval > 0 and self.step == 0:
-            self.metrics.write(0, self.evaluate())  # the starting point of the learning curve
-        while self.step < self.cfg.trainer.total_steps:
-            self.timings = {}
-            with self.timer("step"):
-                last = self.train_step()
-            last.update(comm.reduce_metrics(self.timings, self.groups.dp_group, op="max"))
-            last["perf/throughput"] = last.pop("_tokens") / last["timing_s/step"]
-            last["perf/mfu"] = self._mfu(last)
-            self.step += 1
-            if self._due(self.cfg.trainer.eval_interval):
-                last.update(self.evaluate())
-            self.metrics.write(self.step, last)
-        self.metrics.close()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        steps_this_run = 0
+        try:
+            if self.cfg.trainer.eval_interval > 0 and self.step == 0:
+                self.metrics.write(0, self.evaluate())  # the starting point of the learning curve
+            while self.step < self.cfg.trainer.total_steps:
+                faults.maybe_kill(self.step + 1, self.groups.rank)
+                self.timings = {}
+                with self.timer("step"):
+                    last = self.train_step()
+                last.update(comm.reduce_metrics(self.timings, self.groups.dp_group, op="max"))
+                last["perf/throughput"] = last.pop("_tokens") / last["timing_s/step"]
+                last["perf/mfu"] = self._mfu(last)
+                self.step += 1
+                steps_this_run += 1
+                if self._due(self.cfg.trainer.eval_interval):
+                    last.update(self.evaluate())
+                    self.last_eval = last["eval/score"]
+                reason = self.guard.rollback_reason(self._token_kl(last))
+                last.update(self.guard.metrics())
+                self.metrics.write(self.step, last)
+                if reason is not None:
+                    self.rollback(reason)
+                    continue
+                stop = self._stop_reason(last, steps_this_run)
+                if stop or self._due(self.cfg.checkpoint.save_interval):
+                    self.save()
+                if stop:
+                    self.exit_reason = stop
+                    self._write_exit_status()
+                    break
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.metrics.close()
         return last
+
+    def _write_exit_status(self) -> None:
+        """``<run_dir>/exit_status.json``: why this process stopped before ``total_steps`` and where."""
+        if self.groups.is_main:
+            (self.run_dir / "exit_status.json").write_text(json.dumps(
+                {"reason": self.exit_reason, "step": self.step, "resumable": self.exit_reason != "early_stop",
+                 "best_step": self.guard.best_step}))
+
+    def _on_signal(self, signum, frame) -> None:
+        logger.warning("received signal %d: checkpointing at the end of this step, then exiting", signum)
+        self._signal = signum
+
+    def _token_kl(self, metrics: Dict[str, float]) -> Optional[float]:
+        if faults.active("kl_spike", self.step, self.groups.rank):
+            return float("inf")
+        return metrics.get("kl/token")
+
+    def _stop_reason(self, metrics: Dict[str, float], steps_this_run: int) -> Optional[str]:
+        flags = torch.tensor([float(self._signal is not None)])
+        comm.all_reduce_max(flags, None)  # any rank signalled: every rank stops at this step
+        if flags.item() > 0:
+            return "signal"
+        if self.guard.should_stop(self.step, metrics.get("reward/raw_mean", 0.0), metrics.get("reward/shaped_std", 0.0),
+                                  metrics.get("kl/token", 0.0)):
+            logger.info("early stop at step %d: no improvement of the stop metric for %d steps; best step %d "
+                        "(metric %.4g)", self.step, self.cfg.guard.early_stop_patience, self.guard.best_step,
+                        self.guard.best_metric)
+            return "early_stop"
+        limit = self.cfg.trainer.max_steps_per_run
+        if limit is not None and steps_this_run >= limit and self.step < self.cfg.trainer.total_steps:
+            return "max_steps_per_run"
+        return None
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def _models(self):
+        models = {"policy": (self.policy, self.policy_opt)}
+        if self.critic is not None:
+            models["critic"] = (self.critic, self.critic_opt)
+        return models
+
+    def state_dict(self) -> Dict:
+        """Everything besides models and optimizers that exact resume needs (identical on all ranks)."""
+        state = {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "guard": self.guard.state_dict(),
+                 "prompt_sampler": self.prompt_sampler.state_dict(), "pair_sampler": self.pair_sampler.state_dict(),
+                 "reward": self.reward.state_dict(), "policy_sched": self.policy_sched.state_dict(),
+                 "last_eval": self.last_eval}
+        if self.critic is not None:
+            state["critic_sched"] = self.critic_sched.state_dict()
+        return state
+
+    def save(self) -> None:
+        self.ckpt.save(self.step, self._models(), self.state_dict(), score=self.last_eval)
+
+    def restore(self, path) -> None:
+        state = self.ckpt.load(path, self._models())
+        self.step = state["step"]
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.guard.load_state_dict(state["guard"])
+        self.prompt_sampler.load_state_dict(state["prompt_sampler"])
+        self.pair_sampler.load_state_dict(state["pair_sampler"])
+        self.reward.load_state_dict(state["reward"])
+        self.policy_sched.load_state_dict(state["policy_sched"])
+        if self.critic is not None:
+            self.critic_sched.load_state_dict(state["critic_sched"])
+        self.last_eval = state["last_eval"]
+
+    def rollback(self, reason: str) -> None:
+        """Back to the newest good checkpoint with the LR scaled down; the guard keeps its own count."""
+        path = self.ckpt.find_resumable("auto")
+        if path is None:
+            logger.warning("guard: %s, but there is no checkpoint to roll back to; continuing", reason)
+            return
+        guard_state = self.guard.state_dict()
+        self.restore(path)
+        self.guard.load_state_dict(guard_state)
+        self.guard.rolled_back()
+        self.metrics.truncate(self.step + 1)
+        factor = self.cfg.guard.rollback_lr_factor
+        for sched in [self.policy_sched] + ([self.critic_sched] if self.critic is not None else []):
+            sched.max_lr *= factor
+            sched.min_lr *= factor
+            for group in sched.optimizer.param_groups:  # megatron keeps per-group LR bounds too
+                for key in ("max_lr", "min_lr"):
+                    if group.get(key) is not None:
+                        group[key] *= factor
+            sched.step(increment=0)
+        logger.warning("guard: %s; rolled back to %s (step %d), LR x%.3g (rollback %d)", reason, path, self.step,
+                       self.guard.lr_scale, self.guard.rollbacks)
 
     def _due(self, interval: int) -> bool:
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.trainer.total_steps)
@@ -221,8 +350,10 @@ class HPATrainer:
         inputs = RewardInputs(response_ids=batch.response_ids, response_mask=batch.response_mask,
                               prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
                               response_texts=self._texts(batch), ground_truths=truths)
-        shaped = self.reward(inputs, policy_embeddings=batch.get("old_pooled"),
-                             all_gather=lambda t: comm.all_gather_cat(t, self.groups.dp_group))
+        reward = faults.nan_first_reward(self.reward) if faults.active("nan_reward", self.step + 1,
+                                                                        self.groups.rank) else self.reward
+        shaped = reward(inputs, policy_embeddings=batch.get("old_pooled"),
+                        all_gather=lambda t: comm.all_gather_cat(t, self.groups.dp_group))
         keep = shaped.valid.clone()
         f = self.cfg.reward.filter
         if f.mode != "none":
@@ -287,14 +418,19 @@ class HPATrainer:
                 counts = phases.global_counts(rollout_mbs, pair_mbs, self.groups)
                 loss_fn = phases.make_policy_loss(self.cfg.algorithm, weights, counts, self.groups,
                                                   vocab_size=self.vocab_size, temperature=self.temperature)
+                if faults.active("nan_loss", self.step + 1, self.groups.rank):
+                    loss_fn = _nan_loss(loss_fn)
                 zero_grad(self.policy, self.policy_opt)
                 records = forward_backward(self.policy, rollout_mbs + pair_mbs, loss_fn, self.groups,
                                            capture_hidden=True)
-                _, grad_norm = optimizer_step(self.policy_opt, self.policy_sched)
+                updated, grad_norm = guarded_optimizer_step(self.policy_opt, self.policy_sched,
+                                                            self.guard.grad_norm_action, self.guard.spike_clip_value)
+                self.guard.record(updated)
                 steps.append(phases.step_metrics(records, self.groups))
                 grad_norms.append(grad_norm)
         metrics = phases.average(steps)
-        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        metrics["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         metrics["actor/lr"] = self.policy_opt.param_groups[0]["lr"]
         return metrics
 
@@ -386,3 +522,11 @@ class HPATrainer:
         comm.all_reduce_sum(total, g.dp_group)
         return {"eval/score": total[0].item() / max(total[1].item(), 1.0),
                 "eval/response_length": float(batch.response_lengths.float().mean())}
+
+
+def _nan_loss(loss_fn):
+    def wrapped(batch, output, hidden):
+        loss, metrics = loss_fn(batch, output, hidden)
+        return loss * float("nan"), metrics
+
+    return wrapped

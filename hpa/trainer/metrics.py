@@ -47,10 +47,8 @@ class MetricsWriter:
         if not is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", -1) < resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        if resume_step is not None:
+            self.truncate(resume_step)
         elif self.path.exists():
             self.path.unlink()
         if logging_cfg.wandb.mode != "disabled":
@@ -65,6 +63,14 @@ class MetricsWriter:
         w = self.cfg.wandb
         return wandb.init(project=w.project, entity=w.entity, name=w.name, mode=w.mode,
                           dir=str(run_dir), config=dict(run_config or {}), resume="allow")
+
+    def truncate(self, from_step: int) -> None:
+        """Drop the records of ``from_step`` and later (a resumed or rolled-back run writes them again)."""
+        if not self.is_main or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", -1) < from_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, step: int, metrics: Dict[str, float]) -> None:
         if not self.is_main:

@@ -94,3 +94,36 @@ def optimizer_step(optimizer, lr_scheduler=None) -> Tuple[bool, float]:
     if updated and lr_scheduler is not None:
         lr_scheduler.step(increment=1)
     return bool(updated), float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def guarded_optimizer_step(optimizer, lr_scheduler, action_for: Callable[[float], str],
+                           spike_clip: Callable[[], float]) -> Tuple[bool, float]:
+    """megatron's optimizer step, split so a guard can look at the grad norm first.
+
+    Args:
+        action_for: grad_norm -> ``"step"``, ``"skip"`` (parameters and optimizer state stay exactly
+            as they are) or ``"clip"`` (scale the gradients down to ``spike_clip()`` first).
+
+    Returns:
+        (updated, grad_norm before clipping).
+    """
+    from megatron.core.optimizer import clip_grads
+
+    if optimizer.prepare_grads():  # fp16 overflow
+        return False, float("inf")
+    grad_norm = float(optimizer.get_grad_norm())
+    action = action_for(grad_norm)
+    if action == "skip":
+        return False, grad_norm
+    limit = optimizer.config.clip_grad
+    if action == "clip":
+        limit = min(limit, spike_clip()) if limit > 0 else spike_clip()
+    if limit > 0:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            params = opt.get_parameters()
+            if params:
+                clip_grads.clip_grad_by_total_norm_fp32(params, limit, grad_norm)
+    updated = bool(optimizer.step_with_ready_grads())
+    if updated and lr_scheduler is not None:
+        lr_scheduler.step(increment=1)
+    return updated, grad_norm

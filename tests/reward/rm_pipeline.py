@@ -102,13 +102,14 @@ def _first_metrics_line(run_dir: str) -> dict:
 
 
 def tp1_worker(groups, root, out):
+    from hpa.distributed import set_seed
     from hpa.models import build_reward as build_reward_model
     from hpa.reward.model import write_reward_model_info
     from hpa.reward.train_rm import run_train_rm
     from hpa.trainer.checkpoint import save_model_weights
 
     cfg = make_config(root, f"{out}/tp1")
-    torch.manual_seed(0)
+    set_seed(0)  # megatron's RNG tracker too: torch.manual_seed alone leaves the init run-dependent
     save_model_weights(build_reward_model(cfg.model, cfg.parallel, groups, num_heads=NUM_HEADS), f"{out}/init", groups)
     write_reward_model_info(f"{out}/init", num_heads=NUM_HEADS, hidden_size=cfg.model.hidden_size)
     save_model_weights(build_reward_model(cfg.model, cfg.parallel, groups, num_heads=1), f"{out}/k1", groups)

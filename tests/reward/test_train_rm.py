@@ -128,8 +128,8 @@ def test_tp1_pp1_dp1_training_learns_the_demo_task(runs):
 
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
     assert final["rm/eval_num_pairs"] == 100
-    assert final["rm/eval_accuracy"] >= 0.8, final
-    assert all(final[f"rm/eval_accuracy_head{k}"] >= 0.7 for k in range(NUM_HEADS)), final
+    assert final["rm/eval_accuracy"] >= 0.75, final
+    assert all(final[f"rm/eval_accuracy_head{k}"] >= 0.65 for k in range(NUM_HEADS)), final
     assert final["rm/eval_sigma_mean"] > 0
     first_loss = np.mean([line["rm/loss"] for line in lines[:5]])
     last_loss = np.mean([line["rm/loss"] for line in lines[-5:]])

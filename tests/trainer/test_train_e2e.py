@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from multirank import free_port, run_ranks
+from trainer_runs import launch
 
 REQUIRED_KEYS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_coef",
@@ -24,53 +24,9 @@ REQUIRED_KEYS = [
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from data_tools.make_demo_task import make_demo_task
-
-    root = tmp_path_factory.mktemp("demo")
-    make_demo_task(str(root / "data"), 256, seed=0, num_eval_prompts=12)
-    subprocess.run([sys.executable, "-m", "data_tools.train_tokenizer", "--input", str(root / "data" / "corpus.txt"),
-                    "--model-prefix", str(root / "data" / "tok"), "--vocab-size", "96"], check=True,
-                   capture_output=True)
-    run_ranks(save_initial_policy, args=(str(root / "init"),))
-    return root
-
-
-def _overrides(root, run_dir, extra=()):
-    d = root / "data"
-    return [f"data.tokenizer_path={d / 'tok.model'}", f"data.prompt_path={d / 'prompts.jsonl'}",
-            f"data.preference_path={d / 'preferences.jsonl'}", f"data.eval_prompt_path={d / 'eval_prompts.jsonl'}",
-            f"trainer.run_dir={run_dir}", "logging.wandb.mode=disabled", "trainer.total_steps=2",
-            "trainer.global_batch_size=4", "trainer.preference_batch_size=4", "trainer.micro_batch_size=4",
-            "rollout.n=2", "rollout.max_new_tokens=6", "model.num_layers=4", f"model.policy_path={root / 'init'}",
-            "algorithm.advantage.estimator=gae", "trainer.eval_interval=2", "rollout.temperature=1.0", *extra]
-
-
-def save_initial_policy(groups, path):
-    import torch
-
-    from hpa.config import load_config
-    from hpa.models import build_policy
-    from hpa.trainer.checkpoint import save_model_weights
-
-    cfg = load_config(None, ["model.num_layers=4"])
-    torch.manual_seed(0)
-    save_model_weights(build_policy(cfg.model, cfg.parallel, groups), path, groups)
-
-
-def _launch(root, run_dir, nproc, extra=()):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "-m", "hpa.train", *_overrides(root, run_dir, extra)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
 def runs(demo):
-    dp2 = _launch(demo, demo / "tp1_pp1_dp2", 2)
-    tp2pp2dp2 = _launch(demo, demo / "tp2_pp2_dp2", 8, ["parallel.tensor_model_parallel_size=2",
+    dp2 = launch(demo, demo / "tp1_pp1_dp2", 2)
+    tp2pp2dp2 = launch(demo, demo / "tp2_pp2_dp2", 8, ["parallel.tensor_model_parallel_size=2",
                                                           "parallel.pipeline_model_parallel_size=2"])
     return dp2, tp2pp2dp2
 

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .base import RolloutBatch, SamplingParams, TokenizerInfo
+from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo
 
 logger = logging.getLogger(__name__)
 

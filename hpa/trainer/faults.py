@@ -1,0 +1,65 @@
+"""Fault injection for the fault-tolerance tests (and for drills on a real cluster).
+
+``HPA_INJECT_FAULT`` holds comma-separated ``kind@step`` or ``kind@step:rank`` entries:
+
+- ``nan_loss@3``: the policy loss of step 3 is NaN (the guard must skip the step);
+- ``nan_reward@3``: one response's raw reward at step 3 is NaN (it must be dropped and counted);
+- ``kl_spike@3``: the guard sees an infinite token KL after step 3 (it must roll back);
+- ``kill@3:1``: rank 1 kills itself with SIGKILL at the start of step 3.
+
+Steps count from 1. Each fault fires once per process (a rolled-back step does not fault again).
+Nothing happens when the variable is unset.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Optional, Set, Tuple
+
+ENV = "HPA_INJECT_FAULT"
+
+
+def _parse() -> Set[Tuple[str, int, Optional[int]]]:
+    out = set()
+    for item in filter(None, (x.strip() for x in os.environ.get(ENV, "").split(","))):
+        try:
+            kind, _, where = item.partition("@")
+            step, _, rank = where.partition(":")
+            out.add((kind, int(step), int(rank) if rank else None))
+        except ValueError:
+            raise ValueError(f"{ENV}: cannot parse {item!r}; use kind@step or kind@step:rank") from None
+    return out
+
+
+_FIRED: Set[Tuple[str, int]] = set()
+
+
+def active(kind: str, step: int, rank: int) -> bool:
+    hit = (kind, step) not in _FIRED and any(
+        k == kind and s == step and (r is None or r == rank) for k, s, r in _parse())
+    if hit:
+        _FIRED.add((kind, step))
+    return hit
+
+
+def maybe_kill(step: int, rank: int) -> None:
+    if active("kill", step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nan_first_reward(shaped_reward):
+    """A copy of an ``UncertaintyAwareReward`` whose base reward is NaN for the first response."""
+    import copy
+
+    base = shaped_reward.base
+
+    def poisoned(inputs):
+        out = base(inputs)
+        out.rewards = out.rewards.clone()
+        out.rewards[0] = float("nan")
+        return out
+
+    clone = copy.copy(shaped_reward)
+    clone.base = poisoned
+    return clone

@@ -1,0 +1,171 @@
+"""Fault tolerance: exact resume after a kill, SIGTERM checkpoints, corrupt shards, the guard."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from multirank import free_port, run_ranks
+from trainer_runs import launch, overrides, read_metrics
+
+VOLATILE = ("timing_s/", "perf/")
+
+
+def comparable(record):
+    return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
+
+
+def assert_same_metrics(a, b, steps):
+    by_step_a = {r["step"]: comparable(r) for r in a}
+    by_step_b = {r["step"]: comparable(r) for r in b}
+    for step in steps:
+        ra, rb = by_step_a[step], by_step_b[step]
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert rb[k] == pytest.approx(ra[k], rel=1e-6, abs=1e-6), (step, k)
+
+
+FOUR_STEPS = ["trainer.total_steps=4", "checkpoint.save_interval=1", "guard.kl_rollback_threshold=null"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(demo):
+    return launch(demo, demo / "ft_ref", 4, FOUR_STEPS)
+
+
+def test_kill_9_one_rank_then_resume_equals_uninterrupted(demo, uninterrupted):
+    run_dir = demo / "ft_killed"
+    launch(demo, run_dir, 4, FOUR_STEPS, env={"HPA_INJECT_FAULT": "kill@3:1"}, expect=None)
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert ckpts[-1] == "step_00000002"  # died in step 3
+    resumed = launch(demo, run_dir, 4, FOUR_STEPS + ["checkpoint.resume=auto"])
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert_same_metrics(uninterrupted, resumed, steps=[1, 2, 3, 4])
+
+
+def test_max_steps_per_run_exits_resumable_and_resume_is_exact(demo, uninterrupted):
+    run_dir = demo / "ft_sliced"
+    launch(demo, run_dir, 4, FOUR_STEPS + ["trainer.max_steps_per_run=2"])
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status == {"reason": "max_steps_per_run", "step": 2, "resumable": True, "best_step": 0}
+    resumed = launch(demo, run_dir, 4, FOUR_STEPS)
+    assert_same_metrics(uninterrupted, resumed, steps=[3, 4])
+
+
+def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(demo):
+    from hpa.trainer.checkpoint import verify
+
+    run_dir = demo / "ft_sigterm"
+    cmd = [sys.executable, "-m", "hpa.train", *overrides(demo, run_dir, ["trainer.total_steps=50"])]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port())),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    while time.time() < deadline and len(read_metrics(run_dir)) < 2:  # step 0 (eval) and step 1
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped at step" in err
+    assert json.loads((run_dir / "exit_status.json").read_text())["reason"] == "signal"
+    saved = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert saved and not list((run_dir / "checkpoints").glob("*.tmp"))
+    manifest = verify(saved[-1])
+    assert manifest["step"] == read_metrics(run_dir)[-1]["step"] < 50
+
+
+def test_truncated_shard_is_detected_and_resume_falls_back(demo, uninterrupted, caplog):
+    import shutil
+
+    from hpa.config.schema import CheckpointConfig
+    from hpa.trainer.checkpoint import CheckpointError, CheckpointManager, verify
+
+    run_dir = demo / "ft_corrupt"
+    shutil.copytree(demo / "ft_ref" / "checkpoints", run_dir / "checkpoints")
+    latest = run_dir / "checkpoints" / "step_00000004"
+    shard = max((p for p in (latest / "policy").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"{shard.name}.*truncated"):
+        verify(latest)
+
+    class Groups:  # one process, no torch.distributed: the manager only needs these
+        is_main, rank = True, 0
+
+    manager = CheckpointManager(CheckpointConfig(), run_dir, Groups())
+    with caplog.at_level("WARNING", logger="hpa"):
+        chosen = manager.find_resumable("auto")
+    assert chosen.name == "step_00000003"
+    assert "falling back" in caplog.text and shard.name in caplog.text
+
+
+def test_top_k_retention_keeps_exactly_the_right_checkpoints(tmp_path):
+    from hpa.config.schema import CheckpointConfig
+    from hpa.trainer.checkpoint import CheckpointManager, write_manifest
+
+    class Groups:
+        is_main, rank = True, 0
+
+    scores = {1: 0.5, 2: 0.9, 3: 0.1, 4: 0.7, 5: None, 6: 0.3, 7: 0.2}
+    for step, score in scores.items():
+        d = tmp_path / "checkpoints" / CheckpointManager.name(step)
+        d.mkdir(parents=True)
+        (d / "trainer_state.pt").write_bytes(b"x")
+        write_manifest(d, step, score)
+    manager = CheckpointManager(CheckpointConfig(keep_last=2, keep_top_k=2), tmp_path, Groups())
+    manager.prune()
+    left = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert left == [2, 4, 6, 7]  # the last two (6, 7) and the two best scores (2: 0.9, 4: 0.7)
+
+
+def compare_weights_worker(groups, first, second):
+    from hpa.config import load_config
+    from hpa.models import build_policy
+    from hpa.trainer.checkpoint import load_model_weights
+
+    cfg = load_config(None, ["model.num_layers=4"])
+    out = []
+    for path in (first, second):
+        model = build_policy(cfg.model, cfg.parallel, groups)
+        load_model_weights(model, path, groups)
+        out.append({k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)
+                    and not k.endswith("_extra_state")})
+    return all(torch.equal(out[0][k], out[1][k]) for k in out[0]), any(
+        not torch.equal(out[0][k], out[1][k]) for k in out[0])
+
+
+def test_nan_loss_skips_the_step_bit_identically_and_nan_reward_is_dropped(demo):
+    run_dir = demo / "ft_nan"
+    metrics = launch(demo, run_dir, 1, ["trainer.total_steps=4", "checkpoint.save_interval=1",
+                                        "checkpoint.keep_last=10", "guard.kl_rollback_threshold=null"],
+                     env={"HPA_INJECT_FAULT": "nan_loss@2,nan_reward@3"})
+    by_step = {r["step"]: r for r in metrics}
+    assert by_step[1]["guard/skipped_steps"] == 0
+    assert by_step[2]["guard/skipped_steps"] == 1
+    assert by_step[4]["guard/skipped_steps"] == 1  # training went on
+    assert by_step[3]["reward/nonfinite_count"] > 0 and by_step[2]["reward/nonfinite_count"] == 0
+    ck = run_dir / "checkpoints"
+    same, _ = run_ranks(compare_weights_worker, args=(str(ck / "step_00000001"), str(ck / "step_00000002")))[0]
+    assert same  # the skipped step left the policy bit-identical
+    _, moved = run_ranks(compare_weights_worker, args=(str(ck / "step_00000002"), str(ck / "step_00000003")))[0]
+    assert moved  # and the next step did update it
+
+
+def test_kl_spike_rolls_back_lowers_the_lr_and_continues(demo):
+    run_dir = demo / "ft_spike"
+    metrics = launch(demo, run_dir, 1, ["trainer.total_steps=4", "checkpoint.save_interval=2",
+                                        "guard.kl_rollback_threshold=10.0"],
+                     env={"HPA_INJECT_FAULT": "kl_spike@3"})
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4]
+    by_step = {r["step"]: r for r in metrics}
+    assert by_step[2]["guard/rollbacks"] == 0
+    assert by_step[3]["guard/rollbacks"] == 1 and by_step[3]["guard/lr_scale"] == 0.5
+    assert by_step[3]["actor/lr"] == pytest.approx(0.5 * by_step[2]["actor/lr"])
+    assert by_step[4]["guard/rollbacks"] == 1

@@ -1,0 +1,56 @@
+"""Helpers of the trainer tests: launch ``hpa train`` on the demo task under torchrun, read its metrics."""
+
+import json
+import os
+import subprocess
+import sys
+
+from multirank import free_port, run_ranks
+
+def overrides(root, run_dir, extra=()):
+    d = root / "data"
+    return [f"data.tokenizer_path={d / 'tok.model'}", f"data.prompt_path={d / 'prompts.jsonl'}",
+            f"data.preference_path={d / 'preferences.jsonl'}", f"data.eval_prompt_path={d / 'eval_prompts.jsonl'}",
+            f"trainer.run_dir={run_dir}", "logging.wandb.mode=disabled", "trainer.total_steps=2",
+            "trainer.global_batch_size=4", "trainer.preference_batch_size=4", "trainer.micro_batch_size=4",
+            "rollout.n=2", "rollout.max_new_tokens=6", "model.num_layers=4", f"model.policy_path={root / 'init'}",
+            "algorithm.advantage.estimator=gae", "trainer.eval_interval=2", "rollout.temperature=1.0", *extra]
+
+
+def save_initial_policy(groups, path):
+    import torch
+
+    from hpa.config import load_config
+    from hpa.models import build_policy
+    from hpa.trainer.checkpoint import save_model_weights
+
+    cfg = load_config(None, ["model.num_layers=4"])
+    torch.manual_seed(0)
+    save_model_weights(build_policy(cfg.model, cfg.parallel, groups), path, groups)
+
+
+def launch(root, run_dir, nproc, extra=(), env=None, expect=0):
+    """``torchrun -m hpa.train`` on the demo task; returns the metrics (and checks the exit code)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", "-m", "hpa.train", *overrides(root, run_dir, extra)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if expect is not None:
+        assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def make_demo(root):
+    """A small demo task, its tokenizer and one initial policy checkpoint (TP1) under ``root``."""
+    from data_tools.make_demo_task import make_demo_task
+
+    make_demo_task(str(root / "data"), 256, seed=0, num_eval_prompts=12)
+    subprocess.run([sys.executable, "-m", "data_tools.train_tokenizer", "--input", str(root / "data" / "corpus.txt"),
+                    "--model-prefix", str(root / "data" / "tok"), "--vocab-size", "96"], check=True,
+                   capture_output=True)
+    run_ranks(save_initial_policy, args=(str(root / "init"),))
+    return root
