@@ -16,6 +16,11 @@ python -m data_tools.make_demo_task --out-dir "$OUT/data" --num-prompts 4096 --n
     --num-sft 1024 --flip-fraction 0.12 --seed 0
 python -m data_tools.train_tokenizer --input "$OUT/data/corpus.txt" --model-prefix "$OUT/data/tok" --vocab-size 128
 hpa sft --config "$CONFIG" "${COMMON[@]}"
-hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" "$@"
+# the reward-model ensemble (3 bootstrap heads) in its own run directory
+hpa train-rm --config "$CONFIG" "${COMMON[@]}" trainer.run_dir="$OUT/rm" trainer.total_steps=150 \
+    trainer.preference_batch_size=32 trainer.micro_batch_size=32 trainer.eval_interval=50 optim.lr=1e-3 \
+    reward.num_heads=3 model.policy_path=null
+hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" \
+    reward.model_paths="[$OUT/rm/reward_model]" reward.num_heads=3 "$@"
 hpa report "$OUT" || true
 echo "main job finished in $(( $(date +%s) - start )) s; metrics in $OUT/metrics.jsonl"

@@ -59,7 +59,13 @@ class HPATrainer:
         self.schedules = {name: make_schedule(**dataclasses.asdict(getattr(algo.hpa, name)))
                           for name in ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic")}
         self.schedules["entropy_coef"] = make_schedule(**dataclasses.asdict(algo.ppo.entropy_coef))
-        self.reward = build_reward(cfg.reward)
+        model_reward = None
+        if cfg.reward.model_paths:  # the reward-model ensemble (hpa train-rm), next to the rule rewards
+            from hpa.reward.model import ModelReward
+
+            model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups,
+                                                   pad_id=self.tokenizer.pad_id, micro_batch_size=self.mbs)
+        self.reward = build_reward(cfg.reward, model_reward)
         self.guard = Guard(cfg.guard)
         self.ckpt = CheckpointManager(cfg.checkpoint, self.run_dir, groups)
         self.step = 0
