@@ -23,6 +23,7 @@ from hpa.algorithms.kl import kl_warmup_scale, make_kl_controller
 from hpa.algorithms.schedules import make_schedule, progress
 from hpa.config import write_resolved
 from hpa.config.schema import Config, to_dict
+from hpa.data.collate import balanced_micro_batches, token_budget_micro_batches
 from hpa.data.preferences import PreferenceDataset
 from hpa.data.prompts import PromptDataset
 from hpa.data.sampler import DistributedBatchSampler
@@ -396,12 +397,26 @@ class HPATrainer:
         return mbs
 
     def _rollout_micro_batches(self, batch: RolloutBatch, ts, mask, rows: List[int]) -> List[dict]:
+        """Micro-batches of ``rows``: ``trainer.micro_batch_size`` rows each, or, with
+        ``trainer.ppo_max_token_len_per_rank``, groups under that token budget, each cut to its own
+        longest sequence (so short responses do not pay for long ones). Every DP rank gets the same
+        number of micro-batches (the pipeline schedule and DDP need it)."""
         pool_mask = phases.response_token_mask(ts, batch.response_mask)
+        lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+        budget = self.cfg.trainer.ppo_max_token_len_per_rank
+        if budget is None:
+            groups = [[rows[i] for i in chunk] for chunk in phases.chunks(len(rows), self.mbs)]
+        else:
+            own = len(token_budget_micro_batches([lengths[r] for r in rows], budget))
+            count = int(comm.all_reduce_max(torch.tensor([own]), self.groups.dp_group).item())
+            groups = [[rows[i] for i in g] for g in balanced_micro_batches([lengths[r] for r in rows], count)]
         out = []
-        for chunk in phases.chunks(len(rows), self.mbs):
-            idx = torch.tensor([rows[i] for i in chunk])
-            mb = ts.micro_batch(idx)
-            mb.update(kind="rollout", mask=mask[idx], pool_mask=pool_mask[idx],
+        for group in groups:
+            idx = torch.tensor(group)
+            width = max(lengths[r] for r in group)
+            mb = {k: v[:, :width] for k, v in ts.micro_batch(idx).items() if k != "response_index"}
+            mb["response_index"] = ts.response_index[idx].clamp(max=width - 1)
+            mb.update(kind="rollout", mask=mask[idx], pool_mask=pool_mask[idx][:, :width],
                       **{k: batch.get(k)[idx] for k in ("old_log_probs", "ref_log_probs", "ref_pooled",
                                                         "advantages", "returns")},
                       **({"values": batch.get("values")[idx]} if self.critic is not None else {}))

@@ -51,3 +51,14 @@ def test_rollout_logprobs_match_training_forward(runs):
     for run in runs:
         for record in run[1:]:
             assert record["rollout/logprob_diff_max"] < 1e-4
+
+
+def test_token_budget_micro_batches_give_the_same_step(demo):
+    """Dynamic micro-batches under ``ppo_max_token_len_per_rank`` (each cut to its longest row) change
+    the compute, not the update: the step's losses and grad norm equal those of fixed micro-batches."""
+    common = ["trainer.total_steps=1", "trainer.eval_interval=0", "trainer.micro_batch_size=8"]
+    fixed = launch(demo, demo / "budget_off", 1, common)
+    budget = launch(demo, demo / "budget_on", 1, common + ["trainer.ppo_max_token_len_per_rank=24"])
+    for key in ("actor/pg_loss", "kl/token", "kl/semantic", "dpo/loss", "critic/vf_loss", "actor/grad_norm",
+                "actor/entropy"):
+        assert budget[-1][key] == pytest.approx(fixed[-1][key], rel=1e-5, abs=1e-7), key
