@@ -20,7 +20,9 @@ hpa sft --config "$CONFIG" "${COMMON[@]}"
 hpa train-rm --config "$CONFIG" "${COMMON[@]}" trainer.run_dir="$OUT/rm" trainer.total_steps=150 \
     trainer.preference_batch_size=32 trainer.micro_batch_size=32 trainer.eval_interval=50 optim.lr=1e-3 \
     reward.num_heads=3 model.policy_path=null
+# HPA with the rule reward (exact match) plus the ensemble; the tiny ensemble is weak on this task, so the
+# verifiable rule reward carries 4x its weight
 hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" \
-    reward.model_paths="[$OUT/rm/reward_model]" reward.num_heads=3 "$@"
+    reward.model_paths="[$OUT/rm/reward_model]" reward.num_heads=3 reward.rule_weight=4.0 "$@"
 hpa report "$OUT" || true
 echo "main job finished in $(( $(date +%s) - start )) s; metrics in $OUT/metrics.jsonl"
