@@ -261,10 +261,14 @@ class CheckpointManager:
             loaded = dist_checkpointing.load(sharded, str(path / name), strict=StrictHandling.RAISE_ALL)
             unwrap(model).load_state_dict(loaded["model"], strict=False)
             optimizer.load_state_dict(loaded["optimizer"])
+        state = torch.load(path / "trainer_state.pt", weights_only=True)
         rng_file = path / "rng" / f"rank_{self.groups.rank:05d}.pt"
-        if rng_file.is_file():  # absent when the layout changed: RNG streams cannot be resharded
+        if state.get("layout") == self.groups.layout and rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=True))
-        return torch.load(path / "trainer_state.pt", weights_only=True)
+        elif self.groups.is_main:  # RNG streams belong to ranks of one layout; they cannot be resharded
+            logger.warning("checkpoint %s was saved under %s; resuming under %s with fresh RNG streams",
+                           path, state.get("layout"), self.groups.layout)
+        return state
 
     def prune(self) -> None:
         """Keep the ``keep_last`` newest and the ``keep_top_k`` best-scoring checkpoints (main rank)."""

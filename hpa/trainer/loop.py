@@ -229,7 +229,11 @@ class HPATrainer:
 
     def state_dict(self) -> Dict:
         """Everything besides models and optimizers that exact resume needs (identical on all ranks)."""
-        state = {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "guard": self.guard.state_dict(),
+        state = {"step": self.step, "layout": self.groups.layout,
+                 # the frozen models are recorded by path (their weights are not copied into the checkpoint)
+                 "reference_path": self.cfg.model.reference_path or self.cfg.model.policy_path,
+                 "reward_model_paths": list(self.cfg.reward.model_paths),
+                 "kl_ctrl": self.kl_ctrl.state_dict(), "guard": self.guard.state_dict(),
                  "prompt_sampler": self.prompt_sampler.state_dict(), "pair_sampler": self.pair_sampler.state_dict(),
                  "reward": self.reward.state_dict(), "policy_sched": self.policy_sched.state_dict(),
                  "last_eval": self.last_eval}

@@ -169,3 +169,23 @@ def test_kl_spike_rolls_back_lowers_the_lr_and_continues(demo):
     assert by_step[3]["guard/rollbacks"] == 1 and by_step[3]["guard/lr_scale"] == 0.5
     assert by_step[3]["actor/lr"] == pytest.approx(0.5 * by_step[2]["actor/lr"])
     assert by_step[4]["guard/rollbacks"] == 1
+
+
+def test_run_checkpoint_saved_at_tp1_dp4_resumes_under_tp2_pp2(demo, uninterrupted):
+    """A run checkpoint (models, optimizer states, run state) reshards: saved under TP1xDP4 and resumed
+    under TP2xPP2 (DP1), it loads and trains on. Step 4's DPO metrics (same pairs, weights restored
+    from step 3) equal the uninterrupted TP1 run's; rollout metrics differ by design, because the
+    sampling seed of a rollout depends on its DP rank."""
+    import shutil
+
+    run_dir = demo / "ft_reshard"
+    shutil.copytree(demo / "ft_ref", run_dir)
+    (run_dir / "checkpoints" / "latest").write_text("step_00000003")
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    resumed = launch(demo, run_dir, 4, FOUR_STEPS + ["parallel.tensor_model_parallel_size=2",
+                                                     "parallel.pipeline_model_parallel_size=2"])
+    ref = {r["step"]: r for r in uninterrupted}[4]
+    got = {r["step"]: r for r in resumed}[4]
+    assert [r["step"] for r in resumed][-2:] == [3, 4]
+    for key in ("dpo/loss", "dpo/reward_acc", "dpo/margin", "dpo/chosen_reward"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
