@@ -1,11 +1,17 @@
 """Native rollout engine: incremental decoding on the policy GPTModel as it is sharded for training.
 
-Decoding uses megatron-core's own KV cache: a ``StaticInferenceContext`` passed as
-``inference_context=`` to ``GPTModel.forward``. Its attention layers allocate per-layer key/value
-buffers ``[max_seq, b, groups/tp, head_dim]`` on the first (prefill) call, append each step's keys and
-values at ``sequence_len_offset`` and apply RoPE to the whole cached prefix; with the context the
-last stage returns only the last position's logits, gathered over TP (``runtime_gather_output``),
-``[b, 1, v_padded]``.
+Three KV-cache modes (``kv_cache=``):
+
+- ``"hpa"`` (default): ``hpa.rollout.kv_cache.CachedDecoder`` walks the GPTModel's own modules with
+  a cache of keys rotated once, when written, and SDPA attention over it (see that module for why
+  megatron's static context is not the default). Falls back to ``"megatron"`` for architectures it
+  does not implement, and says why.
+- ``"megatron"``: megatron-core's ``StaticInferenceContext`` passed as ``inference_context=`` to
+  ``GPTModel.forward``. Its attention layers allocate per-layer key/value buffers
+  ``[max_seq, b, groups/tp, head_dim]`` on the prefill call, append each step's keys and values at
+  ``sequence_len_offset`` and re-apply RoPE to the whole cached prefix; the last stage returns only
+  the last position's logits, gathered over TP (``runtime_gather_output``), ``[b, 1, v_padded]``.
+- ``"none"``: recompute the whole sequence every step (same mask, no cache): slow, for checking.
 
 Layout of one ``generate`` call (``b = prompts · n`` rows, ``p`` = longest prompt):
 
@@ -23,17 +29,17 @@ Layout of one ``generate`` call (``b = prompts · n`` rows, ``p`` = longest prom
 - A row stops on EOS, a stop id or ``max_new_tokens``; finished rows are fed padding (masked, never
   attended to by other rows) until every row has stopped.
 
-``use_kv_cache=False`` recomputes the whole sequence every step (same mask, no inference context):
-slow, for checking the cache.
-
-Limits: Transformer Engine attention drops ``attention_mask`` under a causal mask type, so with the
-TE spec prompts of different lengths are refused (use ``model.transformer_impl=local`` or vLLM);
-sequence parallelism is refused (a decode step has one position). The batch comes back on the CPU.
+Limits: in the ``"megatron"`` and ``"none"`` modes Transformer Engine attention drops
+``attention_mask`` under a causal mask type, so with the TE spec prompts of different lengths are
+refused there (the ``"hpa"`` mode masks padding itself); sequence parallelism is refused (a decode
+step has one position). The batch comes back on the CPU.
 """
 
 from __future__ import annotations
 
 from typing import List, Optional
+
+import logging
 
 import torch
 import torch.distributed as dist
@@ -42,7 +48,13 @@ from hpa.distributed.groups import ParallelGroups
 
 from .base import (FINISH_LENGTH, FINISH_STOP, RolloutBatch, RolloutEngine, SamplingParams, TokenizerInfo,
                    prompt_token_lists)
+from .kv_cache import CachedDecoder, unsupported_reason
 from .sampling import sample_tokens
+
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_MODES = ("hpa", "megatron", "none")
 
 
 def _group_size(group) -> int:
@@ -87,25 +99,33 @@ class MegatronRolloutEngine(RolloutEngine):
         groups: its ``ParallelGroups``; ``generate`` is collective over the TP×PP model-parallel
             group, and every DP rank samples its own prompts.
         tokenizer_info: vocab size, EOS and pad ids.
-        use_kv_cache: False recomputes the full sequence each step (for tests).
+        kv_cache: ``"hpa"`` (default), ``"megatron"`` or ``"none"`` (see the module docstring).
     """
 
     name = "megatron"
 
-    def __init__(self, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo, *, use_kv_cache: bool = True):
+    def __init__(self, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo, *, kv_cache: str = "hpa"):
         from hpa.models.heads import unwrap
 
         self.model = model
         self.module = unwrap(model)
         self.groups = groups
         self.tokenizer_info = tokenizer_info
-        self.use_kv_cache = use_kv_cache
         self.config = self.module.config
         if self.config.sequence_parallel:
             raise ValueError("the native rollout engine decodes one token per step and cannot split it over "
                              "the sequence: set parallel.sequence_parallel=false or rollout.engine=vllm")
+        if kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {kv_cache!r}")
+        if kv_cache == "hpa":
+            reason = unsupported_reason(self.module)
+            if reason is not None:
+                logger.warning("native rollout engine: hpa's KV-cache decode does not implement %s; "
+                               "using megatron's StaticInferenceContext instead", reason)
+                kv_cache = "megatron"
+        self.kv_cache = kv_cache
         self.max_sequence_length = self.module.max_sequence_length
-        self.masks_padding = _attention_honours_masks(self.module)
+        self.masks_padding = kv_cache == "hpa" or _attention_honours_masks(self.module)
 
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -142,7 +162,7 @@ class MegatronRolloutEngine(RolloutEngine):
         if not params.greedy:
             generator = torch.Generator(device=device)
             generator.manual_seed(int(params.seed))
-        context = self._new_context(b, total) if self.use_kv_cache else None
+        context = self._new_context(b, total)
 
         was_training = self.module.training
         self.module.eval()
@@ -151,9 +171,9 @@ class MegatronRolloutEngine(RolloutEngine):
             for step in range(r_max):
                 end = p + step
                 start = 0 if (step == 0 or context is None) else end - 1
-                logits = self._forward(tokens[:, start:end], positions[:, start:end],
-                                       attention_mask(key_valid, start, end), context)  # [b, v] or None
-                if context is not None:
+                logits = self._forward(tokens[:, start:end], positions[:, start:end], key_valid, start, end,
+                                       context)  # [b, v_padded] or None
+                if self.kv_cache == "megatron":
                     context.increment_sequence_len_offset(end - start)
                     context.enable_decode_mode()
                 new_tokens, new_log_probs = self._sample_and_broadcast(logits, params, generator, b)
@@ -183,28 +203,40 @@ class MegatronRolloutEngine(RolloutEngine):
 
     # ----------------------------------------------------------------------------------------------
     def _new_context(self, batch_size: int, max_sequence_length: int):
-        from megatron.core.inference.contexts import StaticInferenceContext
+        if self.kv_cache == "hpa":
+            return CachedDecoder(self.module, batch_size, max_sequence_length)
+        if self.kv_cache == "megatron":
+            from megatron.core.inference.contexts import StaticInferenceContext
 
-        return StaticInferenceContext(batch_size, max_sequence_length)
+            return StaticInferenceContext(batch_size, max_sequence_length)
+        return None
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                 context) -> Optional[torch.Tensor]:
-        """One pipelined forward of ``[b, s_q]`` tokens; the last stage returns ``[b, v_padded]``
-        logits of the last position (gathered over TP), other stages None."""
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_valid: torch.Tensor,
+                 start: int, end: int, context) -> Optional[torch.Tensor]:
+        """One pipelined forward of positions ``[start, end)`` (``input_ids`` ``[b, s_q]``); the last
+        stage returns ``[b, v_padded]`` logits of the last position (gathered over TP), others None."""
         g = self.groups
         b, s_q = input_ids.shape
+        hidden = None
         if not g.is_first_stage:
             hidden = torch.empty((s_q, b, self.config.hidden_size), dtype=self.config.pipeline_dtype,
                                  device=g.device)  # [s_q, b, h]
             dist.recv(hidden, src=_group_src(g.pp_group, g.pp_rank - 1), group=g.pp_group)
-            self.module.set_input_tensor(hidden)
-        if context is not None:
-            out = self.module(input_ids, position_ids, mask, inference_context=context, runtime_gather_output=True)
+        if self.kv_cache == "hpa":
+            out = context.forward(input_ids, hidden, start, end, key_valid)
         else:
-            out = self.module(input_ids, position_ids, mask)
+            if hidden is not None:
+                self.module.set_input_tensor(hidden)
+            mask = attention_mask(key_valid, start, end)
+            if context is not None:
+                out = self.module(input_ids, position_ids, mask, inference_context=context, runtime_gather_output=True)
+            else:
+                out = self.module(input_ids, position_ids, mask)
         if not g.is_last_stage:
             dist.send(out.contiguous(), dst=_group_src(g.pp_group, g.pp_rank + 1), group=g.pp_group)
             return None
+        if self.kv_cache == "hpa":
+            return out  # [b, v_padded]
         if context is not None:
             return out[:, -1, :]  # [b, v_padded]
         last = out[:, -1, :].contiguous()  # [b, v/tp]

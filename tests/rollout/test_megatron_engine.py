@@ -2,7 +2,8 @@
 
 One spawn per layout runs every check; the tests below compare what the spawns returned:
 - greedy tokens are identical across layouts; seeded samples too;
-- the KV-cache decode equals a no-cache full recompute of the same tokens;
+- the KV-cache decode (hpa's own cache, and megatron's static inference context) equals a no-cache
+  full recompute of the same tokens;
 - EOS and stop ids end rows on their own (the stopped run is the unstopped run truncated), with the
   right finish reason and length; prompts of different lengths exercise left padding;
 - the rollout log-probs equal the training forward's (``forward_backward`` + ``vocab_parallel_log_probs``
@@ -82,9 +83,9 @@ def engine_worker(groups, ckpt_dir, save):
     model = build_policy(tiny_model_config(), parallel, groups)
     load_model_weights(model, ckpt_dir, groups)
 
-    def engine(eos=1, kv=True):
+    def engine(eos=1, kv="hpa"):
         return MegatronRolloutEngine(model, groups, TokenizerInfo(vocab_size=VOCAB, eos_token_id=eos,
-                                                                  pad_token_id=PAD), use_kv_cache=kv)
+                                                                  pad_token_id=PAD), kv_cache=kv)
 
     def pack(batch):
         return {"response_ids": batch.response_ids.numpy(), "response_mask": batch.response_mask.numpy(),
@@ -100,15 +101,19 @@ def engine_worker(groups, ckpt_dir, save):
     eos, stop = choose_stops(sampled.response_ids)
     stop_params = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, stop_token_ids=(stop,), seed=11)
     stopped = engine(eos).generate(ps, stop_params)
-    stopped_nocache = engine(eos, kv=False).generate(ps, stop_params)
-    greedy_nocache = engine(kv=False).generate(ps, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW,
-                                                                   ignore_eos=True))
+    stopped_nocache = engine(eos, kv="none").generate(ps, stop_params)
+    stopped_megatron = engine(eos, kv="megatron").generate(ps, stop_params)
+    greedy_params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+    greedy_nocache = engine(kv="none").generate(ps, greedy_params)
+    greedy_megatron = engine(kv="megatron").generate(ps, greedy_params)
     t07_params = SamplingParams(n=2, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=MAX_NEW,
                                 stop_token_ids=(stop,), seed=5)
     t07 = engine(eos).generate(ps, t07_params)
     out["eos_stop"] = (eos, stop)
+    out["default_kv_cache"] = engine().kv_cache
     for name, batch in [("greedy", greedy), ("sampled", sampled), ("stopped", stopped),
-                        ("stopped_nocache", stopped_nocache), ("greedy_nocache", greedy_nocache), ("t07", t07)]:
+                        ("stopped_nocache", stopped_nocache), ("greedy_nocache", greedy_nocache), ("t07", t07),
+                        ("stopped_megatron", stopped_megatron), ("greedy_megatron", greedy_megatron)]:
         out[name] = pack(batch)
     for name, batch, temperature in [("greedy", greedy, 1.0), ("stopped", stopped, 1.0), ("t07", t07, 0.7)]:
         train = training_log_probs(model, groups, batch, temperature)
@@ -151,7 +156,9 @@ def test_every_rank_gets_the_same_rollout(root, tp, pp):
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=IDS)
 def test_kv_cache_equals_full_recompute(root, tp, pp):
     res = run_layout(tp, pp, root)[-1]
-    for cached, full in [("stopped", "stopped_nocache"), ("greedy", "greedy_nocache")]:
+    assert res["default_kv_cache"] == "hpa"  # hpa's own cache, not the fallback to megatron's context
+    for cached, full in [("stopped", "stopped_nocache"), ("greedy", "greedy_nocache"),
+                         ("stopped_megatron", "stopped_nocache"), ("greedy_megatron", "greedy_nocache")]:
         np.testing.assert_array_equal(res[cached]["response_ids"], res[full]["response_ids"])
         np.testing.assert_array_equal(res[cached]["response_mask"], res[full]["response_mask"])
         np.testing.assert_allclose(res[cached]["log_probs"], res[full]["log_probs"], atol=1e-5, rtol=0)

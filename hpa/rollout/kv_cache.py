@@ -1,0 +1,154 @@
+"""hpa's own KV-cache decode over a megatron ``GPTModel``'s modules (the native engine's default).
+
+megatron-core 0.16's ``StaticInferenceContext`` path stores keys *before* RoPE and re-applies the
+rotary embedding to the whole cached prefix at every decode step, then runs the local spec's
+unfused attention with a ``repeat_interleave`` of the GQA groups over the whole cache: per-step cost
+grows with the sequence, and on CPU it made the engine 4x slower than HF ``generate``. This decoder
+walks the same modules the training forward uses (embedding, each ``TransformerLayer``'s
+``input_layernorm``, ``linear_qkv`` through ``get_query_key_value_tensors``, ``linear_proj``, the
+bias-dropout-add, megatron's own ``_forward_mlp``, the final norm and the output layer) and changes
+only the attention core:
+
+- keys are rotated once, when they are written, and cached rotated: ``[b, g/tp, S, d]`` per layer;
+- attention is ``torch.nn.functional.scaled_dot_product_attention`` over the cached prefix, with the
+  GQA groups shared (``enable_gqa``) instead of copied;
+- only the last position goes through the final norm and the output layer.
+
+The numerics are those of the training forward up to fp32 rounding: RoPE rotates by the position in
+the padded row (as megatron does when it ignores ``position_ids``), padded keys get zero weight, and
+the softmax scale is the core attention's. Left-padding rows (all of whose keys are padding) attend
+to themselves only, which keeps them finite; nothing attends to them.
+
+``unsupported_reason(module)`` names what this decoder does not implement (sliding windows, output
+gates, MLA, ...); the engine then falls back to megatron's inference context.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def unsupported_reason(module) -> Optional[str]:
+    """Why ``CachedDecoder`` cannot run this GPTModel, or None when it can."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    config = module.config
+    checks = [
+        (getattr(module, "position_embedding_type", None) != "rope", "position embedding is not plain RoPE"),
+        (bool(getattr(config, "multi_latent_attention", False)), "multi-latent attention"),
+        (getattr(config, "window_size", None) is not None, "sliding-window attention"),
+        (bool(getattr(config, "attention_output_gate", False)), "attention output gate"),
+        (bool(getattr(config, "no_rope_freq", None)), "layers without RoPE"),
+        (getattr(config, "softmax_type", "vanilla") != "vanilla", "non-vanilla softmax"),
+        (getattr(config, "num_moe_experts", None) is not None, "mixture of experts"),
+        (getattr(module, "mtp_process", False), "multi-token prediction"),
+        (config.context_parallel_size > 1, "context parallelism"),
+        (config.sequence_parallel, "sequence parallelism"),
+    ]
+    for bad, what in checks:
+        if bad:
+            return what
+    for layer in module.decoder.layers:
+        if not isinstance(layer.self_attention, SelfAttention):
+            return f"attention module {type(layer.self_attention).__name__}"
+        if not isinstance(layer.cross_attention, IdentityOp):
+            return "cross attention"
+    return None
+
+
+class CachedDecoder:
+    """Incremental forward of one pipeline stage of a GPTModel with a rotated-key KV cache.
+
+    Args:
+        module: the unwrapped GPTModel (this stage's layers), in eval mode while decoding.
+        batch_size: rows ``b`` of the generate call.
+        max_sequence_length: prompt + response positions ``S`` to allocate.
+    """
+
+    def __init__(self, module, batch_size: int, max_sequence_length: int):
+        config = module.config
+        self.module = module
+        self.config = config
+        layers = list(module.decoder.layers)
+        attn = layers[0].self_attention if layers else None
+        dtype, device = config.params_dtype, next(module.parameters()).device
+        self.keys: List[torch.Tensor] = []
+        self.values: List[torch.Tensor] = []
+        for layer in layers:
+            a = layer.self_attention
+            shape = (batch_size, a.num_query_groups_per_partition, max_sequence_length, a.hidden_size_per_attention_head)
+            self.keys.append(torch.empty(shape, dtype=dtype, device=device))  # [b, g/tp, S, d]
+            self.values.append(torch.empty(shape, dtype=dtype, device=device))  # [b, g/tp, S, d]
+        # [S, 1, 1, d_rot]; megatron computes the same table for a training forward of length S
+        self.rotary = module.rotary_pos_emb(max_sequence_length) if layers else None
+        head_dim = attn.hidden_size_per_attention_head if attn is not None else 1
+        # megatron's net scale: config.softmax_scale or 1/sqrt(d) (query-key layer scaling divides the
+        # scores by the layer number and its softmax multiplies them back)
+        self.scale = config.softmax_scale or head_dim ** -0.5
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, hidden: Optional[torch.Tensor], start: int, end: int,
+                key_valid: torch.Tensor) -> torch.Tensor:
+        """Run positions ``[start, end)`` through this stage.
+
+        Args:
+            input_ids: ``[b, end - start]`` tokens (first stage only; ignored elsewhere).
+            hidden: ``[end - start, b, h]`` activations from the previous stage, or None on the first.
+            start, end: the positions; every position before ``start`` is already cached.
+            key_valid: ``[b, >= end]`` bool, True where a position holds a real token.
+
+        Returns:
+            ``[end - start, b, h]`` activations for the next stage, or, on the last stage,
+            ``[b, v_padded]`` logits of position ``end - 1`` gathered over TP.
+        """
+        module = self.module
+        if hidden is None:
+            hidden = module.embedding(input_ids=input_ids, position_ids=None)  # [s_q, b, h]
+        allowed = self._allowed(key_valid, start, end)  # [b, 1, s_q, end]
+        for i, layer in enumerate(module.decoder.layers):
+            hidden = self._layer(i, layer, hidden, start, end, allowed)
+        if not module.post_process:
+            return hidden
+        last = hidden[-1:]  # [1, b, h]
+        if module.decoder.final_layernorm is not None:
+            last = module.decoder.final_layernorm(last)
+        weight = module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights else None
+        logits, _ = module.output_layer(last, weight=weight, runtime_gather_output=True)  # [1, b, v_padded]
+        return logits[0]
+
+    @staticmethod
+    def _allowed(key_valid: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """SDPA's boolean mask (True = attend): causal, real keys only, and always the query itself."""
+        q = torch.arange(start, end, device=key_valid.device).unsqueeze(1)  # [s_q, 1]
+        k = torch.arange(end, device=key_valid.device).unsqueeze(0)  # [1, end]
+        allowed = (k <= q).unsqueeze(0) & key_valid[:, None, :end]  # [b, s_q, end]
+        allowed |= (k == q).unsqueeze(0)
+        return allowed.unsqueeze(1)
+
+    def _layer(self, i: int, layer, hidden: torch.Tensor, start: int, end: int, allowed: torch.Tensor):
+        """One ``TransformerLayer``: megatron's modules, with the attention core over the cache."""
+        attn = layer.self_attention
+        residual = hidden
+        normed = layer.input_layernorm(hidden)  # [s_q, b, h]
+        query, key, value = attn.get_query_key_value_tensors(normed, None)  # [s_q, b, heads/tp, d]
+        if self.rotary is not None:
+            from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+            freqs = self.rotary[start:end]  # [s_q, 1, 1, d_rot]
+            query = apply_rotary_pos_emb(query, freqs, config=self.config)
+            key = apply_rotary_pos_emb(key, freqs, config=self.config)
+        self.keys[i][:, :, start:end] = key.permute(1, 2, 0, 3)
+        self.values[i][:, :, start:end] = value.permute(1, 2, 0, 3)
+        context = F.scaled_dot_product_attention(
+            query.permute(1, 2, 0, 3), self.keys[i][:, :, :end], self.values[i][:, :, :end],  # [b, heads, s, d]
+            attn_mask=allowed, scale=self.scale, enable_gqa=True)  # [b, heads/tp, s_q, d]
+        s_q, b = hidden.shape[0], hidden.shape[1]
+        context = context.permute(2, 0, 1, 3).reshape(s_q, b, -1)  # [s_q, b, heads/tp * d]
+        out_with_bias = attn.linear_proj(context)
+        hidden = layer.self_attn_bda(False, self.config.bias_dropout_fusion)(out_with_bias, residual,
+                                                                            layer.hidden_dropout)
+        return layer._forward_mlp(hidden)
