@@ -1,6 +1,6 @@
 """Advantage estimators: GAE (with a critic) and group-normalised outcome estimators (without).
 
-Numerics follow verl ``core_algos`` (``compute_gae_advantage_return``,
+Numerics follow verl 0.9.1 ``core_algos`` (``compute_gae_advantage_return``,
 ``compute_grpo_outcome_advantage``, ``compute_rloo_outcome_advantage``,
 ``compute_reinforce_plus_plus_outcome_advantage``). Everything runs under ``torch.no_grad``.
 
@@ -138,8 +138,10 @@ def compute_reinforce_plus_plus(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted return-to-go per token, whitened over the batch's valid tokens.
 
-    The running return restarts after the last valid token (it is multiplied by the mask after
-    each step), as in verl.
+    Iterates backwards over the response. Where ``mask`` is 0 (padding, or observation/tool tokens
+    inside a multi-turn response) the token is skipped: its reward is ignored, it is not discounted
+    over, and the running return carries across it unchanged, so the return of a valid token sums
+    the rewards of the later valid tokens only, discounted by their count (as verl 0.9.1).
 
     Args:
         token_rewards: per-token rewards. # [b, r]
@@ -147,16 +149,18 @@ def compute_reinforce_plus_plus(
         gamma: discount factor.
 
     Returns:
-        ``(advantages, returns)``: whitened and masked advantages, raw returns. # [b, r], [b, r]
+        ``(advantages, returns)``: whitened and masked advantages, returns (0 on masked tokens).
+        # [b, r], [b, r]
     """
     with torch.no_grad():
         mask = _float_mask(mask, token_rewards)
         returns = torch.zeros_like(token_rewards)
         running = 0
         for t in reversed(range(token_rewards.shape[1])):
-            running = token_rewards[:, t] + gamma * running
-            returns[:, t] = running
-            running = running * mask[:, t]
+            candidate = token_rewards[:, t] + gamma * running
+            m = mask[:, t]
+            returns[:, t] = candidate * m
+            running = candidate * m + running * (1 - m)
         advantages = masked_whiten(returns, mask) * mask
     return advantages, returns
 

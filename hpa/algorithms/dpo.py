@@ -6,10 +6,14 @@ Numerics follow TRL 0.28 ``DPOTrainer.dpo_loss`` with
 - ``sigmoid``: ``-(1-ε)·logσ(β·logits) - ε·logσ(-β·logits)``; ε = ``label_smoothing`` > 0 is
   conservative DPO (cDPO, for noisy labels), ε = 0 the original DPO.
 - ``ipo``: ``(logits - 1/(2β))²`` on length-normalised log-probs (each log-prob divided by its
-  response's token count, as TRL does before calling ``dpo_loss``).
+  response's token count, as TRL does before calling ``dpo_loss``; an empty response counts as
+  length 1 where TRL would divide by 0).
 - ``hinge``: ``relu(1 - β·logits)`` (SLiC).
 - ``robust``: ``((1-ε)·(-logσ(β·logits)) + ε·logσ(-β·logits)) / (1 - 2ε)`` (rDPO, unbiased under
   label-flip rate ε < 0.5).
+
+Deliberate differences from TRL: a non-zero ``label_smoothing`` with ``ipo``/``hinge`` raises
+(TRL warns and ignores it), and ``robust`` requires ``0 <= ε < 0.5`` (TRL does not check).
 
 DPO variants share one signature (``DPO_LOSSES``)::
 
@@ -107,7 +111,8 @@ def dpo_loss(
         rejected_lengths: same for the rejected responses. # [b]
         num_global_pairs: pairs in the global batch (all DP ranks, all micro-batches); without it
             the loss is the mean over this micro-batch (TRL's ``losses.mean()``).
-        dp_size: data-parallel size whose gradient average the loss undoes.
+        dp_size: data-parallel size whose gradient average the loss undoes; > 1 needs
+            ``num_global_pairs`` (ValueError otherwise, as ``agg_loss``).
 
     Returns:
         ``(loss, metrics)``. Metrics (micro-batch means): ``dpo_loss``, ``dpo_chosen_reward`` and
@@ -126,6 +131,8 @@ def dpo_loss(
         rejected_lengths=rejected_lengths,
     )  # [b]
     if num_global_pairs is None:
+        if dp_size > 1:
+            raise ValueError(f"dp_size={dp_size} > 1 needs the global count: pass num_global_pairs")
         loss = losses.mean()
     else:
         loss = losses.sum() / num_global_pairs * dp_size

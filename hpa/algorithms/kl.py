@@ -1,6 +1,6 @@
 """KL estimators, KL as a reward penalty or a loss, KL controllers, warmup, and the hierarchical KL.
 
-Estimators follow verl ``core_algos.kl_penalty`` (http://joschu.net/blog/kl-approx.html), with
+Estimators follow verl 0.9.1 ``core_algos.kl_penalty`` (http://joschu.net/blog/kl-approx.html), with
 ``logprob`` the policy and ``ref_logprob`` the reference log-prob of the sampled token:
 
 - ``kl``/``k1``: ``logprob - ref_logprob``
@@ -9,9 +9,8 @@ Estimators follow verl ``core_algos.kl_penalty`` (http://joschu.net/blog/kl-appr
 - ``low_var_kl``/``k3``: ``exp(d) - d - 1`` with ``d = clamp(ref_logprob - logprob, ±20)``, the
   result clamped to ``[-10, 10]``
 - ``<name>+`` (straight-through): the value of ``<name>``, the gradient of k2. k1 and k3 are
-  unbiased for the KL value but not for its gradient; k2's gradient is. (verl documents these
-  names but, at the version read, hands the ``+`` name unchanged to its forward and raises; hpa
-  implements the documented intent.) ``k2+``/``mse+`` would equal ``k2`` and are not offered.
+  unbiased for the KL value but not for its gradient; k2's gradient is. ``k2+``/``mse+`` equal
+  ``k2`` in value and gradient; they are accepted so that every verl name works.
 
 KL estimators share one signature (``KL_ESTIMATORS``): ``fn(logprob, ref_logprob) -> kl  # [b, r]``.
 Semantic distances share ``fn(policy_pooled, ref_pooled) -> distance  # [b]``.
@@ -66,7 +65,9 @@ def _straight_through(forward_fn):
     return estimator
 
 
-for _name, _fn in (("kl", kl_k1), ("k1", kl_k1), ("abs", kl_abs), ("low_var_kl", kl_k3), ("k3", kl_k3)):
+for _name, _fn in (
+    ("kl", kl_k1), ("k1", kl_k1), ("abs", kl_abs), ("mse", kl_k2), ("k2", kl_k2), ("low_var_kl", kl_k3), ("k3", kl_k3)
+):
     KL_ESTIMATORS.register(_name + "+")(_straight_through(_fn))
 
 

@@ -1,6 +1,6 @@
 """PPO losses: the clipped (dual-clip) policy surrogate, the clipped value loss and the entropy bonus.
 
-Numerics follow verl ``core_algos.compute_policy_loss_vanilla`` and ``compute_value_loss``; the
+Numerics follow verl 0.9.1 ``core_algos.compute_policy_loss_vanilla`` and ``compute_value_loss``; the
 explained variance follows verl ``metric_utils`` (``critic/vf_explained_var``).
 
 Policy losses share one signature (``POLICY_LOSSES``)::

@@ -23,7 +23,7 @@ LOSS_AGG_MODE_NAMES = (
     "token-sum",
 )
 KL_ESTIMATOR_NAMES = (
-    "abs", "abs+", "k1", "k1+", "k2", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse",
+    "abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse", "mse+",
 )
 KL_CONTROLLER_NAMES = ("adaptive", "fixed")
 DPO_LOSS_NAMES = ("hinge", "ipo", "robust", "sigmoid")

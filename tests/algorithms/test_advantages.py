@@ -30,7 +30,12 @@ def gae_reference(rewards, values, mask, gamma, lam):
     adv = torch.tensor(adv, dtype=torch.float64)
     returns = adv + values
     valid = adv[mask.bool()]
-    whitened = (adv - valid.mean()) / torch.sqrt(valid.var() + 1e-8)
+    # verl's masked statistics: sums over (count + 1e-8), then Bessel's n/(n-1). The 1e-8 moves the
+    # mean by ~1e-8 relative, which whitening a low-variance batch can lift above assert_close's 1e-7.
+    n = len(valid)
+    mean = valid.sum() / (n + 1e-8)
+    var = ((valid - mean) ** 2).sum() / (n + 1e-8) * (n / (n - 1))
+    whitened = (adv - mean) / torch.sqrt(var + 1e-8)
     return whitened, returns
 
 
@@ -150,6 +155,24 @@ def test_reinforce_plus_plus_by_hand():
     white = (valid - valid.mean()) / torch.sqrt(valid.var() + 1e-8)
     torch.testing.assert_close(adv[mask.bool()], white)
     assert adv[0, 3] == 0 and adv[1, 2] == 0
+
+
+def test_reinforce_plus_plus_skips_masked_tokens_inside_the_response():
+    # Row 0 has observation tokens at t=1 and t=3: their rewards are ignored and the running return
+    # carries across them undiscounted. gamma = 0.5, backwards:
+    #   t=3 masked: return 0, running stays 0;  t=2: 2 + 0.5·0 = 2;
+    #   t=1 masked: return 0, running stays 2;  t=0: 1 + 0.5·2 = 2.
+    rewards = torch.tensor([[1.0, 4.0, 2.0, 3.0], [0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    adv, ret = compute_reinforce_plus_plus(rewards, mask, gamma=0.5)
+    torch.testing.assert_close(ret, torch.tensor([[2.0, 0.0, 2.0, 0.0], [0.25, 0.5, 1.0, 0.0]], dtype=torch.float64))
+    valid = torch.tensor([2.0, 2.0, 0.25, 0.5, 1.0, 0.0], dtype=torch.float64)
+    white = (valid - valid.mean()) / torch.sqrt(valid.var() + 1e-8)
+    torch.testing.assert_close(adv[mask.bool()], white)
+    assert adv[0, 1] == 0 and adv[0, 3] == 0
+    adv_b, ret_b = compute_advantages("reinforce_plus_plus", rewards, mask.bool(), gamma=0.5)
+    torch.testing.assert_close(ret_b, ret)
+    torch.testing.assert_close(adv_b, adv)
 
 
 def test_registry_dispatch_and_errors():

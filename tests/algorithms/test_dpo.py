@@ -95,6 +95,12 @@ def test_gradcheck_and_global_pairs():
     full, _ = dpo_loss(C, R, RC, RR)
     parts = [dpo_loss(C[i : i + 1], R[i : i + 1], RC[i : i + 1], RR[i : i + 1], num_global_pairs=2)[0] for i in (0, 1)]
     torch.testing.assert_close(sum(parts), full)
+    # two DP ranks: (loss_k · dp_size) averaged over the ranks equals the full-batch loss
+    ranks = [dpo_loss(C[i : i + 1], R[i : i + 1], RC[i : i + 1], RR[i : i + 1], num_global_pairs=2, dp_size=2)[0]
+             for i in (0, 1)]
+    torch.testing.assert_close(sum(ranks) / 2, full)
+    with pytest.raises(ValueError, match="num_global_pairs"):
+        dpo_loss(C, R, RC, RR, dp_size=2)
 
 
 def test_registry_names():

@@ -45,12 +45,22 @@ def test_k3_clamps():
 
 
 def test_straight_through_value_and_gradient():
-    for name in ("kl", "k1", "abs", "low_var_kl", "k3"):
+    for name in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"):
         lp = LP.clone().requires_grad_()
         value = kl_penalty(lp, REF, name + "+")
         torch.testing.assert_close(value, kl_penalty(LP, REF, name))
         value.sum().backward()
         torch.testing.assert_close(lp.grad, LP - REF)  # gradient of 0.5·(lp - ref)²
+
+
+def test_k2_plus_by_hand():
+    # verl accepts "k2+"/"mse+": value 0.5·d², gradient d, with d = logprob - ref = [0.5, -1.0]
+    for name in ("k2+", "mse+"):
+        lp = LP.clone().requires_grad_()
+        value = kl_penalty(lp, REF, name)
+        torch.testing.assert_close(value, torch.tensor([[0.125, 0.5]], dtype=torch.float64))
+        value.sum().backward()
+        torch.testing.assert_close(lp.grad, torch.tensor([[0.5, -1.0]], dtype=torch.float64))
 
 
 @settings(max_examples=100, deadline=None)
@@ -170,7 +180,8 @@ def test_hierarchical_kl_semantic_uses_global_sequence_count():
 
 def test_registries():
     assert KL_ESTIMATORS.names() == (
-        "abs", "abs+", "k1", "k1+", "k2", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse"
+        "abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse",
+        "mse+",
     )
     assert SEMANTIC_DISTANCES.names() == ("cosine", "mse")
     with pytest.raises(ValueError, match="low_var_kl"):

@@ -15,8 +15,9 @@ def test_modes_by_hand():
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum").item() == pytest.approx(3.5)
     # per-sequence means 1.5, 4
     assert agg_loss(LOSS, MASK, "seq-mean-token-mean").item() == pytest.approx(2.75)
-    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm").item() == pytest.approx(7 / 3)
-    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", loss_scale_factor=7).item() == pytest.approx(1.0)
+    # seq-mean-token-sum (3.5, two non-empty rows) divided by the padded length 3 (verl 0.9.1)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm").item() == pytest.approx(3.5 / 3)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", loss_scale_factor=7).item() == pytest.approx(0.5)
 
 
 def test_global_counts_and_dp_size():
@@ -24,6 +25,23 @@ def test_global_counts_and_dp_size():
     assert agg_loss(LOSS, MASK, "token-mean", num_global_tokens=14, dp_size=2).item() == pytest.approx(1.0)
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum", num_global_seqs=7).item() == pytest.approx(1.0)
     assert agg_loss(LOSS, MASK, "seq-mean-token-mean", num_global_seqs=torch.tensor(11.0)).item() == pytest.approx(0.5)
+    # token sum 7, times dp_size (DDP's average over 2 ranks then gives the global sum)
+    assert agg_loss(LOSS, MASK, "token-sum", dp_size=2).item() == pytest.approx(14.0)
+    # sums 3 + 4 over 7 global sequences, times dp_size 2, over loss_scale_factor 4
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", num_global_seqs=7, dp_size=2,
+                    loss_scale_factor=4).item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("mode,key", [("token-mean", "num_global_tokens"), ("seq-mean-token-sum", "num_global_seqs"),
+                                      ("seq-mean-token-mean", "num_global_seqs"),
+                                      ("seq-mean-token-sum-norm", "num_global_seqs")])
+def test_dp_size_without_global_count_raises(mode, key):
+    # a local count times dp_size is only right if every rank holds as many tokens/sequences
+    with pytest.raises(ValueError, match=key):
+        agg_loss(LOSS, MASK, mode, dp_size=2)
+    assert torch.isfinite(agg_loss(LOSS, MASK, mode, dp_size=2, **{key: 5}))
+    with pytest.raises(ValueError, match="num_global_seqs"):
+        Aggregation(dp_size=2).seq_mean(torch.ones(3))
 
 
 def test_nan_outside_mask_does_not_leak_and_empty_batch_is_zero():
@@ -72,7 +90,7 @@ def _split_invariance(mode, count_key):
 @pytest.mark.parametrize(
     "mode,count_key",
     [("token-mean", "tokens"), ("seq-mean-token-sum", "seqs"), ("seq-mean-token-mean", "seqs"),
-     ("seq-mean-token-sum-norm", "none"), ("token-sum", "none")],
+     ("seq-mean-token-sum-norm", "seqs"), ("token-sum", "none")],
 )
 def test_micro_batches_with_global_count_equal_one_batch(mode, count_key):
     _split_invariance(mode, count_key)
