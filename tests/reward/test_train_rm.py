@@ -1,6 +1,9 @@
 """Bradley-Terry reward model training: the loss and bootstrap by hand, then ``run_train_rm`` end to
-end on the demo task (tp1_pp1_dp1), and its first step under tp2_pp1_dp1 and tp1_pp2_dp1."""
+end on the demo task and on a separable preference set (tp1_pp1_dp1), and its first step under
+tp2_pp1_dp1 and tp1_pp2_dp1."""
 
+import itertools
+import json
 import math
 
 import numpy as np
@@ -135,6 +138,43 @@ def test_tp1_pp1_dp1_training_learns_the_demo_task(runs):
     last_loss = np.mean([line["rm/loss"] for line in lines[-5:]])
     assert last_loss < first_loss
     assert runs["tp1"]["train_seconds"] < 60
+
+
+def test_tp1_pp1_dp1_separable_preferences_reach_90_percent_within_a_minute(runs):
+    """The issue's requirement: Bradley-Terry training on a synthetic, clearly separable preference set
+    reaches over 90% held-out accuracy on CPU in under a minute (through ``run_train_rm``, K=3 heads,
+    bootstrap on, from a seeded random init).
+
+    The set (``rm_pipeline.make_separable_data``): prompts ``copy X =`` for the 8 symbols ``a``-``h``,
+    chosen ``X``, rejected another symbol, no flipped labels. Separable: the score 1[response == the
+    prompt's symbol] orders every pair right. Not trivial: every sequence has the same length and
+    shape, so the score must compare the response token with the prompt's symbol token earlier on
+    (an 8x8 relation learned from random weights). A score of the prompt alone ties every pair (a tie
+    counts as wrong), and every symbol is both chosen and rejected, so no ranking of the response
+    symbols alone does well: the best one, fitted to the held-out pairs themselves, is computed below
+    and stays far under 90%.
+    """
+    from data_tools.make_demo_task import LETTERS
+    from rm_pipeline import NUM_HEADS
+
+    run = runs["tp1"]["separable"]
+    final = run["final"]
+    records = [json.loads(line) for line in open(f"{runs['separable_root']}/preferences.jsonl")]
+    assert not any(r["flipped"] for r in records)
+    assert all(r["chosen"] == r["prompt"].split()[1] != r["rejected"] for r in records)
+    _, held_out = split_eval(len(records), run["eval_fraction"], run["seed"])  # run_train_rm's split
+    assert final["rm/eval_num_pairs"] == len(held_out) == 100
+
+    chosen = np.array([LETTERS.index(records[i]["chosen"]) for i in held_out])  # [n]
+    rejected = np.array([LETTERS.index(records[i]["rejected"]) for i in held_out])  # [n]
+    ranks = np.array(list(itertools.permutations(range(len(LETTERS)))))  # [8!, 8] every strict ranking
+    best_response_only = (ranks[:, chosen] > ranks[:, rejected]).mean(axis=1).max()
+    assert best_response_only < 0.7, best_response_only
+
+    assert final["rm/eval_accuracy"] > 0.90, final
+    assert all(final[f"rm/eval_accuracy_head{k}"] > 0.85 for k in range(NUM_HEADS)), final
+    assert math.isfinite(final["rm/eval_sigma_mean"]) and final["rm/eval_sigma_mean"] > 0, final
+    assert run["train_seconds"] < 60, run["train_seconds"]
 
 
 def test_tp1_pp1_dp1_writes_the_run_dir(runs):
