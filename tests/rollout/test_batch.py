@@ -74,6 +74,9 @@ def test_sampling_params_from_config_and_validation():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1.0)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=f"max_new_tokens must be >= 1, got {bad}"):
+            SamplingParams(max_new_tokens=bad)
 
 
 def test_prompt_token_lists_from_prompt_batch():
@@ -85,8 +88,10 @@ def test_prompt_token_lists_from_prompt_batch():
 
     batch = collate_prompts([Ex([3, 4]), Ex([5, 6, 7])], pad_id=PAD)
     assert prompt_token_lists(batch) == [[3, 4], [5, 6, 7]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="empty prompt"):
         prompt_token_lists([[1], []])
+    with pytest.raises(ValueError, match="at least one prompt"):
+        prompt_token_lists([])
 
 
 def test_registry_names_and_unknown_engine():

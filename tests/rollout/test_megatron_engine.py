@@ -111,6 +111,10 @@ def engine_worker(groups, ckpt_dir, save):
     t07 = engine(eos).generate(ps, t07_params)
     out["eos_stop"] = (eos, stop)
     out["default_kv_cache"] = engine().kv_cache
+    try:  # a prompt that leaves no room for max_new_tokens within the model's context
+        engine().generate([[3] * 30], SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
+    except ValueError as e:
+        out["too_long_error"] = str(e)
     for name, batch in [("greedy", greedy), ("sampled", sampled), ("stopped", stopped),
                         ("stopped_nocache", stopped_nocache), ("greedy_nocache", greedy_nocache), ("t07", t07),
                         ("stopped_megatron", stopped_megatron), ("greedy_megatron", greedy_megatron)]:
@@ -162,6 +166,12 @@ def test_kv_cache_equals_full_recompute(root, tp, pp):
         np.testing.assert_array_equal(res[cached]["response_ids"], res[full]["response_ids"])
         np.testing.assert_array_equal(res[cached]["response_mask"], res[full]["response_mask"])
         np.testing.assert_allclose(res[cached]["log_probs"], res[full]["log_probs"], atol=1e-5, rtol=0)
+
+
+def test_prompt_longer_than_the_context_is_refused_with_a_clear_message(root):
+    res = run_layout(1, 1, root)[-1]
+    assert res["too_long_error"] == ("longest prompt (30) + max_new_tokens (8) = 38 exceeds the model's "
+                                     "max_sequence_length 32; lower rollout.max_new_tokens or data.max_prompt_length")
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=IDS)
