@@ -123,6 +123,10 @@ class PPOConfig:
         loss_agg_mode: how per-token losses become a scalar.
         loss_scale_factor: divisor of seq-mean-token-sum-norm; None uses the padded response length.
         entropy_coef: schedule of the entropy-bonus coefficient.
+        rollout_is_threshold: truncated importance sampling (TIS) of the rollout engine's sampling
+            distribution: each token's policy loss is weighted by ``min(π_old/π_rollout, threshold)``
+            (detached). None (default) is off. Worth turning on with vLLM rollouts, whose
+            log-probs differ from the training forward's (watch ``rollout/logprob_diff_*``).
     """
 
     policy_loss: str = "vanilla"
@@ -134,9 +138,12 @@ class PPOConfig:
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: Optional[float] = None
     entropy_coef: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", value=0.01))
+    rollout_is_threshold: Optional[float] = None
 
     def __post_init__(self):
         check_choice("policy_loss", self.policy_loss, POLICY_LOSS_NAMES)
+        if self.rollout_is_threshold is not None:
+            check_range("rollout_is_threshold", self.rollout_is_threshold, low=0.0, low_open=True)
         check_range("clip_ratio", self.clip_ratio, low=0.0, high=1.0, low_open=True, high_open=True)
         if self.clip_ratio_low is not None:
             check_range("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0, low_open=True, high_open=True)

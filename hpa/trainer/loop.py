@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 from hpa.algorithms.kl import kl_warmup_scale, make_kl_controller
+from hpa.algorithms.ppo import truncated_importance_weights
 from hpa.algorithms.schedules import make_schedule, progress
 from hpa.config import write_resolved
 from hpa.config.schema import Config, to_dict
@@ -388,8 +389,14 @@ class HPATrainer:
             old = phases.sequence_log_probs(self.policy, ts, batch.response_mask, self.groups, **kw)
         batch.set("ref_log_probs", ref["log_probs"]).set("ref_pooled", ref["pooled"])
         batch.set("old_log_probs", old["log_probs"]).set("old_pooled", old["pooled"])
-        diff = logprob_consistency(batch.log_probs, old["log_probs"], batch.response_mask)
-        return comm.reduce_metrics({k: float(v) for k, v in diff.items()}, self.groups.dp_group)
+        metrics = dict(logprob_consistency(batch.log_probs, old["log_probs"], batch.response_mask))
+        threshold = self.cfg.algorithm.ppo.rollout_is_threshold
+        if threshold is not None:
+            weights, is_m = truncated_importance_weights(old["log_probs"], batch.log_probs, batch.response_mask,
+                                                         threshold)
+            batch.set("is_weights", weights)
+            metrics.update({f"rollout/{k}": v for k, v in is_m.items()})
+        return comm.reduce_metrics({k: float(v) for k, v in metrics.items()}, self.groups.dp_group)
 
     def preference_micro_batches(self) -> List[dict]:
         examples = [self.pairs[i] for i in self.pair_sampler.next_batch()]
@@ -423,7 +430,8 @@ class HPATrainer:
             mb.update(kind="rollout", mask=mask[idx], pool_mask=pool_mask[idx][:, :width],
                       **{k: batch.get(k)[idx] for k in ("old_log_probs", "ref_log_probs", "ref_pooled",
                                                         "advantages", "returns")},
-                      **({"values": batch.get("values")[idx]} if self.critic is not None else {}))
+                      **({"values": batch.get("values")[idx]} if self.critic is not None else {}),
+                      **({"is_weights": batch.get("is_weights")[idx]} if "is_weights" in batch.extras else {}))
             out.append(mb)
         return out
 

@@ -230,7 +230,7 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
         pg, pg_m = policy_loss(batch["old_log_probs"], logp, batch["advantages"], mask, name=ppo.policy_loss,
                                clip_ratio=ppo.clip_ratio, clip_ratio_low=ppo.clip_ratio_low,
                                clip_ratio_high=ppo.clip_ratio_high, clip_ratio_c=ppo.clip_ratio_c,
-                               aggregation=aggregation)
+                               aggregation=aggregation, importance_weights=batch.get("is_weights"))
         ent_s = vocab_parallel_entropy(logits, groups.tp_group, vocab_size=vocab_size, temperature=temperature)
         ent, ent_m = entropy_bonus(ent_s.gather(1, batch["response_index"]), mask, weights.entropy_coef,
                                    aggregation=aggregation)

@@ -85,10 +85,13 @@ def gradients_worker(groups):
 
     algo, policy, rollout_mbs, pair_mbs = _setup(groups)
 
-    def grad(w_ppo, w_dpo, w_kl, rollout_size=4, pair_size=3, with_rollouts=True, with_pairs=True, entropy=0.01):
+    def grad(w_ppo, w_dpo, w_kl, rollout_size=4, pair_size=3, with_rollouts=True, with_pairs=True, entropy=0.01,
+             is_weight=None):
         weights = phases.StepWeights(w_ppo=w_ppo, w_dpo=w_dpo, w_kl=w_kl, lambda_token=0.7, lambda_semantic=0.5,
                                      entropy_coef=entropy, reward_kl_coef=0.0)
         r = rollout_mbs(rollout_size) if with_rollouts else []
+        for mb in r if is_weight is not None else []:
+            mb["is_weights"] = torch.full_like(mb["mask"], is_weight) * mb["mask"]
         p = pair_mbs(pair_size) if with_pairs else []
         counts = phases.global_counts(r, p, groups)
         loss_fn = phases.make_policy_loss(algo, weights, counts, groups, vocab_size=VOCAB, temperature=1.0)
@@ -107,6 +110,8 @@ def gradients_worker(groups):
     out["ppo_part"], _ = grad(0.4, 0.0, 0.0)
     out["kl_part"], _ = grad(0.0, 0.0, 0.2)
     out["dpo_unit"], out["dpo_metrics"] = grad(0.0, 1.0, 0.0, with_rollouts=False)
+    out["pg_plain"], _ = grad(0.4, 0.0, 0.0, with_pairs=False, entropy=0.0)
+    out["pg_is_2"], _ = grad(0.4, 0.0, 0.0, with_pairs=False, entropy=0.0, is_weight=2.0)
     return out
 
 
@@ -134,6 +139,13 @@ def test_micro_batching_does_not_change_the_step(grads):
     np.testing.assert_allclose(grads["mixed_split"], grads["mixed"], atol=1e-6)
     for key in ("dpo/loss", "actor/pg_loss", "kl/token", "kl/semantic"):
         assert grads["split_metrics"][key] == pytest.approx(grads["mixed_metrics"][key], rel=1e-5, abs=1e-7)
+
+
+def test_importance_weights_reach_the_policy_loss(grads):
+    """Truncated-IS weights (``algorithm.ppo.rollout_is_threshold``) multiply each token's PPO loss:
+    a constant weight of 2 doubles the policy-gradient step."""
+    assert np.abs(grads["pg_plain"]).max() > 0
+    np.testing.assert_allclose(grads["pg_is_2"], 2.0 * grads["pg_plain"], atol=1e-7)
 
 
 def test_dpo_loss_metric_is_the_pair_mean(grads):

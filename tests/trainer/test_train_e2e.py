@@ -26,8 +26,11 @@ REQUIRED_KEYS = [
 @pytest.fixture(scope="module")
 def runs(demo):
     dp2 = launch(demo, demo / "tp1_pp1_dp2", 2)
+    # truncated IS on here only: on CPU the rollout and training log-probs agree to ~1e-6, so the
+    # weights are ~1 and the metrics must still equal the TP1 run's
     tp2pp2dp2 = launch(demo, demo / "tp2_pp2_dp2", 8, ["parallel.tensor_model_parallel_size=2",
-                                                          "parallel.pipeline_model_parallel_size=2"])
+                                                          "parallel.pipeline_model_parallel_size=2",
+                                                          "algorithm.ppo.rollout_is_threshold=2.0"])
     return dp2, tp2pp2dp2
 
 
@@ -51,6 +54,10 @@ def test_rollout_logprobs_match_training_forward(runs):
     for run in runs:
         for record in run[1:]:
             assert record["rollout/logprob_diff_max"] < 1e-4
+    for record in runs[1][1:]:
+        assert record["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert record["rollout/is_truncated_frac"] == 0.0
+    assert "rollout/is_weight_mean" not in runs[0][-1]
 
 
 def test_token_budget_micro_batches_give_the_same_step(demo):
