@@ -26,7 +26,7 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.10"],
         "bench": ["trl>=1.0", "accelerate>=1.0"],
-        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "tensorboard>=2.14"],
     },
     entry_points={"console_scripts": ["hpa=hpa.cli:main"]},
 )

@@ -297,8 +297,18 @@ class WandbConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
+    """Metrics sinks besides ``metrics.jsonl`` (always written).
+
+    Attributes:
+        console: a log line with the key metrics every step.
+        progress_bar: a tqdm bar on rank 0 with the key metrics (to stderr).
+        tensorboard: event files under ``<run_dir>/tensorboard`` (needs the ``tensorboard`` package).
+    """
+
     wandb: WandbConfig = field(default_factory=WandbConfig)
     console: bool = True
+    progress_bar: bool = True
+    tensorboard: bool = False
     level: str = "INFO"
 
 

@@ -79,7 +79,8 @@ class HPATrainer:
             self.restore(resumed)
             logger.info("resumed from %s at step %d", resumed, self.step)
         self.metrics = MetricsWriter(self.run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg),
-                                     resume_step=self.step + 1 if resumed is not None else None)
+                                     resume_step=self.step + 1 if resumed is not None else None,
+                                     total_steps=cfg.trainer.total_steps)
         self.timings: Dict[str, float] = {}
         self.num_params = sum(p.numel() for p in self.policy.parameters()) * groups.tensor_model_parallel_size \
             * groups.pipeline_model_parallel_size  # approximate: replicated norms are counted TP times

@@ -1,7 +1,9 @@
-"""Metrics sinks: ``metrics.jsonl`` (one JSON object per step, with ``step``), console and wandb.
+"""Metrics sinks: ``metrics.jsonl`` (one JSON object per step, with ``step``), console lines, a
+progress bar, wandb and TensorBoard.
 
-Only the main rank writes. wandb is imported lazily, runs ``offline`` by default, and its API key is
-never read or printed by hpa (wandb takes it from its own login or ``WANDB_API_KEY``).
+Only the main rank writes. wandb and TensorBoard are imported lazily; wandb runs ``offline`` by
+default, and its API key is never read or printed by hpa (wandb takes it from its own login or
+``WANDB_API_KEY``).
 """
 
 from __future__ import annotations
@@ -34,16 +36,20 @@ class MetricsWriter:
         logging_cfg: the ``logging`` section.
         is_main: only the main rank writes.
         run_config: the resolved config as plain data, for wandb's run config.
-        resume: append to an existing ``metrics.jsonl`` (after dropping records at or after
+        resume_step: append to an existing ``metrics.jsonl`` (after dropping records at or after
             ``resume_step``, so a resumed run has one record per step).
+        total_steps: the run's length, for the progress bar (no bar without it).
     """
 
     def __init__(self, run_dir: os.PathLike, logging_cfg: LoggingConfig, *, is_main: bool,
-                 run_config: Optional[Mapping] = None, resume_step: Optional[int] = None):
+                 run_config: Optional[Mapping] = None, resume_step: Optional[int] = None,
+                 total_steps: Optional[int] = None):
         self.is_main = is_main
         self.cfg = logging_cfg
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb = None
+        self._tensorboard = None
+        self._bar = None
         if not is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,6 +59,23 @@ class MetricsWriter:
             self.path.unlink()
         if logging_cfg.wandb.mode != "disabled":
             self._wandb = self._init_wandb(run_dir, run_config)
+        if logging_cfg.tensorboard:
+            self._tensorboard = self._init_tensorboard(Path(run_dir) / "tensorboard")
+        if logging_cfg.progress_bar and total_steps:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=max((resume_step or 1) - 1, 0), desc="hpa", unit="step",
+                             dynamic_ncols=True)
+
+    @staticmethod
+    def _init_tensorboard(log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            logger.warning("logging.tensorboard=true needs the tensorboard package (pip install tensorboard); "
+                           "TensorBoard logging is off")
+            return None
+        return SummaryWriter(log_dir=str(log_dir))
 
     def _init_wandb(self, run_dir, run_config):
         try:
@@ -80,6 +103,14 @@ class MetricsWriter:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if self._tensorboard is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tensorboard.add_scalar(k, v, global_step=step)
+            self._tensorboard.flush()
+        if self._bar is not None:
+            self._bar.update(max(step - self._bar.n, 0))
+            self._bar.set_postfix({k: _fmt(record[k]) for k in _BAR_KEYS if k in record}, refresh=True)
         if self.cfg.console:
             shown = {k: record[k] for k in sorted(record) if k in _CONSOLE_KEYS}
             logger.info("step %d %s", step, " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()))
@@ -88,10 +119,19 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 _CONSOLE_KEYS = ("sft/nll", "actor/pg_loss", "dpo/loss", "kl/token", "kl/semantic", "reward/shaped_mean",
                  "eval/score", "actor/grad_norm", "timing_s/step")
+
+
+_BAR_KEYS = ("reward/raw_mean", "kl/token", "dpo/reward_acc", "eval/score", "sft/nll", "rm/loss")
 
 
 def _fmt(v) -> str:

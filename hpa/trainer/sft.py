@@ -60,7 +60,8 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
         type(cfg.optim)(**{**cfg.optim.__dict__, "lr": cfg.sft.lr, "min_lr": min(cfg.optim.min_lr, cfg.sft.lr)})
     opt = build_optimizer(ddp, optim, cfg.parallel, groups)
     sched = build_lr_scheduler(opt, optim, cfg.sft.total_steps)
-    writer = MetricsWriter(run_dir / "sft_logs", cfg.logging, is_main=groups.is_main)
+    writer = MetricsWriter(run_dir / "sft_logs", cfg.logging, is_main=groups.is_main,
+                           total_steps=cfg.sft.total_steps)
     vocab = tokenizer.vocab_size  # rows beyond the tokenizer's vocabulary are never normalised over
     metrics: Dict[str, float] = {}
     for step in range(1, cfg.sft.total_steps + 1):

@@ -1,0 +1,66 @@
+"""Metrics sinks: the JSONL file (one record per step, resume-safe), the progress bar, TensorBoard,
+and nothing written by non-main ranks."""
+
+import json
+
+import pytest
+
+from hpa.config.schema import LoggingConfig, WandbConfig
+from hpa.trainer.metrics import MetricsWriter, read_metrics
+
+
+def cfg(**kw):
+    return LoggingConfig(wandb=WandbConfig(mode="disabled"), console=False, **kw)
+
+
+def test_jsonl_one_record_per_step_and_resume_drops_the_rewritten_steps(tmp_path):
+    w = MetricsWriter(tmp_path, cfg(progress_bar=False), is_main=True)
+    for step in range(4):
+        w.write(step, {"reward/raw_mean": 0.1 * step, "kl/token": float("nan")})
+    w.close()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert records[2]["reward/raw_mean"] == pytest.approx(0.2) and records[2]["kl/token"] == "nan"
+    resumed = MetricsWriter(tmp_path, cfg(progress_bar=False), is_main=True, resume_step=2)
+    resumed.write(2, {"reward/raw_mean": 7.0})
+    resumed.close()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[2] == {"step": 2, "reward/raw_mean": 7.0}
+
+
+def test_non_main_ranks_write_nothing(tmp_path):
+    w = MetricsWriter(tmp_path, cfg(tensorboard=True), is_main=False, total_steps=3)
+    w.write(1, {"reward/raw_mean": 1.0})
+    w.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_bar_shows_steps_and_key_metrics(tmp_path, capsys):
+    w = MetricsWriter(tmp_path, cfg(), is_main=True, total_steps=5)
+    w.write(1, {"reward/raw_mean": 0.25, "kl/token": 0.0125, "actor/lr": 1e-5})
+    w.write(2, {"reward/raw_mean": 0.5, "kl/token": 0.02})
+    w.close()
+    err = capsys.readouterr().err
+    assert "2/5" in err and "reward/raw_mean=0.5" in err and "kl/token=0.02" in err
+    assert "actor/lr" not in err
+    none = MetricsWriter(tmp_path / "off", cfg(progress_bar=False), is_main=True, total_steps=5)
+    none.write(1, {"reward/raw_mean": 0.25})
+    none.close()
+    assert "0.25" not in capsys.readouterr().err
+
+
+def test_tensorboard_event_file_holds_the_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    w = MetricsWriter(tmp_path, cfg(tensorboard=True, progress_bar=False), is_main=True)
+    w.write(1, {"reward/raw_mean": 0.25, "perf/mfu": "nan"})
+    w.write(2, {"reward/raw_mean": 0.75})
+    w.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("reward/raw_mean")
+    assert [(s.step, s.value) for s in scalars] == [(1, 0.25), (2, 0.75)]
+    assert "perf/mfu" not in events.Tags()["scalars"]  # non-finite values stay in the JSONL only
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["perf/mfu"] == "nan"
