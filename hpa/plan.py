@@ -16,20 +16,53 @@ The estimate is analytic (no GPU, no megatron import). Per GPU, the worst pipeli
   copy (4 bytes) when the parameters are bf16/fp16; divided by DP with the distributed optimizer.
   Torch's one-element ``step`` tensors and the distributed optimizer's alignment padding (at most
   63 elements per tensor) are left out.
-* **activations** for one micro-batch of ``b = trainer.micro_batch_size`` sequences of
-  ``s = model.max_sequence_length`` tokens, per layer (Korthikanti et al. 2022, bf16 bytes):
-  ``s·b·h·(34 + 5·a·s/h)`` without recomputation, ``s·b·h·34`` with selective recomputation, and
-  ``2·s·b·h`` (the layer input) with full recomputation (plus one layer's working set without
-  recomputation, for the layer being recomputed); divided by TP with sequence parallelism
-  (without it only ``24 + 5·a·s/h`` of the terms are split: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``).
-  Under 1F1B the first stage holds ``PP`` micro-batches of its ``L/PP`` layers, i.e. ``L`` layers'
-  worth at any PP. The fp32 vocab-parallel logits ``s·b·V_pad/TP·4`` are added (conservatively, as
-  if on the same stage). fp32 models (the CPU path) double the bytes. Policy and critic update one
+* **activations**: the bytes one training micro-batch saves for backward, on one rank, for the
+  largest micro-batch of each kind the trainer runs (``training_micro_batches``): rollout rows
+  (``b = trainer.micro_batch_size`` sequences of ``s = data.max_prompt_length +
+  rollout.max_new_tokens`` tokens; under ``trainer.ppo_max_token_len_per_rank`` enough rows to
+  cover that budget) and DPO rows (``2·micro_batch_size`` chosen + rejected sequences of
+  ``max_prompt_length + data.max_response_length``). Per token and layer, in bytes, with
+  ``e = bytes(model.params_dtype)``, ``a`` heads, ``g`` query groups, ``d = h/a``, ``f`` FFN size,
+  ``t = TP``; "replicated" terms are divided by ``t`` only under sequence parallelism:
+
+  - each of the two norms keeps its input and output, ``2·h·e``, replicated (torch's RMSNorm,
+    which the local spec uses, also keeps ``x·rstd``: ``3·h·e``);
+  - attention keeps ``(2·h + g·d + (a + 2·g)·d)·e/t``: q and k after RoPE, the qkv output that v is
+    a view of, and the context. megatron's local ``DotProductAttention`` instead repeats k and v to
+    all heads under GQA (``g < a``: ``4·h·e/t``) and keeps the softmax output ``a·s·e/t`` (the
+    ``[b, a/t, s, s]`` probabilities; with attention dropout also the dropped probabilities and the
+    mask); Transformer Engine's fused attention keeps no ``[s, s]`` tensor;
+  - the MLP keeps ``5·f·e/t`` with SwiGLU (fc1's output, ``x_linear + 0``, ``silu``, their product)
+    or ``2·f·e/t`` with GeLU;
+  - with hidden dropout, two dropout masks ``2·h`` bytes, replicated (CUDA keeps a bool mask; torch
+    on CPU a noise tensor of ``e`` bytes: float32 is taken as the CPU path), and one more for the
+    embedding.
+
+  The head adds the final norm and the logits shard ``V_pad/t·e`` the loss keeps, plus the loss's
+  fp32 working copy of it ``V_pad/t·4`` (the critic's scalar head adds only the norm). Selective
+  recomputation (core attention) drops the local spec's softmax output and repeated k, v, and
+  recomputes them in backward once the layer's later part is freed; under Transformer Engine it
+  changes nothing. Full recomputation keeps each layer's input ``h·e`` (replicated) and, in
+  backward, one recomputed layer at a time. Peak = ``L·(per layer) + max(head, recomputed part)``:
+  the head's tensors are freed before any layer is recomputed. Under 1F1B the first stage holds
+  ``PP`` micro-batches of its ``L/PP`` layers, i.e. ``L`` layers' worth at any PP; the head is
+  counted as if it were on that stage. Left out (about 1% at the tested sizes; up to 3% for
+  ``s = 256`` at ``b = 2``): ``[s, b]`` statistics (norm ``rstd``, the loss's), the RoPE tables,
+  the local spec's ``[s, s]`` bool causal mask per layer, token ids. Policy and critic update one
   after the other, so the larger of the two counts.
-* **rollout KV cache** (megatron engine): ``2·(L/PP)·(g/TP)·d·(P + R)·B·bytes`` with
-  ``P = data.max_prompt_length``, ``R = rollout.max_new_tokens`` and ``B = global_batch_size·n/DP``
-  sequences per rank. Rollout and training do not overlap, so the peak is
-  ``static + max(activations, KV cache)``.
+
+  *Measured vs formula-only*: the local-spec terms (float32, TP1 and TP2, no / selective / full
+  recomputation, GQA and MHA, RMSNorm and LayerNorm, SwiGLU and GeLU, dropout) match the peak of
+  the bytes saved for backward, measured on CPU in ``tests/test_plan.py``, within about 1%. The
+  Transformer Engine terms (``transformer_engine_expected``: ``transformer_impl``, or for ``auto``
+  a 16-bit ``params_dtype``), sequence parallelism (which the local spec does not support) and PP
+  are formula only.
+* **rollout KV cache** (native engine, ``hpa.rollout.kv_cache.CachedDecoder``): keys and values
+  ``[B, g/TP, P + R, d]`` in ``params_dtype`` for each of the stage's ``L/PP`` layers, with
+  ``P = data.max_prompt_length``, ``R = rollout.max_new_tokens`` and ``B = global_batch_size/DP·n``
+  rows per rank; measured exact on CPU. megatron's ``StaticInferenceContext`` fallback allocates
+  the same. Rollout and training do not overlap, so the peak is ``static + max(activations, KV
+  cache)``.
 
 Frozen models (reference, reward) hold parameters only; their inference activations are small next
 to training's and are not counted. CUDA context, NCCL buffers and allocator fragmentation (typically
@@ -43,7 +76,7 @@ import dataclasses
 import itertools
 import json
 import sys
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from hpa.config.errors import ConfigError
 from hpa.config.schema import Config, ModelConfig, data_parallel_size, validate
@@ -104,37 +137,129 @@ def count_parameters(model: ModelConfig, scalar_heads: Optional[int] = None) -> 
     return stage_parameters(model, 1, 1, scalar_heads)[0]
 
 
+def transformer_engine_expected(model: ModelConfig) -> bool:
+    """Whether the run uses Transformer Engine layers (the planner cannot import TE to find out).
+
+    ``transformer_impl=auto`` resolves to TE on a CUDA machine with TE installed; the planner takes a
+    16-bit ``params_dtype`` as that case and ``float32`` as the CPU path (bf16 is refused on CPU).
+    """
+    if model.transformer_impl != "auto":
+        return model.transformer_impl == "transformer_engine"
+    return model.params_dtype != "float32"
+
+
+def _norm_activations(model: ModelConfig, transformer_engine: bool) -> float:
+    """Bytes per token one norm saves: its input and output (torch's RMSNorm also ``x·rstd``)."""
+    saved = 2 if transformer_engine or model.normalization == "LayerNorm" else 3
+    return saved * model.hidden_size * _DTYPE_BYTES[model.params_dtype]
+
+
+def _dropout_mask_bytes(model: ModelConfig, transformer_engine: bool) -> int:
+    """CUDA's fused dropout saves a bool mask; on CPU torch saves a noise tensor of the input dtype
+    (float32, taken as the CPU path for the local spec)."""
+    return 1 if transformer_engine or model.params_dtype != "float32" else 4
+
+
+def _layer_activations(model: ModelConfig, *, tp: int, sequence_parallel: bool, seq_length: int,
+                       transformer_engine: bool) -> dict:
+    """Bytes per token that one layer saves for backward on one TP rank (module docstring, terms).
+
+    Returns ``input`` (the layer input, all full recomputation keeps), ``none`` and ``selective``
+    (the whole layer without / with core-attention recomputation) and ``attention_recompute`` (what
+    the recomputed core attention saves again in backward beyond what the layer has freed by then).
+    """
+    h, a, s, e = model.hidden_size, model.num_attention_heads, seq_length, _DTYPE_BYTES[model.params_dtype]
+    g, d = model.kv_heads, model.hidden_size // model.num_attention_heads
+    f = model.ffn_hidden_size or 4 * h
+    replicated = tp if sequence_parallel else 1  # norms and dropout masks are split by TP only under SP
+    norm = _norm_activations(model, transformer_engine) / replicated
+    # q and k after RoPE, the qkv output v is a view of, and the context
+    qkv_kept = (2 * h + g * d + (a + 2 * g) * d) * e / tp
+    mlp = (5 if model.activation == "swiglu" else 2) * f * e / tp
+    noise = _dropout_mask_bytes(model, transformer_engine)
+    dropout_masks = 2 * h * noise / replicated if model.hidden_dropout > 0 else 0.0
+    probs = a * s * e / tp  # [b, a/tp, s, s] softmax output
+    if model.attention_dropout > 0:
+        probs += a * s * (e + noise) / tp  # the dropped-out probabilities and the mask
+    if transformer_engine:  # fused attention keeps q, k, v, the output (and a [b, a, s] fp32 log-sum-exp)
+        attention = selective_attention = qkv_kept
+        attention_recompute = h * e / tp
+    else:  # local DotProductAttention: GQA repeats k and v to all heads before the matmuls
+        gqa = a != g
+        attention = (4 * h * e / tp if gqa else qkv_kept) + probs
+        selective_attention = qkv_kept
+        attention_recompute = probs + (2 * h * e / tp if gqa else 0.0)
+    # backward recomputes the core attention after the layer's later part (the context, the second
+    # norm, the MLP, the dropout masks) has been freed
+    after_attention = h * e / tp + norm + mlp + dropout_masks
+    rest = 2 * norm + mlp + dropout_masks
+    return {"input": h * e / replicated, "none": rest + attention, "selective": rest + selective_attention,
+            "attention_recompute": max(0.0, attention_recompute - after_attention)}
+
+
 def activation_bytes(model: ModelConfig, *, tp: int, sequence_parallel: bool, recompute: Optional[str],
-                     micro_batch_size: int, seq_length: int, with_logits: bool = True) -> int:
-    """Activation memory of one rank for the in-flight micro-batches (see the module docstring)."""
-    s, b, h, a = seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
+                     micro_batch_size: int, seq_length: int, with_logits: bool = True,
+                     transformer_engine: Optional[bool] = None) -> int:
+    """Activation memory of one rank for the in-flight micro-batches (see the module docstring).
 
-    def per_layer(attention: float) -> float:  # bf16 bytes of one layer
-        if sequence_parallel:
-            return s * b * h * (34 + attention) / tp
-        return s * b * h * (10 + (24 + attention) / tp)
-
-    full_layer = per_layer(5 * a * s / h)
-    if recompute == "full":  # stored layer inputs, plus the working set of the layer being recomputed
-        total = model.num_layers * 2 * s * b * h / (tp if sequence_parallel else 1) + full_layer
+    Args:
+        micro_batch_size, seq_length: the micro-batch ``[b, s]``.
+        with_logits: the LM head (policy); False for a scalar head (critic).
+        transformer_engine: which layers the run uses; None: ``transformer_engine_expected(model)``.
+    """
+    if transformer_engine is None:
+        transformer_engine = transformer_engine_expected(model)
+    tokens = micro_batch_size * seq_length
+    layer = _layer_activations(model, tp=tp, sequence_parallel=sequence_parallel, seq_length=seq_length,
+                               transformer_engine=transformer_engine)
+    replicated = tp if sequence_parallel else 1
+    stem = model.hidden_size * _dropout_mask_bytes(model, transformer_engine) / replicated \
+        if model.hidden_dropout > 0 else 0.0  # embedding dropout
+    head = _norm_activations(model, transformer_engine) / replicated  # final norm
+    if with_logits:  # the saved logits shard, plus the loss's fp32 working copy of it
+        head += _padded_vocab(model, tp) / tp * (_DTYPE_BYTES[model.params_dtype] + 4)
+    if recompute == "full":  # layer inputs; in backward, one recomputed layer at a time
+        stored, transient = layer["input"], layer["none"] - layer["input"]
     elif recompute == "selective":
-        total = model.num_layers * per_layer(0.0)
+        stored, transient = layer["selective"], layer["attention_recompute"]
     else:
-        total = model.num_layers * full_layer
-    total *= _DTYPE_BYTES[model.params_dtype] / 2
-    if with_logits:
-        total += s * b * _padded_vocab(model, tp) / tp * 4
-    return int(total)
+        stored, transient = layer["none"], 0.0
+    # the head's tensors are freed (its backward ran) before any layer recomputes
+    return int(tokens * (model.num_layers * stored + stem + max(head, transient)))
+
+
+def training_micro_batches(cfg: Config) -> Dict[str, Tuple[int, int]]:
+    """The largest ``(rows, seq_length)`` of each kind of training micro-batch, per rank.
+
+    ``rollout`` (PPO and critic): ``trainer.micro_batch_size`` rows of prompt + response,
+    ``data.max_prompt_length + rollout.max_new_tokens`` tokens, or, with
+    ``trainer.ppo_max_token_len_per_rank``, enough such rows to cover the budget (rounded up).
+    ``preference`` (DPO): chosen and rejected rows of ``micro_batch_size`` pairs,
+    ``data.max_prompt_length + data.max_response_length`` tokens.
+    """
+    t, data = cfg.trainer, cfg.data
+    rollout_length = data.max_prompt_length + cfg.rollout.max_new_tokens
+    rows = t.micro_batch_size
+    if t.ppo_max_token_len_per_rank is not None:  # balancing over DP can overshoot it by one row
+        rows = -(-t.ppo_max_token_len_per_rank // rollout_length)
+    return {"rollout": (rows, rollout_length),
+            "preference": (2 * t.micro_batch_size, data.max_prompt_length + data.max_response_length)}
+
+
+def rollout_batch(cfg: Config, dp: int) -> Tuple[int, int]:
+    """``(rows, positions)`` of one rank's ``generate`` call: ``global_batch_size/DP·n`` rows of
+    ``data.max_prompt_length + rollout.max_new_tokens`` positions (the longest prompt + the budget)."""
+    return (cfg.trainer.global_batch_size // dp * cfg.rollout.n,
+            cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
 
 
 def kv_cache_bytes(cfg: Config, tp: int, pp: int, dp: int) -> int:
-    """Rollout KV cache of one rank for its share of the rollout batch (megatron engine)."""
+    """Rollout KV cache of one rank (native engine): ``hpa.rollout.kv_cache.CachedDecoder`` keeps keys
+    and values ``[b, g/tp, S, d]`` in ``params_dtype`` for each of its stage's layers."""
     m = cfg.model
-    head_dim = m.hidden_size // m.num_attention_heads
-    tokens = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    batch = cfg.trainer.global_batch_size * cfg.rollout.n / dp
-    return int(2 * (m.num_layers // pp) * (m.kv_heads / tp) * head_dim * tokens * batch
-               * _DTYPE_BYTES[m.params_dtype])
+    batch, positions = rollout_batch(cfg, dp)
+    per_layer = 2 * batch * (m.kv_heads // tp) * positions * (m.hidden_size // m.num_attention_heads)
+    return (m.num_layers // pp) * per_layer * _DTYPE_BYTES[m.params_dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +289,13 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs) -> dict:
     sp = k.tp > 1 and (cfg.parallel.sequence_parallel or k.tp != cfg.parallel.tensor_model_parallel_size)
     pbytes = _DTYPE_BYTES[m.params_dtype]
     adam_bytes = 8 + (4 if m.params_dtype != "float32" else 0)
-    act = {r or "none": activation_bytes(m, tp=k.tp, sequence_parallel=sp, recompute=r,
-                                         micro_batch_size=cfg.trainer.micro_batch_size,
-                                         seq_length=m.max_sequence_length)
-           for r in (None, "selective", "full")}
+    shapes = training_micro_batches(cfg)
+
+    def activations(recompute: Optional[str], lm_head: bool) -> float:
+        kinds = shapes if lm_head else {"rollout": shapes["rollout"]}  # the critic sees no preference pairs
+        return max(activation_bytes(m, tp=k.tp, sequence_parallel=sp, recompute=recompute, micro_batch_size=b,
+                                    seq_length=s, with_logits=lm_head) for b, s in kinds.values()) / GB
+
     rows = {}
     for name, heads, trainable in _models(cfg):
         params = max(stage_parameters(m, k.tp, k.pp, heads))
@@ -182,12 +310,8 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs) -> dict:
             row["grads_gb"] = params * 4 / GB
             row["optimizer_gb"] = (dist if k.distributed_optimizer else plain) / GB
             row["optimizer_gb_plain"], row["optimizer_gb_distributed"] = plain / GB, dist / GB
-            key = k.recompute or "none"
-            per = {r: (v if heads is None else activation_bytes(
-                m, tp=k.tp, sequence_parallel=sp, recompute=None if r == "none" else r,
-                micro_batch_size=cfg.trainer.micro_batch_size, seq_length=m.max_sequence_length,
-                with_logits=False)) / GB for r, v in act.items()}
-            row["activations_gb"] = per[key]
+            per = {r or "none": activations(r, heads is None) for r in (None, "selective", "full")}
+            row["activations_gb"] = per[k.recompute or "none"]
             row["activations_gb_by_recompute"] = per
         row["static_gb"] = row["params_gb"] + row["grads_gb"] + row["optimizer_gb"]
         rows[name] = row
@@ -259,8 +383,10 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float) -> dict:
     Returns a dict: ``layout``, ``models`` (per model: ``parameters`` (unsharded count),
     ``parameters_per_gpu``, ``params_gb``, ``grads_gb``, ``optimizer_gb`` (+ ``_plain`` /
     ``_distributed``), ``activations_gb`` (+ ``_by_recompute``), ``static_gb``), ``static_gb``,
-    ``activations_gb``, ``kv_cache_gb``, ``total_gb``, ``gpu_memory_gb``, ``fits`` and
-    ``suggestions`` (changes that make it fit, fewest first; empty when it fits already).
+    ``activations_gb``, ``kv_cache_gb``, ``total_gb``, ``gpu_memory_gb``, ``fits``,
+    ``suggestions`` (changes that make it fit, fewest first; empty when it fits already),
+    ``training_micro_batches`` (the shapes the activations are counted for), ``transformer_engine``
+    (which layers the activation terms assume) and ``notes``.
 
     Raises:
         ConfigError: the layout does not divide the world size or the model.
@@ -275,11 +401,16 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float) -> dict:
     out["gpu_memory_gb"] = gpu_memory_gb
     out["fits"] = out["total_gb"] <= gpu_memory_gb
     out["suggestions"] = [] if out["fits"] else _suggest(cfg, world_size, gpu_memory_gb)
+    shapes = training_micro_batches(cfg)
+    out["training_micro_batches"] = {kind: {"rows": b, "seq_length": s} for kind, (b, s) in shapes.items()}
+    out["transformer_engine"] = transformer_engine_expected(cfg.model)
     out["notes"] = [
-        f"activations: micro_batch_size={cfg.trainer.micro_batch_size}, "
-        f"seq_length=model.max_sequence_length={cfg.model.max_sequence_length}",
+        "activations: largest micro-batch per rank of each kind, " + ", ".join(
+            f"{kind} {b}x{s}" for kind, (b, s) in shapes.items()) + " (rows x tokens); "
+        + ("Transformer Engine layers (formula only)" if out["transformer_engine"] else
+           "megatron's local spec (the formula measured on CPU)"),
         f"KV cache: {cfg.trainer.global_batch_size}·{cfg.rollout.n}/DP sequences of "
-        f"{cfg.data.max_prompt_length}+{cfg.rollout.max_new_tokens} tokens (megatron-engine estimate"
+        f"{cfg.data.max_prompt_length}+{cfg.rollout.max_new_tokens} tokens (native-engine cache"
         + ("; vLLM instead reserves rollout.gpu_memory_utilization of the GPU while awake" if
            cfg.rollout.engine == "vllm" else "") + ")",
         "peak = static + max(activations, KV cache); keep 2-5 GB for CUDA context, NCCL, fragmentation",

@@ -68,7 +68,7 @@ def test_llama2_shapes():
     assert (m70.num_layers, m70.hidden_size, m70.num_attention_heads, m70.kv_heads, m70.ffn_hidden_size,
             m70.vocab_size) == (80, 8192, 64, 8, 28672, 32000)
     assert (cfg70.parallel.tensor_model_parallel_size, cfg70.parallel.pipeline_model_parallel_size) == (8, 4)
-    assert m70.recompute_granularity == "selective"
+    assert m70.recompute_granularity == "full"
     assert load_config(ROOT / "configs" / "llama2_7b.yaml").rollout.vllm_tensor_parallel_size == 2
 
 

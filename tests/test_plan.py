@@ -1,14 +1,29 @@
 """``hpa plan``: exact parameter counts, the 70B plan, and the estimate against measured memory.
 
-The accuracy check measures **static memory only** (parameters, fp32 main grads and Adam state,
-summed over the unique tensor storages megatron actually allocates after one optimizer step) on
-CPU ranks built with ``build_policy`` + ``wrap_ddp`` + ``build_optimizer``, and asserts the
-planner's parameters + gradients + optimizer estimate is within 15% (it is exact up to torch's
-one-element ``step`` tensors). Activations and the KV cache are not measured: peak RSS on a shared
-CPU box is too noisy to check a 15% bound honestly.
+Measured on CPU gloo ranks, deterministically (no RSS), with the models ``build_policy`` builds:
+
+* **static**: parameters, fp32 main grads and Adam state, summed over the unique tensor storages
+  megatron allocates after one optimizer step (``wrap_ddp`` + ``build_optimizer``); the planner is
+  exact up to torch's one-element ``step`` tensors.
+* **activations**: one training micro-batch of the planner's largest shape through
+  ``hpa.trainer.step.forward_backward`` with the trainer's loss (``vocab_parallel_log_probs`` on the
+  logits), under ``saved_tensors_hooks``: the peak over forward *and* backward of the bytes saved for
+  backward, each storage counted once (``untyped_storage().data_ptr()``), parameters excluded, plus
+  the loss's fp32 working copy of the logits shard (``logits.numel()·4``, alive at the end of the
+  forward next to everything saved). The peak in backward matters for recomputation: it holds the
+  recomputed layer (full) or core attention (selective). Recompute none / selective / full, for two
+  sizes (GQA + RMSNorm + SwiGLU; MHA + LayerNorm + GeLU + dropout) under TP1 and TP2.
+* **KV cache**: the ``.keys`` and ``.values`` a ``CachedDecoder`` allocates for the rollout batch the
+  planner assumes (``global_batch_size/DP·n`` rows of prompt + new tokens); the planner is exact.
+* **peak**: measured static (policy + reference) + max(measured activations, measured KV cache)
+  against the planner's total.
+
+What stays formula-only: the Transformer Engine (GPU, bf16) activation terms, pipeline parallelism
+(1F1B in-flight micro-batches) and sequence parallelism (the local spec does not support it).
 """
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -19,14 +34,25 @@ from multirank import layout_id, run_ranks
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def tiny_cfg(tp=1, pp=1, distributed_optimizer=False):
+# two tiny sizes: the default's GQA + RMSNorm + SwiGLU, and MHA + LayerNorm + GeLU with dropout
+SIZES = {
+    "gqa": ["model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=160", "model.vocab_size=250",
+            "model.add_qkv_bias=true"],
+    "mha": ["model.num_layers=2", "model.hidden_size=128", "model.num_attention_heads=8",
+            "model.num_query_groups=8", "model.ffn_hidden_size=352", "model.vocab_size=500",
+            "model.normalization=LayerNorm", "model.activation=gelu", "model.hidden_dropout=0.1",
+            "model.attention_dropout=0.1", "model.max_sequence_length=128", "data.max_prompt_length=64",
+            "data.max_response_length=32", "rollout.max_new_tokens=32", "trainer.micro_batch_size=4"],
+}
+
+
+def tiny_cfg(tp=1, pp=1, distributed_optimizer=False, size="gqa"):
     from hpa.config import load_config
 
-    return load_config(ROOT / "configs" / "tiny_cpu.yaml", [
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
-        f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}",
-        "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=160", "model.vocab_size=250",
-        "model.add_qkv_bias=true"])
+        f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}"] + SIZES[size])
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="gloo"))
 
 
 def llama2_7b():
@@ -69,7 +95,13 @@ def test_7b_plan_sane():
     assert policy["optimizer_gb"] == pytest.approx(80.86, rel=1e-3)
     assert policy["optimizer_gb_distributed"] == pytest.approx(80.86 / 8, rel=1e-3)
     acts = policy["activations_gb_by_recompute"]
-    assert acts["full"] < acts["selective"] < acts["none"]
+    # Transformer Engine's fused attention keeps no [s, s] tensor, so selective recomputation saves
+    # nothing there; megatron's local attention keeps the softmax output, which it drops
+    assert result["transformer_engine"] and acts["full"] < acts["selective"] == acts["none"]
+    local = plan(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, transformer_impl="local")),
+                 world_size=8, gpu_memory_gb=80)
+    local_acts = local["models"]["policy"]["activations_gb_by_recompute"]
+    assert local_acts["full"] < local_acts["selective"] < local_acts["none"]
     assert not result["fits"] and result["suggestions"]
     assert any("use_distributed_optimizer" in " ".join(s["changes"]) for s in result["suggestions"])
     assert all(s["total_gb"] <= 80 for s in result["suggestions"])
@@ -105,11 +137,12 @@ def test_bad_layout_is_a_config_error(capsys):
     assert "tensor_model_parallel_size" in capsys.readouterr().err
 
 
-def measure_worker(groups, cfg):
-    """Bytes held by parameters, main grads and optimizer state after one optimizer step."""
+def measure_static(groups, cfg):
+    """Bytes held by parameters, main grads and optimizer state after one optimizer step, and by the
+    reference model's parameters."""
     import torch
 
-    from hpa.models import build_policy
+    from hpa.models import build_policy, build_reference
     from hpa.trainer.optimizer import build_optimizer, wrap_ddp
     from hpa.trainer.step import optimizer_step, zero_grad
 
@@ -122,13 +155,6 @@ def measure_worker(groups, cfg):
         p.main_grad.fill_(1e-3)
     optimizer_step(opt)
 
-    def storage_bytes(tensors):
-        seen = {}
-        for t in tensors:
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        return seen
-
     params = storage_bytes(p.data for p in model.parameters())
     grads = storage_bytes(p.main_grad for p in model.parameters())
     inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
@@ -137,34 +163,188 @@ def measure_worker(groups, cfg):
     masters = [p for o in inner for g in o.param_groups for p in g["params"]]
     opt_bytes = storage_bytes(state)
     opt_bytes.update({k: v for k, v in storage_bytes(masters).items() if k not in params})
+    reference = build_reference(cfg.model, cfg.parallel, groups)
     return {"params": sum(params.values()), "grads": sum(grads.values()),
             "optimizer": sum(opt_bytes.values()),
+            "reference": sum(storage_bytes(p.data for p in reference.parameters()).values()),
             "numel": sum(p.numel() for p in model.parameters())}
 
 
-LAYOUTS = [dict(tp=2, pp=1, dp=1, distributed_optimizer=False),
-           dict(tp=1, pp=2, dp=2, distributed_optimizer=True)]
+def storage_bytes(tensors):
+    """``{storage data_ptr: nbytes}``: every storage once, however many views of it there are."""
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return seen
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: layout_id(l["tp"], l["pp"], l["dp"])
-                         + ("_distopt" if l["distributed_optimizer"] else ""))
-def test_static_estimate_matches_measured(layout):
+def measure_activations(groups, cfg, recompute, rows, seq_length):
+    """Peak bytes saved for backward by one training micro-batch ``[rows, seq_length]`` (module docstring)."""
+    import torch
+
+    from hpa.models import build_policy
+    from hpa.ops.vocab_parallel import vocab_parallel_log_probs
+    from hpa.trainer.step import forward_backward
+
+    torch.manual_seed(0)
+    model = build_policy(dataclasses.replace(cfg.model, recompute_granularity=recompute), cfg.parallel, groups)
+    model.train()
+    params = set(storage_bytes(model.parameters()))
+    live, peak = {}, {"saved": 0, "forward_end": 0}
+
+    class Saved:  # what autograd holds for backward; dropped when the graph frees it
+        def __init__(self, tensor):
+            self.tensor, st = tensor, tensor.untyped_storage()
+            self.ptr = None if st.data_ptr() in params else st.data_ptr()
+            if self.ptr is not None:
+                nbytes, count = live.get(self.ptr, (st.nbytes(), 0))
+                live[self.ptr] = (nbytes, count + 1)
+                peak["saved"] = max(peak["saved"], sum(n for n, _ in live.values()))
+
+        def __del__(self):
+            if self.ptr is not None:
+                nbytes, count = live.pop(self.ptr)
+                if count > 1:
+                    live[self.ptr] = (nbytes, count - 1)
+
+    def loss_fn(batch, logits, hidden):  # logits [b, s, v/tp]
+        logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=cfg.model.vocab_size)
+        working_copy = logits.numel() * 4  # the op's fp32 [b, s, v/tp] intermediate
+        peak["forward_end"] = sum(n for n, _ in live.values()) + working_copy
+        return logp.mean(), {}
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.model.vocab_size, (rows, seq_length + 1), generator=gen)
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:],
+             "position_ids": torch.arange(seq_length).expand(rows, seq_length)}
+    with torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor):
+        forward_backward(model, [batch], loss_fn, groups)
+    assert not live, "saved tensors outlived backward"
+    return max(peak.values())
+
+
+def measure_kv_cache(groups, cfg, rows, positions):
+    from hpa.models import build_policy
+    from hpa.rollout.kv_cache import CachedDecoder
+
+    cache = CachedDecoder(build_policy(cfg.model, cfg.parallel, groups), rows, positions)
+    return sum(t.nbytes for t in cache.keys + cache.values)
+
+
+def measure_worker(groups, cfgs):
+    """Static memory of the first config; activations (PP1 only) and KV cache of every config.
+
+    Args:
+        cfgs: ``{size name: Config}``.
+    """
+    from hpa.plan import rollout_batch
+
+    out = {"static": measure_static(groups, next(iter(cfgs.values())))}
+    if groups.pipeline_model_parallel_size == 1:
+        for size, cfg in cfgs.items():
+            rows, seq_length = planned_micro_batch(cfg)
+            out[size] = {
+                "activations": {r or "none": measure_activations(groups, cfg, r, rows, seq_length)
+                                for r in (None, "selective", "full")},
+                "kv_cache": measure_kv_cache(groups, cfg, *rollout_batch(cfg, groups.data_parallel_size))}
+    return out
+
+
+def planned_micro_batch(cfg):
+    """The training micro-batch ``(rows, seq_length)`` whose activations the planner counts."""
+    from hpa.plan import activation_bytes, training_micro_batches
+
+    p = cfg.parallel
+    return max(training_micro_batches(cfg).values(), key=lambda shape: activation_bytes(
+        cfg.model, tp=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
+        recompute=cfg.model.recompute_granularity, micro_batch_size=shape[0], seq_length=shape[1]))
+
+
+TP1, TP2, PP2_DP2 = layout_id(1, 1, 1), layout_id(2, 1, 1), layout_id(1, 2, 2) + "_distopt"
+LAYOUTS = {TP1: dict(tp=1, pp=1, dp=1, distributed_optimizer=False),
+           TP2: dict(tp=2, pp=1, dp=1, distributed_optimizer=False),
+           PP2_DP2: dict(tp=1, pp=2, dp=2, distributed_optimizer=True)}
+
+
+@functools.lru_cache(maxsize=None)
+def measured(layout_name):
+    """One spawn per layout, shared by the tests below: per-rank measurements."""
+    lay = LAYOUTS[layout_name]
+    cfgs = {size: tiny_cfg(lay["tp"], lay["pp"], lay["distributed_optimizer"], size) for size in SIZES}
+    return run_ranks(measure_worker, tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], args=(cfgs,),
+                     parallel_kwargs={"use_distributed_optimizer": lay["distributed_optimizer"]})
+
+
+@pytest.mark.parametrize("layout_name", [TP2, PP2_DP2])
+def test_static_estimate_matches_measured(layout_name):
     from hpa.plan import plan
 
-    tp, pp, dp, dist = layout["tp"], layout["pp"], layout["dp"], layout["distributed_optimizer"]
-    cfg = tiny_cfg(tp, pp, dist)
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="gloo"))
-    measured = run_ranks(measure_worker, tp=tp, pp=pp, dp=dp, args=(cfg,),
-                         parallel_kwargs={"use_distributed_optimizer": dist})
-    worst = max(measured, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
-    result = plan(cfg, world_size=tp * pp * dp, gpu_memory_gb=80)
+    lay = LAYOUTS[layout_name]
+    cfg = tiny_cfg(lay["tp"], lay["pp"], lay["distributed_optimizer"])
+    measured_ranks = [r["static"] for r in measured(layout_name)]
+    worst = max(measured_ranks, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
+    result = plan(cfg, world_size=lay["tp"] * lay["pp"] * lay["dp"], gpu_memory_gb=80)
     policy = result["models"]["policy"]
-    assert policy["parameters_per_gpu"] == max(r["numel"] for r in measured)
+    assert policy["parameters_per_gpu"] == max(r["numel"] for r in measured_ranks)
     for key, est in (("params", policy["params_gb"]), ("grads", policy["grads_gb"]),
                      ("optimizer", policy["optimizer_gb"])):
         assert est * 1e9 == pytest.approx(worst[key], rel=0.15), (key, est * 1e9, worst[key])
     total_est = policy["static_gb"] * 1e9
     total_measured = worst["params"] + worst["grads"] + worst["optimizer"]
     assert abs(total_est - total_measured) / total_measured < 0.15
-    print(f"{layout_id(tp, pp, dp)}: estimated {total_est:.0f} B, measured {total_measured:.0f} B, "
+    print(f"{layout_name}: estimated {total_est:.0f} B, measured {total_measured:.0f} B, "
           f"error {100 * (total_est - total_measured) / total_measured:+.2f}%")
+
+
+@pytest.mark.parametrize("layout_name", [TP1, TP2])
+@pytest.mark.parametrize("size", list(SIZES))
+def test_activation_estimate_matches_measured(layout_name, size):
+    from hpa.plan import plan
+
+    lay = LAYOUTS[layout_name]
+    cfg = tiny_cfg(lay["tp"], size=size)
+    rows, seq_length = planned_micro_batch(cfg)
+    assert (rows, seq_length) == (2 * cfg.trainer.micro_batch_size,
+                                  cfg.data.max_prompt_length + cfg.data.max_response_length)  # DPO pairs
+    policy = plan(cfg, world_size=lay["tp"], gpu_memory_gb=80)["models"]["policy"]
+    for recompute, est_gb in policy["activations_gb_by_recompute"].items():
+        est, got = est_gb * 1e9, max(r[size]["activations"][recompute] for r in measured(layout_name))
+        print(f"{layout_name} {size} {rows}x{seq_length} recompute={recompute}: estimated {est:.0f} B, "
+              f"measured {got} B, error {100 * (est - got) / got:+.2f}%")
+        assert abs(est - got) / got < 0.15, (recompute, est, got)
+    acts = measured(layout_name)[0][size]["activations"]
+    assert acts["full"] < acts["selective"] < acts["none"]
+
+
+@pytest.mark.parametrize("layout_name", [TP1, TP2])
+@pytest.mark.parametrize("size", list(SIZES))
+def test_kv_cache_estimate_is_exact(layout_name, size):
+    from hpa.plan import kv_cache_bytes, rollout_batch
+
+    lay = LAYOUTS[layout_name]
+    cfg = tiny_cfg(lay["tp"], size=size)
+    # one generate call per rank: its prompts x n rows, the longest prompt + max_new_tokens positions
+    assert rollout_batch(cfg, 1) == (cfg.trainer.global_batch_size * cfg.rollout.n,
+                                     cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    est = kv_cache_bytes(cfg, tp=lay["tp"], pp=1, dp=1)
+    assert est > 0
+    assert all(r[size]["kv_cache"] == est for r in measured(layout_name))
+
+
+@pytest.mark.parametrize("layout_name", [TP1, TP2])
+def test_peak_estimate_matches_measured(layout_name):
+    from hpa.plan import plan
+
+    lay = LAYOUTS[layout_name]
+    cfg = tiny_cfg(lay["tp"])
+    result = plan(cfg, world_size=lay["tp"], gpu_memory_gb=80)
+    assert set(result["models"]) == {"policy", "reference"}  # GRPO without reward models
+    peaks = []
+    for r in measured(layout_name):
+        static = r["static"]["params"] + r["static"]["grads"] + r["static"]["optimizer"] + r["static"]["reference"]
+        m = r["gqa"]
+        peaks.append(static + max(m["activations"][cfg.model.recompute_granularity or "none"], m["kv_cache"]))
+    est, got = result["total_gb"] * 1e9, max(peaks)
+    print(f"{layout_name} peak: estimated {est:.0f} B, measured {got} B, error {100 * (est - got) / got:+.2f}%")
+    assert abs(est - got) / got < 0.15
