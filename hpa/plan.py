@@ -63,6 +63,13 @@ The estimate is analytic (no GPU, no megatron import). Per GPU, the worst pipeli
   rows per rank; measured exact on CPU. megatron's ``StaticInferenceContext`` fallback allocates
   the same. Rollout and training do not overlap, so the peak is ``static + max(activations, KV
   cache)``.
+* **vLLM rollouts** (``rollout.engine: vllm``, colocated): while awake vLLM takes
+  ``rollout.gpu_memory_utilization`` of the GPU (its weights and KV cache); it sleeps during
+  training (weights to CPU, KV cache dropped), while megatron's weights, gradients and optimizer
+  state stay on the GPU through the rollout. The rollout term is then that budget instead of the
+  native KV cache: peak ``static + max(activations, utilization·GPU)``. When that does not fit, the
+  suggestions include the largest utilization (a multiple of 0.05) that leaves 2 GB of headroom and
+  still holds vLLM's weight shard plus the KV cache of one full-length sequence.
 
 Frozen models (reference, reward) hold parameters only; their inference activations are small next
 to training's and are not counted. CUDA context, NCCL buffers and allocator fragmentation (typically
@@ -268,7 +275,6 @@ class _Knobs:
     pp: int
     distributed_optimizer: bool
     recompute: Optional[str]
-    offload_reference: bool
 
 
 def _models(cfg: Config) -> List[tuple]:
@@ -283,7 +289,31 @@ def _models(cfg: Config) -> List[tuple]:
     return models
 
 
-def _estimate(cfg: Config, world_size: int, k: _Knobs) -> dict:
+def vllm_budget_gb(cfg: Config, gpu_memory_gb: float) -> float:
+    """What colocated vLLM takes while awake: ``rollout.gpu_memory_utilization`` of the GPU."""
+    return cfg.rollout.gpu_memory_utilization * gpu_memory_gb
+
+
+def vllm_minimum_gb(cfg: Config) -> float:
+    """The least vLLM can run with: its weight shard (``rollout.vllm_tensor_parallel_size``) and the
+    KV cache of one ``max_prompt_length + max_new_tokens`` sequence, in ``params_dtype``."""
+    m, tp = cfg.model, cfg.rollout.vllm_tensor_parallel_size
+    weights = count_parameters(m) * _DTYPE_BYTES[m.params_dtype] / tp
+    positions = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    kv = 2 * m.num_layers * max(m.kv_heads // tp, 1) * (m.hidden_size // m.num_attention_heads) * positions
+    return (weights + kv * _DTYPE_BYTES[m.params_dtype]) / GB
+
+
+def _fitting_utilization(cfg: Config, static_gb: float, activations_gb: float, gpu_memory_gb: float,
+                         headroom_gb: float = 2.0) -> Optional[float]:
+    """The largest ``gpu_memory_utilization`` (a multiple of 0.05) with which a vLLM run fits."""
+    if static_gb + activations_gb > gpu_memory_gb:
+        return None
+    util = int((gpu_memory_gb - headroom_gb - static_gb) / gpu_memory_gb * 20) / 20
+    return util if util > 0 and util * gpu_memory_gb >= vllm_minimum_gb(cfg) else None
+
+
+def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float) -> dict:
     m = cfg.model
     dp = world_size // (k.tp * k.pp)
     sp = k.tp > 1 and (cfg.parallel.sequence_parallel or k.tp != cfg.parallel.tensor_model_parallel_size)
@@ -302,9 +332,6 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs) -> dict:
         row = {"parameters": count_parameters(m, heads), "parameters_per_gpu": params,
                "params_gb": params * pbytes / GB, "grads_gb": 0.0, "optimizer_gb": 0.0,
                "activations_gb": 0.0}
-        if name == "reference" and k.offload_reference:
-            row["params_gb"] = 0.0
-            row["offloaded"] = True
         if trainable:
             plain, dist = params * adam_bytes, params * adam_bytes / dp
             row["grads_gb"] = params * 4 / GB
@@ -318,16 +345,19 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs) -> dict:
     static = sum(r["static_gb"] for r in rows.values())
     activations = max(r["activations_gb"] for r in rows.values())
     kv = kv_cache_bytes(cfg, k.tp, k.pp, dp) / GB
+    rollout = vllm_budget_gb(cfg, gpu_memory_gb) if cfg.rollout.engine == "vllm" else kv
     return {
         "layout": {"tensor_model_parallel_size": k.tp, "pipeline_model_parallel_size": k.pp,
                    "data_parallel_size": dp, "sequence_parallel": sp,
                    "use_distributed_optimizer": k.distributed_optimizer,
-                   "recompute_granularity": k.recompute, "offload_reference": k.offload_reference},
+                   "recompute_granularity": k.recompute},
         "models": rows,
         "static_gb": static,
         "activations_gb": activations,
         "kv_cache_gb": kv,
-        "total_gb": static + max(activations, kv),
+        "rollout_gb": rollout,
+        "rollout_engine": cfg.rollout.engine,
+        "total_gb": static + max(activations, rollout),
     }
 
 
@@ -347,8 +377,6 @@ def _changes(cfg: Config, k: _Knobs) -> List[str]:
         out.append("parallel.use_distributed_optimizer=true")
     if k.recompute != cfg.model.recompute_granularity:
         out.append(f"model.recompute_granularity={k.recompute}")
-    if k.offload_reference:
-        out.append("offload the reference model to CPU")
     if k.tp != p.tensor_model_parallel_size:
         out.append(f"parallel.tensor_model_parallel_size={k.tp}"
                    + (" parallel.sequence_parallel=true" if k.tp > 1 else ""))
@@ -364,15 +392,20 @@ def _suggest(cfg: Config, world_size: int, gpu_memory_gb: float, limit: int = 5)
                for pp in range(1, world_size // tp + 1)
                if world_size % (tp * pp) == 0 and _valid_layout(cfg, world_size, tp, pp)]
     found = []
-    for (tp, pp), dist, rec, off in itertools.product(
-            layouts, {p.use_distributed_optimizer, True}, {m.recompute_granularity, "selective", "full"},
-            (False, True)):
-        k = _Knobs(tp, pp, dist, rec, off)
-        est = _estimate(cfg, world_size, k)
+    for (tp, pp), dist, rec in itertools.product(
+            layouts, {p.use_distributed_optimizer, True}, {m.recompute_granularity, "selective", "full"}):
+        k = _Knobs(tp, pp, dist, rec)
+        est = _estimate(cfg, world_size, k, gpu_memory_gb)
+        changes = _changes(cfg, k)
         if est["total_gb"] <= gpu_memory_gb:
-            changes = _changes(cfg, k)
             if changes:
                 found.append({"changes": changes, "total_gb": est["total_gb"], "layout": est["layout"]})
+        elif cfg.rollout.engine == "vllm":
+            util = _fitting_utilization(cfg, est["static_gb"], est["activations_gb"], gpu_memory_gb)
+            if util is not None and util < cfg.rollout.gpu_memory_utilization:
+                total = est["static_gb"] + max(est["activations_gb"], util * gpu_memory_gb)
+                found.append({"changes": changes + [f"rollout.gpu_memory_utilization={util:.2f}"],
+                              "total_gb": total, "layout": est["layout"]})
     found.sort(key=lambda f: (len(f["changes"]), f["total_gb"]))
     return found[:limit]
 
@@ -383,7 +416,8 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float) -> dict:
     Returns a dict: ``layout``, ``models`` (per model: ``parameters`` (unsharded count),
     ``parameters_per_gpu``, ``params_gb``, ``grads_gb``, ``optimizer_gb`` (+ ``_plain`` /
     ``_distributed``), ``activations_gb`` (+ ``_by_recompute``), ``static_gb``), ``static_gb``,
-    ``activations_gb``, ``kv_cache_gb``, ``total_gb``, ``gpu_memory_gb``, ``fits``,
+    ``activations_gb``, ``kv_cache_gb`` (the native engine's), ``rollout_gb`` (the rollout term:
+    that KV cache, or the vLLM budget), ``total_gb``, ``gpu_memory_gb``, ``fits``,
     ``suggestions`` (changes that make it fit, fewest first; empty when it fits already),
     ``training_micro_batches`` (the shapes the activations are counted for), ``transformer_engine``
     (which layers the activation terms assume) and ``notes``.
@@ -395,8 +429,8 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float) -> dict:
     validate(cfg, world_size)
     p = cfg.parallel
     k = _Knobs(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.use_distributed_optimizer,
-               cfg.model.recompute_granularity, False)
-    out = _estimate(cfg, world_size, k)
+               cfg.model.recompute_granularity)
+    out = _estimate(cfg, world_size, k, gpu_memory_gb)
     out["world_size"] = world_size
     out["gpu_memory_gb"] = gpu_memory_gb
     out["fits"] = out["total_gb"] <= gpu_memory_gb
@@ -409,11 +443,13 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float) -> dict:
             f"{kind} {b}x{s}" for kind, (b, s) in shapes.items()) + " (rows x tokens); "
         + ("Transformer Engine layers (formula only)" if out["transformer_engine"] else
            "megatron's local spec (the formula measured on CPU)"),
-        f"KV cache: {cfg.trainer.global_batch_size}·{cfg.rollout.n}/DP sequences of "
-        f"{cfg.data.max_prompt_length}+{cfg.rollout.max_new_tokens} tokens (native-engine cache"
-        + ("; vLLM instead reserves rollout.gpu_memory_utilization of the GPU while awake" if
-           cfg.rollout.engine == "vllm" else "") + ")",
-        "peak = static + max(activations, KV cache); keep 2-5 GB for CUDA context, NCCL, fragmentation",
+        (f"rollout: vLLM takes rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization:g} of the "
+         f"GPU while awake (its weights + KV cache; it sleeps during training, megatron's state stays); "
+         f"the native engine's KV cache would be {out['kv_cache_gb']:.2f} GB"
+         if cfg.rollout.engine == "vllm" else
+         f"rollout KV cache: {cfg.trainer.global_batch_size}·{cfg.rollout.n}/DP sequences of "
+         f"{cfg.data.max_prompt_length}+{cfg.rollout.max_new_tokens} tokens (native engine)"),
+        "peak = static + max(activations, rollout); keep 2-5 GB for CUDA context, NCCL, fragmentation",
     ]
     return out
 
@@ -421,6 +457,8 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float) -> dict:
 def format_plan(result: dict) -> str:
     """The plan as a text table (GB = 1e9 bytes)."""
     lay = result["layout"]
+    rollout_label = ("rollout (vLLM, awake)" if result["rollout_engine"] == "vllm"
+                     else "rollout KV cache (native engine)")
     lines = [f"hpa plan: {result['world_size']} GPUs x {result['gpu_memory_gb']:g} GB, "
              f"TP{lay['tensor_model_parallel_size']} x PP{lay['pipeline_model_parallel_size']} x "
              f"DP{lay['data_parallel_size']}, sequence_parallel={lay['sequence_parallel']}, "
@@ -435,8 +473,8 @@ def format_plan(result: dict) -> str:
                      f"{r['activations_gb']:>8.2f} {r['static_gb']:>8.2f}")
     lines += [f"{'static (weights + grads + optimizer)':<40} {result['static_gb']:>8.2f}",
               f"{'activations (training peak)':<40} {result['activations_gb']:>8.2f}",
-              f"{'rollout KV cache':<40} {result['kv_cache_gb']:>8.2f}",
-              f"{'total = static + max(activ., KV)':<40} {result['total_gb']:>8.2f}  of "
+              f"{rollout_label:<40} {result['rollout_gb']:>8.2f}",
+              f"{'total = static + max(activ., rollout)':<40} {result['total_gb']:>8.2f}  of "
               f"{result['gpu_memory_gb']:g} GB"]
     policy = result["models"]["policy"]
     lines += ["",
@@ -456,7 +494,7 @@ def format_plan(result: dict) -> str:
             lines.append(f"  {s['total_gb']:8.2f} GB  " + " + ".join(s["changes"]))
     else:
         lines.append(f"DOES NOT FIT: {result['total_gb']:.2f} GB > {result['gpu_memory_gb']:g} GB, and no "
-                     "combination of distributed optimizer, recomputation, reference offload and TP/PP "
+                     "combination of distributed optimizer, recomputation, TP/PP and vLLM memory share "
                      "fits: use more GPUs or GPUs with more memory")
     return "\n".join(lines)
 

@@ -113,7 +113,7 @@ def test_70b_plan_and_cli(capsys):
     assert main(["--config", str(ROOT / "configs" / "llama2_70b.yaml"), "--world-size", "64",
                  "--gpu-memory-gb", "80"]) == 0
     text = capsys.readouterr().out
-    assert "TP8 x PP4 x DP2" in text and "FITS" in text
+    assert "TP8 x PP8 x DP1" in text and "FITS" in text
     for name in ("policy", "critic", "reference", "reward"):
         assert name in text
     main(["--config", str(ROOT / "configs" / "llama2_70b.yaml"), "--world-size", "64",
@@ -121,12 +121,13 @@ def test_70b_plan_and_cli(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["models"]["policy"]["parameters"] == pytest.approx(69e9, rel=0.01)
     assert 40 < result["total_gb"] < 80
-    # without the distributed optimizer and recomputation it does not fit, and the plan says what helps
+    # at PP4 the training state leaves too little for vLLM's share, and the plan says what helps
     rc = main(["--config", str(ROOT / "configs" / "llama2_70b.yaml"), "--world-size", "64",
-               "--gpu-memory-gb", "80", "--json", "parallel.use_distributed_optimizer=false",
+               "--gpu-memory-gb", "80", "--json", "parallel.pipeline_model_parallel_size=4",
                "model.recompute_granularity=null"])
     result = json.loads(capsys.readouterr().out)
     assert rc == 1 and not result["fits"] and result["suggestions"]
+    assert all(s["total_gb"] <= 80 for s in result["suggestions"])
 
 
 def test_bad_layout_is_a_config_error(capsys):
@@ -348,3 +349,35 @@ def test_peak_estimate_matches_measured(layout_name):
     est, got = result["total_gb"] * 1e9, max(peaks)
     print(f"{layout_name} peak: estimated {est:.0f} B, measured {got} B, error {100 * (est - got) / got:+.2f}%")
     assert abs(est - got) / got < 0.15
+
+
+@pytest.mark.parametrize("name,world_size", [("llama2_7b.yaml", 8), ("llama2_70b.yaml", 64)])
+def test_shipped_gpu_configs_fit_their_nodes_with_colocated_vllm(name, world_size):
+    """Colocated vLLM takes rollout.gpu_memory_utilization of the GPU while megatron's training state
+    stays: the rollout term is that budget, and the shipped configs fit 80 GB GPUs with headroom."""
+    from hpa.config import load_config
+    from hpa.plan import plan
+
+    cfg = load_config(ROOT / "configs" / name)
+    result = plan(cfg, world_size=world_size, gpu_memory_gb=80)
+    assert result["rollout_engine"] == "vllm"
+    assert result["rollout_gb"] == pytest.approx(cfg.rollout.gpu_memory_utilization * 80)
+    assert result["total_gb"] == pytest.approx(result["static_gb"] + max(result["activations_gb"],
+                                                                         result["rollout_gb"]))
+    assert result["fits"] and 80 - result["total_gb"] >= 2.0
+
+
+def test_vllm_share_that_does_not_fit_gets_a_utilization_suggestion():
+    from hpa.config import load_config
+    from hpa.plan import plan, vllm_minimum_gb
+
+    cfg = load_config(ROOT / "configs" / "llama2_7b.yaml", ["rollout.gpu_memory_utilization=0.85"])
+    result = plan(cfg, world_size=8, gpu_memory_gb=80)
+    assert not result["fits"] and result["total_gb"] == pytest.approx(result["static_gb"] + 0.85 * 80)
+    only_util = [s for s in result["suggestions"] if len(s["changes"]) == 1]
+    assert only_util and only_util[0]["changes"][0].startswith("rollout.gpu_memory_utilization=")
+    util = float(only_util[0]["changes"][0].split("=")[1])
+    # the largest multiple of 0.05 leaving 2 GB, and enough for vLLM's weight shard + one sequence
+    assert result["static_gb"] + util * 80 <= 78 < result["static_gb"] + (util + 0.05) * 80
+    assert util * 80 >= vllm_minimum_gb(cfg)
+    assert all("offload" not in c for s in result["suggestions"] for c in s["changes"])
