@@ -16,6 +16,10 @@ training (they test memorisation).
 Files written to ``out_dir`` (deterministic given the seed):
     prompts.jsonl        {"prompt": str, "ground_truth": str}
     eval_prompts.jsonl   same format, held out as above
+    adversarial_prompts.jsonl  the reward-hacking monitor's set (``data.adversarial_prompt_path``):
+                         the held-out ``reverse`` eval prompts whose answer differs from the prompt's
+                         symbols, so copying the prompt (the task's cheapest hack) scores 0; only
+                         written when ``reverse`` is among the tasks
     preferences.jsonl    {"prompt", "chosen", "rejected"}: chosen is correct, rejected a corruption
     sft.jsonl            {"prompt", "response"}
     corpus.txt           text for tokenizer training (every prompt with its answer, one a line)
@@ -134,8 +138,13 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
     os.makedirs(out_dir, exist_ok=True)
     files: Dict[str, List[dict]] = {"prompts.jsonl": [], "eval_prompts.jsonl": [], "preferences.jsonl": [],
                                     "sft.jsonl": []}
+    if "reverse" in tasks:
+        files["adversarial_prompts.jsonl"] = []
     for task, args in eval_items:
-        files["eval_prompts.jsonl"].append({"prompt": _prompt(task, args), "ground_truth": _answer(task, args)})
+        record = {"prompt": _prompt(task, args), "ground_truth": _answer(task, args)}
+        files["eval_prompts.jsonl"].append(record)
+        if task == "reverse" and tuple(reversed(args)) != args:
+            files["adversarial_prompts.jsonl"].append(record)
     for i, (task, args) in enumerate(train_items):
         prompt, answer = _prompt(task, args), _answer(task, args)
         files["prompts.jsonl"].append({"prompt": prompt, "ground_truth": answer})

@@ -29,6 +29,9 @@ class DataConfig:
         prompt_path: JSONL or Parquet of ``{"prompt": str, "ground_truth"?: str}`` for rollouts.
         preference_path: JSONL or Parquet of ``{"prompt", "chosen", "rejected"}`` (all str) for DPO.
         eval_prompt_path: held-out prompts in the prompt format; None: no evaluation set.
+        adversarial_prompt_path: the reward-hacking monitor's held-out adversarial validation set,
+            prompts in the prompt format with ground truths (prompts that invite copying or
+            padding); None: no monitor.
         sft_path: JSONL or Parquet of ``{"prompt", "response"}`` for ``hpa sft``; None: unused.
         max_prompt_length: prompt tokens kept; longer prompts follow ``prompt_truncation``.
         max_response_length: response tokens (EOS included) for generation and offline data;
@@ -52,6 +55,7 @@ class DataConfig:
     prompt_path: str
     preference_path: str
     eval_prompt_path: Optional[str] = None
+    adversarial_prompt_path: Optional[str] = None
     sft_path: Optional[str] = None
     max_prompt_length: int = 256
     max_response_length: int = 256
@@ -70,7 +74,7 @@ class DataConfig:
             if not getattr(self, key):
                 raise ConfigError(key, "is empty; give a file or directory path "
                                        "(relative paths are relative to the config file)")
-        for key in ("eval_prompt_path", "sft_path", "rejects_dir"):
+        for key in ("eval_prompt_path", "adversarial_prompt_path", "sft_path", "rejects_dir"):
             if getattr(self, key) == "":
                 raise ConfigError(key, "is an empty string; leave it out (null) or give a path")
         check_range("max_prompt_length", self.max_prompt_length, low=1)

@@ -119,27 +119,25 @@ class FilterConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MonitorConfig:
-    """Reward-hacking monitor over a rolling window of steps.
+    """Reward-hacking monitor on the adversarial validation set (``data.adversarial_prompt_path``),
+    evaluated every ``trainer.eval_interval`` steps; the first evaluation is the baseline.
 
     Args:
-        window: number of steps in the rolling window (also the length of the length baseline).
-        length_ratio_threshold: alert when mean length over the latest window exceeds this many times
-            the mean length over the first window.
-        copy_rate_threshold: alert when the mean copy rate over the latest window exceeds this.
-        divergence_tolerance: alert when the raw reward trend is > +tolerance while the held-out/rule
-            score trend is < −tolerance (trend = mean of the newer half − mean of the older half).
+        gap_threshold: alert when (mean model reward − mean gold score) on the set has grown by more
+            than this over the baseline.
+        length_ratio_threshold: alert when the mean response length exceeds this many times the
+            baseline's.
+        copy_rate_threshold: alert when the mean n-gram copy rate of the responses exceeds this.
     """
 
-    window: int = 50
+    gap_threshold: float = 0.5
     length_ratio_threshold: float = 1.5
     copy_rate_threshold: float = 0.5
-    divergence_tolerance: float = 0.0
 
     def __post_init__(self):
-        check_range("window", self.window, low=2)
+        check_range("gap_threshold", self.gap_threshold, low=0.0, low_open=True)
         check_range("length_ratio_threshold", self.length_ratio_threshold, low=1.0, low_open=True)
         check_range("copy_rate_threshold", self.copy_rate_threshold, low=0.0, high=1.0)
-        check_range("divergence_tolerance", self.divergence_tolerance, low=0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -257,6 +257,8 @@ class GuardConfig:
     or ``max_consecutive_skips`` skipped steps in a row, rolls back to the last checkpoint and
     multiplies the LR by ``rollback_lr_factor``. Early stopping (off unless ``early_stop_patience``
     is set) watches mean(reward) - 0.5 mean(KL) - 0.3 std(reward) over ``early_stop_window`` steps.
+    ``early_stop_on_hacking`` also stops at an evaluation where the reward-hacking monitor alerts
+    (``reward.monitor``, on ``data.adversarial_prompt_path``).
     """
 
     grad_spike_factor: float = 10.0
@@ -272,6 +274,7 @@ class GuardConfig:
     early_stop_min_delta: float = 0.01
     early_stop_kl_coef: float = 0.5
     early_stop_std_coef: float = 0.3
+    early_stop_on_hacking: bool = False
 
     def __post_init__(self):
         check_range("grad_spike_factor", self.grad_spike_factor, low=1.0, low_open=True)
@@ -378,6 +381,9 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"prompt within model.max_sequence_length={m.max_sequence_length}")
     if cfg.parallel.use_distributed_optimizer and cfg.parallel.backend == "gloo" and m.params_dtype != "float32":
         raise ConfigError("model.params_dtype", "the CPU/gloo path runs in float32")
+    if cfg.guard.early_stop_on_hacking and (cfg.data.adversarial_prompt_path is None or t.eval_interval <= 0):
+        raise ConfigError("guard.early_stop_on_hacking", "the reward-hacking monitor needs "
+                          "data.adversarial_prompt_path and trainer.eval_interval > 0")
 
 
 def to_dict(cfg) -> dict:

@@ -283,15 +283,17 @@ class PromptDataset(Sequence):
 
     @classmethod
     def from_config(cls, cfg, tokenizer: Tokenizer, *, rejects_dir: Optional[str], split: str = "train") -> "PromptDataset":
-        """Load ``cfg.prompt_path`` (split ``train``) or ``cfg.eval_prompt_path`` (split ``eval``).
+        """Load ``cfg.prompt_path`` (split ``train``), ``cfg.eval_prompt_path`` (``eval``) or
+        ``cfg.adversarial_prompt_path`` (``adversarial``).
 
         Args:
             cfg: the ``DataConfig`` (paths already resolved by the config loader).
             rejects_dir: ``cfg.rejects_dir`` or ``<run_dir>/rejects``, chosen by the caller.
         """
-        path = {"train": cfg.prompt_path, "eval": cfg.eval_prompt_path}[split]
+        key = {"train": "prompt_path", "eval": "eval_prompt_path", "adversarial": "adversarial_prompt_path"}[split]
+        path = getattr(cfg, key)
         if path is None:
-            raise ValueError(f"data.eval_prompt_path is not set; set it to load the {split!r} prompts")
+            raise ValueError(f"data.{key} is not set; set it to load the {split!r} prompts")
         return cls.load(path, tokenizer, max_prompt_length=cfg.max_prompt_length,
                         prompt_truncation=cfg.prompt_truncation, on_error=cfg.on_error,
                         rejects_path=rejects_path_for(rejects_dir, path), apply_chat_template=cfg.apply_chat_template)

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from hpa.algorithms.kl import kl_warmup_scale, make_kl_controller
+from hpa.algorithms.kl import kl_penalty, kl_warmup_scale, make_kl_controller
 from hpa.algorithms.ppo import truncated_importance_weights
 from hpa.algorithms.schedules import make_schedule, progress
 from hpa.config import write_resolved
@@ -32,7 +32,9 @@ from hpa.data.tokenizer import build_tokenizer
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.models import build_policy, build_reference, build_value, unwrap
-from hpa.reward import RewardInputs, build_reward
+from hpa.reward import RewardHackingMonitor, RewardInputs, build_reward
+from hpa.reward.rules import RuleReward
+from hpa.reward.shaping import ngram_copy_rate
 from hpa.rollout import build_rollout_engine
 from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo, logprob_consistency
 from hpa.trainer import faults, phases
@@ -98,6 +100,10 @@ class HPATrainer:
         self.pairs = PreferenceDataset.from_config(cfg.data, self.tokenizer, rejects_dir=rejects)
         self.eval_prompts = (PromptDataset.from_config(cfg.data, self.tokenizer, rejects_dir=rejects, split="eval")
                              if cfg.data.eval_prompt_path else None)
+        self.adversarial_prompts = (PromptDataset.from_config(cfg.data, self.tokenizer, rejects_dir=rejects,
+                                                              split="adversarial")
+                                    if cfg.data.adversarial_prompt_path else None)
+        self.monitor = RewardHackingMonitor.from_config(cfg.reward.monitor)
         seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
         self.prompt_sampler = DistributedBatchSampler(
             len(self.prompts), global_batch_size=cfg.trainer.global_batch_size, dp_rank=g.dp_rank,
@@ -169,7 +175,7 @@ class HPATrainer:
                 steps_this_run += 1
                 if self._due(self.cfg.trainer.eval_interval):
                     last.update(self.evaluate())
-                    self.last_eval = last["eval/score"]
+                    self.last_eval = last.get("eval/score", self.last_eval)
                 reason = self.guard.rollback_reason(self._token_kl(last))
                 last.update(self.guard.metrics())
                 self.metrics.write(self.step, last)
@@ -210,6 +216,10 @@ class HPATrainer:
         comm.all_reduce_max(flags, None)  # any rank signalled: every rank stops at this step
         if flags.item() > 0:
             return "signal"
+        if self.cfg.guard.early_stop_on_hacking and metrics.get("hacking/alert_count", 0.0) > 0:
+            logger.warning("early stop at step %d: the reward-hacking monitor alerted (guard.early_stop_on_hacking); "
+                           "best step %d", self.step, self.guard.best_step)
+            return "early_stop"
         if self.guard.should_stop(self.step, metrics.get("reward/raw_mean", 0.0), metrics.get("reward/shaped_std", 0.0),
                                   metrics.get("kl/token", 0.0)):
             logger.info("early stop at step %d: no improvement of the stop metric for %d steps; best step %d "
@@ -238,6 +248,7 @@ class HPATrainer:
                  "kl_ctrl": self.kl_ctrl.state_dict(), "guard": self.guard.state_dict(),
                  "prompt_sampler": self.prompt_sampler.state_dict(), "pair_sampler": self.pair_sampler.state_dict(),
                  "reward": self.reward.state_dict(), "policy_sched": self.policy_sched.state_dict(),
+                 "monitor": self.monitor.state_dict(),
                  "last_eval": self.last_eval}
         if self.critic is not None:
             state["critic_sched"] = self.critic_sched.state_dict()
@@ -255,6 +266,7 @@ class HPATrainer:
         self.pair_sampler.load_state_dict(state["pair_sampler"])
         self.reward.load_state_dict(state["reward"])
         self.policy_sched.load_state_dict(state["policy_sched"])
+        self.monitor.load_state_dict(state["monitor"])
         if self.critic is not None:
             self.critic_sched.load_state_dict(state["critic_sched"])
         self.last_eval = state["last_eval"]
@@ -532,30 +544,57 @@ class HPATrainer:
     # ------------------------------------------------------------------------------ evaluation
 
     def evaluate(self) -> Dict[str, float]:
-        """Greedy responses on this rank's slice of the held-out prompts; the rule score averaged."""
-        if self.eval_prompts is None:
-            return {}
+        """Greedy responses on the held-out prompts (``eval/*``) and on the adversarial set, whose
+        numbers go to the reward-hacking monitor (``hacking/*``; alerts are logged)."""
+        metrics: Dict[str, float] = {}
+        if self.eval_prompts is not None:
+            metrics.update({f"eval/{k}": v for k, v in self._evaluate_prompts(self.eval_prompts).items()})
+        if self.adversarial_prompts is not None:
+            adv = self._evaluate_prompts(self.adversarial_prompts)
+            alerts, hacking = self.monitor.update(model_reward=adv["reward"], gold_score=adv["score"],
+                                                  copy_rate=adv["copy_rate"],
+                                                  mean_response_length=adv["response_length"])
+            metrics.update(hacking)
+            for alert in alerts if self.groups.is_main else ():
+                logger.warning("reward-hacking monitor at step %d: %s", self.step, alert)
+        return metrics
+
+    def _evaluate_prompts(self, dataset: PromptDataset) -> Dict[str, float]:
+        """Greedy responses to ``dataset`` (DP-sharded) and their means over the whole set: the gold
+        rule ``score`` (``reward.rules``, exact match by default), the configured base ``reward``
+        (r̂: reward model heads and rules), the k1 ``kl`` to the reference per response token at
+        temperature 1, the n-gram ``copy_rate`` and the ``response_length``."""
         g = self.groups
-        mine = list(range(g.dp_rank, len(self.eval_prompts), g.data_parallel_size))
+        mine = list(range(g.dp_rank, len(dataset), g.data_parallel_size))
         n = comm.all_reduce_max(torch.tensor([len(mine)]), g.dp_group).item()
         mine = (mine + mine[:1] * n)[:n]  # equal work on every DP rank (the repeat is not counted)
-        examples = [self.eval_prompts[i] for i in mine]
+        examples = [dataset[i] for i in mine]
         params = SamplingParams.from_config(self.cfg.rollout, n=1, temperature=0.0)
         self.policy.eval()
         with torch.no_grad():
             batch = self.engine.generate([e.prompt_ids for e in examples], params)
+            inputs = RewardInputs(response_ids=batch.response_ids, response_mask=batch.response_mask,
+                                  prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
+                                  response_texts=self._texts(batch), ground_truths=[e.ground_truth for e in examples])
+            gold = RuleReward.from_names(self.cfg.reward.rules or ("exact_match",), 1.0, None)(inputs).rewards[:, 0]
+            reward = self.reward.base(inputs).rewards.float().mean(dim=1)  # [b]
+            copy = ngram_copy_rate(batch.response_ids, batch.response_mask, batch.prompt_ids, batch.prompt_mask,
+                                   self.cfg.reward.shaping.copy_ngram)  # [b]
+            ts = batch.training_sequences()
+            kw = dict(micro_batch_size=self.mbs, vocab_size=self.vocab_size, temperature=1.0)
+            logp = phases.sequence_log_probs(self.policy, ts, batch.response_mask, g, **kw)["log_probs"]
+            ref = phases.sequence_log_probs(self.reference, ts, batch.response_mask, g, **kw)["log_probs"]
         self.policy.train()
-        from hpa.reward.rules import RuleReward
-
-        rule = RuleReward.from_names(self.cfg.reward.rules or ("exact_match",), 1.0, None)
-        texts = self._texts(batch)
-        scores = rule(RewardInputs(response_ids=batch.response_ids, response_mask=batch.response_mask,
-                                   response_texts=texts, ground_truths=[e.ground_truth for e in examples])).rewards[:, 0]
+        mask = batch.response_mask.float()  # [b, r]
+        kl = (kl_penalty(logp.cpu(), ref.cpu(), kind="k1") * mask).sum(dim=1)  # [b]
+        lengths = mask.sum(dim=1)  # [b]
         counted = len(set(mine))
-        total = torch.tensor([float(scores[:counted].sum()), float(counted)], dtype=torch.float64)
-        comm.all_reduce_sum(total, g.dp_group)
-        return {"eval/score": total[0].item() / max(total[1].item(), 1.0),
-                "eval/response_length": float(batch.response_lengths.float().mean())}
+        sums = torch.stack([gold.cpu().float(), reward.cpu(), copy.cpu().float(), lengths, kl,
+                            torch.ones_like(lengths)])[:, :counted].sum(dim=1).double()
+        comm.all_reduce_sum(sums, g.dp_group)
+        score, reward_sum, copy_sum, tokens, kl_sum, rows = sums.tolist()
+        return {"score": score / rows, "reward": reward_sum / rows, "copy_rate": copy_sum / rows,
+                "response_length": tokens / rows, "kl": kl_sum / max(tokens, 1.0)}
 
 
 def _nan_loss(loss_fn):

@@ -125,6 +125,9 @@ def test_value_checks_name_the_full_key(cfg_file):
     (["parallel.pipeline_model_parallel_size=3"], 3, "model.num_layers"),
     (["parallel.tensor_model_parallel_size=2"], 3, "parallel.tensor_model_parallel_size"),
     (["trainer.global_batch_size=7"], 2, "trainer.global_batch_size"),
+    (["guard.early_stop_on_hacking=true"], 1, "guard.early_stop_on_hacking"),
+    (["guard.early_stop_on_hacking=true", "data.adversarial_prompt_path=adv.jsonl", "trainer.eval_interval=0"], 1,
+     "guard.early_stop_on_hacking"),
 ])
 def test_cross_checks(cfg_file, overrides, world, key):
     with pytest.raises(ConfigError) as err:

@@ -6,7 +6,8 @@ from hpa.data.preferences import PreferenceDataset
 from hpa.data.prompts import PromptDataset
 from hpa.data.tokenizer import build_tokenizer
 
-FILES = ("prompts.jsonl", "eval_prompts.jsonl", "preferences.jsonl", "sft.jsonl", "corpus.txt")
+FILES = ("prompts.jsonl", "eval_prompts.jsonl", "adversarial_prompts.jsonl", "preferences.jsonl", "sft.jsonl",
+         "corpus.txt")
 
 
 def read(path):
@@ -72,3 +73,19 @@ def test_no_noise_and_small_sft_set(tmp_path):
     counts = make_demo_task(str(tmp_path), 200, seed=1, num_eval_prompts=12, flip_fraction=0.0, num_sft=50)
     assert counts["sft.jsonl"] == 50 and counts["preferences.jsonl"] == 200
     assert not any(q["flipped"] for q in read(tmp_path / "preferences.jsonl"))
+
+
+def test_adversarial_set_is_held_out_reverse_prompts_that_copying_fails(tmp_path):
+    counts = make_demo_task(str(tmp_path), 300, seed=0, num_eval_prompts=30)
+    adversarial = read(tmp_path / "adversarial_prompts.jsonl")
+    assert counts["adversarial_prompts.jsonl"] == len(adversarial) > 0
+    evals = read(tmp_path / "eval_prompts.jsonl")
+    train = {r["prompt"] for r in read(tmp_path / "prompts.jsonl")}
+    for r in adversarial:
+        assert r in evals and r["prompt"] not in train and r["prompt"].startswith("reverse ")
+        copied = " ".join(r["prompt"].split()[1:-1])  # the prompt's symbols, unreversed
+        assert demo_exact_match(copied, r["ground_truth"]) == 0.0
+    reverse_evals = [r for r in evals if r["prompt"].startswith("reverse ")]
+    palindromes = [r for r in reverse_evals if r["ground_truth"] == " ".join(r["prompt"].split()[1:-1])]
+    assert len(adversarial) == len(reverse_evals) - len(palindromes)
+    assert "adversarial_prompts.jsonl" not in make_demo_task(str(tmp_path / "no_rev"), 50, tasks=("add", "copy"))

@@ -44,7 +44,7 @@ def test_frozen_and_keyword_only():
 def test_components_accept_every_config_field():
     shaper = shaping.UncertaintyAwareReward.from_config(rc.ShapingConfig(normalize=True, clip=5.0))
     assert shaper.alpha == 0.5 and shaper.clip == 5.0 and shaper.normalizer is not None
-    assert RewardHackingMonitor.from_config(rc.MonitorConfig(window=7)).window == 7
+    assert RewardHackingMonitor.from_config(rc.MonitorConfig(gap_threshold=0.7)).gap_threshold == 0.7
 
 
 @pytest.mark.parametrize("cls, kwargs, key", [
@@ -63,7 +63,7 @@ def test_components_accept_every_config_field():
     (rc.ShapingConfig, dict(clip=0.0), "clip"),
     (rc.FilterConfig, dict(mode="top_k"), "mode"),
     (rc.FilterConfig, dict(k=-1.0), "k"),
-    (rc.MonitorConfig, dict(window=1), "window"),
+    (rc.MonitorConfig, dict(gap_threshold=0.0), "gap_threshold"),
     (rc.MonitorConfig, dict(length_ratio_threshold=1.0), "length_ratio_threshold"),
     (rc.RewardConfig, dict(num_heads=0), "num_heads"),
     (rc.RewardConfig, dict(rules=("gsm9k",)), "rules[0]"),

@@ -23,14 +23,23 @@ REQUIRED_KEYS = [
 ]
 
 
+EVAL_KEYS = ["eval/score", "eval/reward", "eval/kl", "eval/copy_rate", "eval/response_length", "hacking/gap",
+             "hacking/gap_growth", "hacking/model_reward", "hacking/gold_score", "hacking/copy_rate",
+             "hacking/length_ratio", "hacking/alert_count"]
+
+
+def adversarial(demo):
+    return f"data.adversarial_prompt_path={demo / 'data' / 'adversarial_prompts.jsonl'}"
+
+
 @pytest.fixture(scope="module")
 def runs(demo):
-    dp2 = launch(demo, demo / "tp1_pp1_dp2", 2)
+    dp2 = launch(demo, demo / "tp1_pp1_dp2", 2, [adversarial(demo)])
     # truncated IS on here only: on CPU the rollout and training log-probs agree to ~1e-6, so the
     # weights are ~1 and the metrics must still equal the TP1 run's
     tp2pp2dp2 = launch(demo, demo / "tp2_pp2_dp2", 8, ["parallel.tensor_model_parallel_size=2",
                                                           "parallel.pipeline_model_parallel_size=2",
-                                                          "algorithm.ppo.rollout_is_threshold=2.0"])
+                                                          "algorithm.ppo.rollout_is_threshold=2.0", adversarial(demo)])
     return dp2, tp2pp2dp2
 
 
@@ -39,7 +48,34 @@ def test_metrics_file_has_every_key(runs):
     assert [r["step"] for r in dp2] == [0, 1, 2]
     for key in REQUIRED_KEYS:
         assert key in dp2[-1], key
-    assert "eval/score" in dp2[0]
+    for key in EVAL_KEYS:
+        assert key in dp2[0] and key in dp2[-1], key
+
+
+def test_evaluation_starts_at_the_reference_and_is_layout_invariant(runs):
+    """At step 0 the policy is the reference: the eval KL is exactly 0 and the monitor's gap has not
+    grown; evaluation metrics agree between TP1xDP2 and TP2xPP2xDP2."""
+    dp2, tp2pp2 = runs
+    assert dp2[0]["eval/kl"] == 0.0 and dp2[0]["hacking/gap_growth"] == 0.0
+    assert dp2[0]["hacking/length_ratio"] == 1.0
+    assert dp2[-1]["eval/kl"] != 0.0  # two updates later the policy has moved
+    for a, b in zip(dp2, tp2pp2):
+        for key in EVAL_KEYS:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), (a["step"], key)
+
+
+def test_reward_hacking_alert_stops_training_when_asked(demo):
+    """``guard.early_stop_on_hacking``: an alert of the monitor (here forced: any unigram of a response
+    found in its prompt counts as copying) stops the run at the first evaluation after step 0."""
+    run_dir = demo / "hacking_stop"
+    records = launch(demo, run_dir, 1, [adversarial(demo), "trainer.total_steps=4", "trainer.eval_interval=2",
+                                        "reward.shaping.copy_ngram=1", "reward.monitor.copy_rate_threshold=0.0",
+                                        "guard.early_stop_on_hacking=true"])
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[-1]["hacking/alert_count"] >= 1 and records[-1]["hacking/copy_rate"] > 0
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status["reason"] == "early_stop" and status["step"] == 2
 
 
 @pytest.mark.parametrize("key", ["reward/raw_mean", "response_length/mean", "dpo/loss", "kl/token", "kl/semantic",
