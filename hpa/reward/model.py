@@ -238,17 +238,19 @@ class ModelReward:
 
     @classmethod
     def from_config(cls, reward: RewardConfig, model: ModelConfig, parallel: ParallelConfig,
-                    groups: ParallelGroups, *, pad_id: int = 0, micro_batch_size: int = 8) -> "ModelReward":
+                    groups: ParallelGroups, *, pad_id: int = 0, micro_batch_size: int = 8,
+                    with_embeddings: Optional[bool] = None) -> "ModelReward":
         """Load every checkpoint of ``reward.model_paths`` (each with ``reward.num_heads`` heads).
 
-        Embeddings are computed only when the shaping uses them (beta > 0 with the reward model as
-        the diversity source).
+        Embeddings are computed when ``with_embeddings`` is True; by default (None) only when the
+        shaping uses them (beta > 0 with the reward model as the diversity source).
         """
         if not reward.model_paths:
             raise ValueError("reward.model_paths is empty; list the reward model checkpoint(s) "
                              "(the reward_model/ directory of an 'hpa train-rm' run)")
         models = [load_reward_model(model, parallel, groups, path, reward.num_heads) for path in reward.model_paths]
-        with_embeddings = reward.shaping.beta > 0 and reward.shaping.diversity_source == "reward_model"
+        if with_embeddings is None:
+            with_embeddings = reward.shaping.beta > 0 and reward.shaping.diversity_source == "reward_model"
         return cls(models, groups, num_heads=reward.num_heads, hidden_size=model.hidden_size, pad_id=pad_id,
                    micro_batch_size=micro_batch_size, with_embeddings=with_embeddings)
 

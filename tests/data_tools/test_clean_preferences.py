@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -91,3 +92,22 @@ def test_cli_edit_similarity_and_score_keys(tmp_path, capsys):
     report = main(["--input", str(src), "--output", str(out), "--on-error", "skip", "--score-keys", "sc", "sr"])
     assert report["num_kept"] == 2 and report["rules"]["reward_margin"]["dropped"] == 2
     assert [r["prompt"] for r in map(json.loads, open(out))] == ["p3", "p4"]
+
+
+def test_cli_model_options_need_a_config(tmp_path, capsys):
+    from hpa.config.load import default_config_path
+
+    src = tmp_path / "prefs.jsonl"
+    src.write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b", "sc": 1, "sr": 0}) + "\n")
+    base = ["--input", str(src), "--output", str(tmp_path / "clean.jsonl")]
+    with pytest.raises(SystemExit):
+        main(base + ["--similarity", "embedding"])
+    assert "--similarity embedding reads a reward model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["reward.rules=[]"])
+    assert "need --config" in capsys.readouterr().err
+    # the embedded config scores with the exact_match rule: that and stored scores both define the margin
+    with pytest.raises(SystemExit, match="--score-keys and the config's reward"):
+        main(base + ["--config", str(default_config_path()), "--score-keys", "sc", "sr"])
+    with pytest.raises(SystemExit, match="reward.bogus"):
+        main(base + ["--config", str(default_config_path()), "reward.bogus=1"])
