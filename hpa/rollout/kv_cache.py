@@ -108,7 +108,7 @@ class CachedDecoder:
         module = self.module
         if hidden is None:
             hidden = module.embedding(input_ids=input_ids, position_ids=None)  # [s_q, b, h]
-        allowed = self._allowed(key_valid, start, end)  # [b, 1, s_q, end]
+        allowed = self._allowed(key_valid, start, end)  # [b, 1, s_q, end], or None: plain causal
         for i, layer in enumerate(module.decoder.layers):
             hidden = self._layer(i, layer, hidden, start, end, allowed)
         if not module.post_process:
@@ -121,8 +121,12 @@ class CachedDecoder:
         return logits[0]
 
     @staticmethod
-    def _allowed(key_valid: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """SDPA's boolean mask (True = attend): causal, real keys only, and always the query itself."""
+    def _allowed(key_valid: torch.Tensor, start: int, end: int) -> Optional[torch.Tensor]:
+        """SDPA's boolean mask (True = attend): causal, real keys only, and always the query itself.
+        None when no key is padding and the queries see every key or the causal prefix (a decode
+        step, or a prefill from position 0): SDPA then runs without a mask, which is faster."""
+        if (end - start == 1 or start == 0) and bool(key_valid[:, :end].all()):
+            return None
         q = torch.arange(start, end, device=key_valid.device).unsqueeze(1)  # [s_q, 1]
         k = torch.arange(end, device=key_valid.device).unsqueeze(0)  # [1, end]
         allowed = (k <= q).unsqueeze(0) & key_valid[:, None, :end]  # [b, s_q, end]
@@ -145,7 +149,8 @@ class CachedDecoder:
         self.values[i][:, :, start:end] = value.permute(1, 2, 0, 3)
         context = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3), self.keys[i][:, :, :end], self.values[i][:, :, :end],  # [b, heads, s, d]
-            attn_mask=allowed, scale=self.scale, enable_gqa=True)  # [b, heads/tp, s_q, d]
+            attn_mask=allowed, is_causal=allowed is None and end - start > 1, scale=self.scale,
+            enable_gqa=True)  # [b, heads/tp, s_q, d]
         s_q, b = hidden.shape[0], hidden.shape[1]
         context = context.permute(2, 0, 1, 3).reshape(s_q, b, -1)  # [s_q, b, heads/tp * d]
         out_with_bias = attn.linear_proj(context)

@@ -106,6 +106,10 @@ def engine_worker(groups, ckpt_dir, save):
     greedy_params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
     greedy_nocache = engine(kv="none").generate(ps, greedy_params)
     greedy_megatron = engine(kv="megatron").generate(ps, greedy_params)
+    # prompts of one length: no padding, so hpa's cache runs SDPA without a mask (causal prefill)
+    same_length = [p[:3] for p in ps]
+    equal = engine().generate(same_length, greedy_params)
+    equal_nocache = engine(kv="none").generate(same_length, greedy_params)
     t07_params = SamplingParams(n=2, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=MAX_NEW,
                                 stop_token_ids=(stop,), seed=5)
     t07 = engine(eos).generate(ps, t07_params)
@@ -117,9 +121,11 @@ def engine_worker(groups, ckpt_dir, save):
         out["too_long_error"] = str(e)
     for name, batch in [("greedy", greedy), ("sampled", sampled), ("stopped", stopped),
                         ("stopped_nocache", stopped_nocache), ("greedy_nocache", greedy_nocache), ("t07", t07),
-                        ("stopped_megatron", stopped_megatron), ("greedy_megatron", greedy_megatron)]:
+                        ("stopped_megatron", stopped_megatron), ("greedy_megatron", greedy_megatron),
+                        ("equal", equal), ("equal_nocache", equal_nocache)]:
         out[name] = pack(batch)
-    for name, batch, temperature in [("greedy", greedy, 1.0), ("stopped", stopped, 1.0), ("t07", t07, 0.7)]:
+    for name, batch, temperature in [("greedy", greedy, 1.0), ("stopped", stopped, 1.0), ("t07", t07, 0.7),
+                                     ("equal", equal, 1.0)]:
         train = training_log_probs(model, groups, batch, temperature)
         if train is not None:
             out[f"train_{name}"] = train.numpy()
@@ -162,7 +168,8 @@ def test_kv_cache_equals_full_recompute(root, tp, pp):
     res = run_layout(tp, pp, root)[-1]
     assert res["default_kv_cache"] == "hpa"  # hpa's own cache, not the fallback to megatron's context
     for cached, full in [("stopped", "stopped_nocache"), ("greedy", "greedy_nocache"),
-                         ("stopped_megatron", "stopped_nocache"), ("greedy_megatron", "greedy_nocache")]:
+                         ("stopped_megatron", "stopped_nocache"), ("greedy_megatron", "greedy_nocache"),
+                         ("equal", "equal_nocache")]:
         np.testing.assert_array_equal(res[cached]["response_ids"], res[full]["response_ids"])
         np.testing.assert_array_equal(res[cached]["response_mask"], res[full]["response_mask"])
         np.testing.assert_allclose(res[cached]["log_probs"], res[full]["log_probs"], atol=1e-5, rtol=0)
@@ -196,7 +203,7 @@ def test_rows_stop_on_their_own(root, tp, pp):
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=IDS)
 def test_rollout_log_probs_match_training_forward(root, tp, pp):
     res = run_layout(tp, pp, root)[-1]
-    for name in ("greedy", "stopped", "t07"):
+    for name in ("greedy", "stopped", "t07", "equal"):
         mask = res[name]["response_mask"] > 0
         diff = np.abs(res[name]["log_probs"] - res[f"train_{name}"])[mask]
         assert diff.max() < ATOL, (name, diff.max())
