@@ -1,4 +1,4 @@
-"""Helpers of the trainer tests: launch ``hpa train`` on the demo task under torchrun, read its metrics."""
+"""Helpers of the trainer tests: launch ``hpa train`` (and ``hpa sft``) on the demo task, read its metrics."""
 
 import json
 import os
@@ -44,13 +44,31 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def make_demo(root):
-    """A small demo task, its tokenizer and one initial policy checkpoint (TP1) under ``root``."""
+def sft(root, run_dir, extra=()):
+    """``hpa sft`` (one process) from a random policy on ``root/data/sft.jsonl`` with the overrides of
+    ``launch``; returns the directory of the saved policy, for ``model.policy_path``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "hpa.cli", "sft",
+           *overrides(root, run_dir, [f"data.sft_path={root / 'data' / 'sft.jsonl'}", "model.policy_path=null",
+                                      *extra])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return run_dir / "sft"
+
+
+def make_task(root, num_prompts, num_eval_prompts, **task):
+    """Demo task files (``make_demo_task``, seed 0, ``task`` options) and their tokenizer under ``root/data``."""
     from data_tools.make_demo_task import make_demo_task
 
-    make_demo_task(str(root / "data"), 256, seed=0, num_eval_prompts=12)
+    make_demo_task(str(root / "data"), num_prompts, seed=0, num_eval_prompts=num_eval_prompts, **task)
     subprocess.run([sys.executable, "-m", "data_tools.train_tokenizer", "--input", str(root / "data" / "corpus.txt"),
                     "--model-prefix", str(root / "data" / "tok"), "--vocab-size", "96"], check=True,
                    capture_output=True)
+    return root
+
+
+def make_demo(root):
+    """A small demo task, its tokenizer and one initial policy checkpoint (TP1) under ``root``."""
+    make_task(root, 256, 12)
     run_ranks(save_initial_policy, args=(str(root / "init"),))
     return root
