@@ -455,7 +455,10 @@ class HPATrainer:
         return [list(range(i * size, (i + 1) * size)) for i in range(num)]
 
     def update_policy(self, batch, ts, mask, pairs: List[dict], weights) -> Dict[str, float]:
+        """``ppo_epochs`` x mini-batches of optimizer updates at this step's LR; the LR schedule then
+        advances once per HPA step (as verl's), whatever the number of updates in it."""
         steps, grad_norms = [], []
+        lr = self.policy_opt.param_groups[0]["lr"]
         minis = self._mini_batches(batch.batch_size)
         pair_split = [pairs[i::len(minis)] for i in range(len(minis))]
         for _ in range(self.cfg.trainer.ppo_epochs):
@@ -469,15 +472,16 @@ class HPATrainer:
                 zero_grad(self.policy, self.policy_opt)
                 records = forward_backward(self.policy, rollout_mbs + pair_mbs, loss_fn, self.groups,
                                            capture_hidden=True)
-                updated, grad_norm = guarded_optimizer_step(self.policy_opt, self.policy_sched,
-                                                            self.guard.grad_norm_action, self.guard.spike_clip_value)
+                updated, grad_norm = guarded_optimizer_step(self.policy_opt, None, self.guard.grad_norm_action,
+                                                            self.guard.spike_clip_value)
                 self.guard.record(updated)
                 steps.append(phases.step_metrics(records, self.groups))
                 grad_norms.append(grad_norm)
         metrics = phases.average(steps)
         finite = [g for g in grad_norms if math.isfinite(g)]
         metrics["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
-        metrics["actor/lr"] = self.policy_opt.param_groups[0]["lr"]
+        metrics["actor/lr"] = lr
+        self.policy_sched.step(increment=1)
         return metrics
 
     def update_critic(self, batch, ts, mask) -> Dict[str, float]:
@@ -489,8 +493,9 @@ class HPATrainer:
                 zero_grad(self.critic, self.critic_opt)
                 records = forward_backward(self.critic, mbs, phases.make_critic_loss(self.cfg.algorithm, counts),
                                            self.groups)
-                optimizer_step(self.critic_opt, self.critic_sched)
+                optimizer_step(self.critic_opt)
                 steps.append(phases.step_metrics(records, self.groups))
+        self.critic_sched.step(increment=1)  # once per HPA step, as the policy's
         return phases.average(steps)
 
     def update_kl_controller(self, batch: RolloutBatch, mask, weights) -> Dict[str, float]:

@@ -105,3 +105,14 @@ def test_token_budget_micro_batches_give_the_same_step(demo):
     for key in ("actor/pg_loss", "kl/token", "kl/semantic", "dpo/loss", "critic/vf_loss", "actor/grad_norm",
                 "actor/entropy"):
         assert budget[-1][key] == pytest.approx(fixed[-1][key], rel=1e-5, abs=1e-7), key
+
+
+def test_lr_schedule_advances_once_per_step_whatever_the_mini_batches(demo):
+    """Linear decay over total_steps = 3 with 2 PPO mini-batches (2 updates a step): the LR of step k
+    is lr·(1 − (k−1)/3), as with one update a step (the scheduler counts HPA steps, not updates;
+    counting updates would give lr·(1 − 2(k−1)/3))."""
+    records = launch(demo, demo / "lr_schedule", 1, ["trainer.total_steps=3", "trainer.eval_interval=0",
+                                                     "trainer.ppo_mini_batch_size=2", "optim.lr=1e-4",
+                                                     "optim.lr_decay_style=linear", "checkpoint.save_interval=0"])
+    lrs = [r["actor/lr"] for r in records]
+    assert lrs == pytest.approx([1e-4 * (1 - k / 3) for k in range(3)], rel=1e-6)
