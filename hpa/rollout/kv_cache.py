@@ -12,7 +12,11 @@ only the attention core:
 - keys are rotated once, when they are written, and cached rotated: ``[b, g/tp, S, d]`` per layer;
 - attention is ``torch.nn.functional.scaled_dot_product_attention`` over the cached prefix, with the
   GQA groups shared (``enable_gqa``) instead of copied;
-- only the last position goes through the final norm and the output layer.
+- only the last position goes through the final norm and the output layer;
+- megatron's plain (local-spec) column/row-parallel linears run as ``F.linear`` plus the same TP
+  all-reduce, without the autograd function megatron wraps them in for backward overlap, and RoPE
+  uses cos/sin tables computed once (the same formula as megatron's unfused RoPE); Transformer
+  Engine modules are called as they are.
 
 The numerics are those of the training forward up to fp32 rounding: RoPE rotates by the position in
 the padded row (as megatron does when it ignores ``position_ids``), padded keys get zero weight, and
@@ -28,6 +32,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -85,6 +90,11 @@ class CachedDecoder:
             self.values.append(torch.empty(shape, dtype=dtype, device=device))  # [b, g/tp, S, d]
         # [S, 1, 1, d_rot]; megatron computes the same table for a training forward of length S
         self.rotary = module.rotary_pos_emb(max_sequence_length) if layers else None
+        self.rope_tables = None
+        if self.rotary is not None and not config.rotary_interleaved:
+            # megatron's _apply_rotary_pos_emb_bshd computes these from the same table on every call
+            self.rope_tables = (torch.cos(self.rotary).to(dtype), torch.sin(self.rotary).to(dtype))
+        self.plain = [_plain_layer(layer, config) for layer in layers]
         head_dim = attn.hidden_size_per_attention_head if attn is not None else 1
         # megatron's net scale: config.softmax_scale or 1/sqrt(d) (query-key layer scaling divides the
         # scores by the layer number and its softmax multiplies them back)
@@ -133,18 +143,63 @@ class CachedDecoder:
         allowed |= (k == q).unsqueeze(0)
         return allowed.unsqueeze(1)
 
+    def _rope(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Rotate ``[s_q, b, heads, d]`` by positions ``[start, end)`` as megatron's unfused RoPE does."""
+        if self.rope_tables is None:
+            from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+            return apply_rotary_pos_emb(t, self.rotary[start:end], config=self.config)
+        cos, sin = self.rope_tables[0][start:end], self.rope_tables[1][start:end]  # [s_q, 1, 1, d_rot]
+        rot_dim = cos.shape[-1]
+        t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+        x1, x2 = torch.chunk(t, 2, dim=-1)
+        t = (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+        return torch.cat((t, t_pass), dim=-1) if t_pass.shape[-1] else t
+
+    def _qkv(self, i: int, attn, normed: torch.Tensor):
+        """``[s_q, b, heads/tp, d]`` query and ``[s_q, b, groups/tp, d]`` key and value."""
+        if not self.plain[i]:
+            return attn.get_query_key_value_tensors(normed, None)
+        mixed, _ = _linear(attn.linear_qkv, normed)  # [s_q, b, g/tp * (heads/g + 2) * d]
+        groups, d = attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head
+        per_group = attn.num_attention_heads_per_partition // groups
+        mixed = mixed.view(*mixed.shape[:2], groups, (per_group + 2) * d)  # megatron's q.. k v interleave
+        query, key, value = torch.split(mixed, [per_group * d, d, d], dim=3)
+        query = query.reshape(query.shape[0], query.shape[1], -1, d)
+        if attn.q_layernorm is not None:
+            query = attn.q_layernorm(query)
+        if attn.k_layernorm is not None:
+            key = attn.k_layernorm(key)
+        return query, key, value
+
+    def _mlp(self, i: int, layer, hidden: torch.Tensor) -> torch.Tensor:
+        """megatron's ``_forward_mlp`` (pre-MLP norm, MLP, bias-dropout-add) with plain linears."""
+        if not self.plain[i]:
+            return layer._forward_mlp(hidden)
+        mlp, config = layer.mlp, self.config
+        inter, bias = _linear(mlp.linear_fc1, layer.pre_mlp_layernorm(hidden))  # [s_q, b, ffn/tp (x2)]
+        if bias is not None:
+            inter = inter + bias
+        if config.gated_linear_unit:
+            x_glu, x_linear = torch.chunk(inter, 2, dim=-1)
+            if config.activation_func_clamp_value is not None:
+                x_glu = x_glu.clamp(min=None, max=config.activation_func_clamp_value)
+                x_linear = x_linear.clamp(min=-config.activation_func_clamp_value,
+                                          max=config.activation_func_clamp_value)
+            inter = config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
+        else:
+            inter = mlp.activation_func(inter)
+        out_with_bias = _linear(mlp.linear_fc2, inter)
+        return layer.mlp_bda(False, config.bias_dropout_fusion)(out_with_bias, hidden, layer.hidden_dropout)
+
     def _layer(self, i: int, layer, hidden: torch.Tensor, start: int, end: int, allowed: torch.Tensor):
         """One ``TransformerLayer``: megatron's modules, with the attention core over the cache."""
         attn = layer.self_attention
         residual = hidden
         normed = layer.input_layernorm(hidden)  # [s_q, b, h]
-        query, key, value = attn.get_query_key_value_tensors(normed, None)  # [s_q, b, heads/tp, d]
+        query, key, value = self._qkv(i, attn, normed)  # [s_q, b, heads/tp, d], [s_q, b, groups/tp, d]
         if self.rotary is not None:
-            from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-            freqs = self.rotary[start:end]  # [s_q, 1, 1, d_rot]
-            query = apply_rotary_pos_emb(query, freqs, config=self.config)
-            key = apply_rotary_pos_emb(key, freqs, config=self.config)
+            query, key = self._rope(query, start, end), self._rope(key, start, end)
         self.keys[i][:, :, start:end] = key.permute(1, 2, 0, 3)
         self.values[i][:, :, start:end] = value.permute(1, 2, 0, 3)
         context = F.scaled_dot_product_attention(
@@ -153,7 +208,36 @@ class CachedDecoder:
             enable_gqa=True)  # [b, heads/tp, s_q, d]
         s_q, b = hidden.shape[0], hidden.shape[1]
         context = context.permute(2, 0, 1, 3).reshape(s_q, b, -1)  # [s_q, b, heads/tp * d]
-        out_with_bias = attn.linear_proj(context)
+        out_with_bias = _linear(attn.linear_proj, context) if self.plain[i] else attn.linear_proj(context)
         hidden = layer.self_attn_bda(False, self.config.bias_dropout_fusion)(out_with_bias, residual,
                                                                             layer.hidden_dropout)
-        return layer._forward_mlp(hidden)
+        return self._mlp(i, layer, hidden)
+
+
+def _plain_layer(layer, config) -> bool:
+    """Whether a layer's linears are megatron's plain column/row-parallel ones and its MLP the plain
+    unfused one, so ``_linear`` and ``CachedDecoder._mlp`` reproduce them."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP
+
+    attn, mlp = layer.self_attention, layer.mlp
+    return (type(attn.linear_qkv) is ColumnParallelLinear and type(attn.linear_proj) is RowParallelLinear
+            and type(mlp) is MLP and type(mlp.linear_fc1) is ColumnParallelLinear
+            and type(mlp.linear_fc2) is RowParallelLinear and not config.use_te_activation_func
+            and not config.bias_activation_fusion and config.num_query_groups >= attn.world_size
+            and not attn.linear_qkv.sequence_parallel and not attn.linear_qkv.gather_output
+            and attn.linear_proj.input_is_parallel)
+
+
+def _linear(module, x: torch.Tensor):
+    """Forward of megatron's plain ``ColumnParallelLinear`` (no gather) or ``RowParallelLinear`` (input
+    already split) without its autograd wrapper: ``x @ W.T`` (+ the TP all-reduce of a row-parallel
+    layer), then the bias as megatron adds it. Returns ``(output, bias)``, bias when ``skip_bias_add``."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    out = F.linear(x, module.weight)
+    if isinstance(module, RowParallelLinear) and dist.is_initialized() and dist.get_world_size(module.tp_group) > 1:
+        dist.all_reduce(out, group=module.tp_group)
+    if module.bias is None or module.skip_bias_add:
+        return out, module.bias
+    return out + module.bias, None

@@ -72,6 +72,7 @@ def engine_worker(groups, ckpt_dir, save):
     from hpa.config.schema import ParallelConfig
     from hpa.models import build_policy
     from hpa.rollout import SamplingParams, TokenizerInfo, logprob_consistency
+    from hpa.rollout.kv_cache import CachedDecoder
     from hpa.rollout.megatron_engine import MegatronRolloutEngine
     from hpa.trainer.checkpoint import load_model_weights, save_model_weights
 
@@ -115,6 +116,7 @@ def engine_worker(groups, ckpt_dir, save):
     t07 = engine(eos).generate(ps, t07_params)
     out["eos_stop"] = (eos, stop)
     out["default_kv_cache"] = engine().kv_cache
+    out["plain_layers"] = CachedDecoder(model, 1, 8).plain  # the local spec: linears without megatron's wrapper
     try:  # a prompt that leaves no room for max_new_tokens within the model's context
         engine().generate([[3] * 30], SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
     except ValueError as e:
@@ -167,6 +169,7 @@ def test_every_rank_gets_the_same_rollout(root, tp, pp):
 def test_kv_cache_equals_full_recompute(root, tp, pp):
     res = run_layout(tp, pp, root)[-1]
     assert res["default_kv_cache"] == "hpa"  # hpa's own cache, not the fallback to megatron's context
+    assert res["plain_layers"] and all(res["plain_layers"])
     for cached, full in [("stopped", "stopped_nocache"), ("greedy", "greedy_nocache"),
                          ("stopped_megatron", "stopped_nocache"), ("greedy_megatron", "greedy_nocache"),
                          ("equal", "equal_nocache")]:
