@@ -154,9 +154,9 @@ def run_hpa(args, turn: "Turn") -> Dict:
         examples = [PreferenceExample(prompt_ids=p, chosen_ids=c, rejected_ids=r) for p, c, r in make_pairs(args)]
         times, tokens = [], []
         for step in range(total):
+            turn.begin()
             batch = examples[step * args.batch:(step + 1) * args.batch]
             mbs = phases.pair_micro_batches(batch, micro_batch_size=args.batch, pad_id=PAD)  # collation
-            turn.begin()
             start = time.perf_counter()
             ref = phases.pair_sequence_log_probs(reference, mbs, groups, vocab_size=model_cfg.vocab_size)
             phases.attach_ref_pair_logps(mbs, ref)
@@ -170,9 +170,10 @@ def run_hpa(args, turn: "Turn") -> Dict:
             optimizer_step(opt, sched)
             metrics = phases.step_metrics(records, groups)
             times.append(time.perf_counter() - start)
-            turn.end()
             # non-pad tokens of prompt+chosen and prompt+rejected, as TRL's attention_mask counts them
             tokens.append(sum(len(e.chosen_input_ids) + len(e.rejected_input_ids) for e in batch))
+            turn.end()
+        turn.begin()  # the finishing turn: teardown never overlaps the other side's steps
         return {"times": times, "tokens": tokens, "last_loss": metrics.get("dpo/loss"),
                 "torch_threads": torch.get_num_threads()}
     finally:
@@ -238,13 +239,19 @@ def run_trl(args, turn: "Turn") -> Dict:
         tokens: List[int] = []
 
         class Timer(TrainerCallback):
+            """All of TRL's work between steps (logging, the next batch's collation) runs inside its
+            own turn: a step's turn ends only after the next turn has begun; the last one's
+            ``begin`` is the finishing turn, in which the trainer winds down."""
+
             def on_step_begin(self, *a, **k):
-                turn.begin()
+                if not times:
+                    turn.begin()
                 self.start = time.perf_counter()
 
             def on_step_end(self, *a, **k):
                 times.append(time.perf_counter() - self.start)
                 turn.end()
+                turn.begin()
 
         trainer = DPOTrainer(model=model, ref_model=ref_model, args=dpo_args, train_dataset=data,
                              processing_class=tokenizer, callbacks=[Timer()])
@@ -333,8 +340,10 @@ def run_both(args, argv: List[str]) -> Dict[str, Dict]:
                         raise RuntimeError(f"the {side} side exited (code {procs[side].exitcode}) at step {step}")
                 done.clear()
                 collect(block=False)
-        while len(out) < 2:
-            collect(block=True)
+        for side in ("hpa", "trl"):  # the finishing turns, one side at a time
+            events[side][0].set()
+            while side not in out:
+                collect(block=True)
     finally:
         for p in procs.values():
             p.join(timeout=60)
