@@ -22,7 +22,8 @@ beta 0.1, Adam lr 1e-6, gradient clipping at 1.0, and a reference forward every 
 
 Timing: each side runs in its own spawned process with ``torch.set_num_threads(T)`` (and OMP/MKL set
 to T); the two processes take turns, one step at a time (hpa then TRL, the order swapped every step),
-so background load on a shared machine hits both alike and they never compete for the cores. The
+so background load on a shared machine hits both alike and they never compete for the cores (each
+side's untimed work, between steps and at teardown, also runs in its own turns). The
 first ``--warmup`` steps are excluded. A step is timed from the reference forward to the end of the
 optimizer step (TRL: ``on_step_begin`` to ``on_step_end``); batch collation is outside the
 window on both sides. Tokens per step are counted the same way on both sides: the non-pad tokens of

@@ -272,17 +272,22 @@ class HPATrainer:
         self.last_eval = state["last_eval"]
 
     def rollback(self, reason: str) -> None:
-        """Back to the newest good checkpoint with the LR scaled down; the guard keeps its own count."""
+        """Back to the newest good checkpoint with the LR scaled down; the guard keeps its own count.
+
+        The LR becomes the schedule's × the guard's cumulative ``lr_scale``: the checkpoint's schedulers
+        carry the scale of their save, so a second rollback to the same checkpoint lowers the LR again
+        (a fixed factor on the restored schedule would replay the same trajectory)."""
         path = self.ckpt.find_resumable("auto")
         if path is None:
             logger.warning("guard: %s, but there is no checkpoint to roll back to; continuing", reason)
             return
         guard_state = self.guard.state_dict()
         self.restore(path)
+        saved_scale = self.guard.lr_scale  # the scale the checkpoint's schedulers were saved with
         self.guard.load_state_dict(guard_state)
         self.guard.rolled_back()
         self.metrics.truncate(self.step + 1)
-        factor = self.cfg.guard.rollback_lr_factor
+        factor = self.guard.lr_scale / saved_scale
         for sched in [self.policy_sched] + ([self.critic_sched] if self.critic is not None else []):
             sched.max_lr *= factor
             sched.min_lr *= factor

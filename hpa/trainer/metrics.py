@@ -19,6 +19,8 @@ from hpa.config.schema import LoggingConfig
 
 logger = logging.getLogger("hpa")
 
+WANDB_STEP = "trainer/step"
+
 
 def _plain(value):
     if hasattr(value, "item"):
@@ -84,8 +86,13 @@ class MetricsWriter:
             logger.warning("wandb is not installed; logging.wandb.mode=%s ignored", self.cfg.wandb.mode)
             return None
         w = self.cfg.wandb
-        return wandb.init(project=w.project, entity=w.entity, name=w.name, mode=w.mode,
-                          dir=str(run_dir), config=dict(run_config or {}), resume="allow")
+        run = wandb.init(project=w.project, entity=w.entity, name=w.name, mode=w.mode,
+                         dir=str(run_dir), config=dict(run_config or {}), resume="allow")
+        # wandb's own step must only grow, but a rollback or a resume writes earlier steps again:
+        # plot against hpa's step, a metric of its own
+        run.define_metric(WANDB_STEP)
+        run.define_metric("*", step_metric=WANDB_STEP)
+        return run
 
     def truncate(self, from_step: int) -> None:
         """Drop the records of ``from_step`` and later (a resumed or rolled-back run writes them again)."""
@@ -102,7 +109,7 @@ class MetricsWriter:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            self._wandb.log({WANDB_STEP: step, **{k: v for k, v in record.items() if k != "step"}})
         if self._tensorboard is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):

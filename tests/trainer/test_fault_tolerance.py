@@ -171,6 +171,19 @@ def test_kl_spike_rolls_back_lowers_the_lr_and_continues(demo):
     assert by_step[4]["guard/rollbacks"] == 1
 
 
+def test_second_rollback_to_the_same_checkpoint_lowers_the_lr_again(demo):
+    """Spikes after steps 3 and 4 both roll back to step 2: the LR of the replayed steps is 0.25x the
+    original (the guard's cumulative scale), not 0.5x again (which would replay the same run)."""
+    metrics = launch(demo, demo / "ft_spike_twice", 1, ["trainer.total_steps=5", "checkpoint.save_interval=2",
+                                                        "guard.kl_rollback_threshold=10.0"],
+                     env={"HPA_INJECT_FAULT": "kl_spike@3,kl_spike@4"})
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4, 5]
+    by_step = {r["step"]: r for r in metrics}
+    assert by_step[3]["guard/rollbacks"] == 2 and by_step[3]["guard/lr_scale"] == 0.25
+    for step in (3, 4, 5):
+        assert by_step[step]["actor/lr"] == pytest.approx(0.25 * by_step[2]["actor/lr"]), step
+
+
 def test_run_checkpoint_saved_at_tp1_dp4_resumes_under_tp2_pp2(demo, uninterrupted):
     """A run checkpoint (models, optimizer states, run state) reshards: saved under TP1xDP4 and resumed
     under TP2xPP2 (DP1), it loads and trains on. Step 4's DPO metrics (same pairs, weights restored

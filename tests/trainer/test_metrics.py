@@ -64,3 +64,35 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path):
     assert [(s.step, s.value) for s in scalars] == [(1, 0.25), (2, 0.75)]
     assert "perf/mfu" not in events.Tags()["scalars"]  # non-finite values stay in the JSONL only
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["perf/mfu"] == "nan"
+
+
+def test_wandb_logs_against_hpa_step_so_rewritten_steps_are_kept(tmp_path, monkeypatch):
+    """After a rollback or resume hpa writes earlier steps again; wandb drops any ``step=`` that does
+    not grow, so hpa logs its step as a metric and plots every other metric against it."""
+    import sys
+    import types
+
+    calls = []
+
+    class Run:
+        def define_metric(self, name, step_metric=None):
+            calls.append(("define", name, step_metric))
+
+        def log(self, data, step=None):
+            calls.append(("log", dict(data), step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw["mode"])) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    w = MetricsWriter(tmp_path, LoggingConfig(wandb=WandbConfig(mode="offline"), console=False, progress_bar=False),
+                      is_main=True)
+    for step in (1, 2, 3, 2, 3):  # a rollback to step 1 replays 2 and 3
+        w.write(step, {"kl/token": 0.1 * step})
+    w.close()
+    assert calls[0] == ("init", "offline")
+    assert ("define", "*", "trainer/step") in calls
+    logs = [c for c in calls if c[0] == "log"]
+    assert [c[1]["trainer/step"] for c in logs] == [1, 2, 3, 2, 3] and all(c[2] is None for c in logs)
+    assert logs[-1][1]["kl/token"] == pytest.approx(0.3) and calls[-1] == ("finish",)
