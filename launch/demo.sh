@@ -16,10 +16,11 @@ python -m data_tools.make_demo_task --out-dir "$OUT/data" --num-prompts 4096 --n
     --num-sft 1024 --flip-fraction 0.12 --seed 0
 python -m data_tools.train_tokenizer --input "$OUT/data/corpus.txt" --model-prefix "$OUT/data/tok" --vocab-size 128
 hpa sft --config "$CONFIG" "${COMMON[@]}"
-# the reward-model ensemble (3 bootstrap heads) in its own run directory
-hpa train-rm --config "$CONFIG" "${COMMON[@]}" trainer.run_dir="$OUT/rm" trainer.total_steps=150 \
-    trainer.preference_batch_size=32 trainer.micro_batch_size=32 trainer.eval_interval=50 optim.lr=1e-3 \
-    reward.num_heads=3 model.policy_path=null
+# the reward-model ensemble (3 bootstrap heads, backbone from the SFT policy) in its own run directory
+hpa train-rm --config "$CONFIG" "${COMMON[@]}" trainer.run_dir="$OUT/rm" trainer.total_steps=400 \
+    trainer.preference_batch_size=32 trainer.micro_batch_size=32 trainer.eval_interval=100 optim.lr=1e-3 \
+    optim.lr_decay_style=cosine optim.lr_warmup_fraction=0.05 reward.num_heads=3 model.policy_path=null \
+    reward.training.backbone_path="$OUT/sft"
 # HPA with the rule reward (exact match) plus the ensemble; the tiny ensemble is weak on this task, so the
 # verifiable rule reward carries 4x its weight
 hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" \

@@ -159,6 +159,9 @@ class RewardModelTrainingConfig:
         eval_path: a separate preference file for evaluation; None: hold out ``eval_fraction``.
         init_path: start from these reward model weights (a ``reward_model/`` directory) instead of
             a random initialisation; None: random.
+        backbone_path: start the backbone from a policy checkpoint (usually the SFT model, as
+            InstructGPT-style reward models do), with freshly initialised heads; exclusive with
+            ``init_path``.
     """
 
     bootstrap: bool = True
@@ -167,12 +170,16 @@ class RewardModelTrainingConfig:
     eval_fraction: float = 0.05
     eval_path: Optional[str] = None
     init_path: Optional[str] = None
+    backbone_path: Optional[str] = None
 
     def __post_init__(self):
         check_choice("bootstrap_kind", self.bootstrap_kind, BOOTSTRAP_KINDS)
         check_range("margin", self.margin, low=0.0)
         check_range("eval_fraction", self.eval_fraction, low=0.0, high=1.0, high_open=True)
-        for key in ("eval_path", "init_path"):
+        if self.init_path is not None and self.backbone_path is not None:
+            raise ConfigError("backbone_path", "set init_path (a whole reward model) or backbone_path (a policy "
+                                               "checkpoint's backbone), not both")
+        for key in ("eval_path", "init_path", "backbone_path"):
             if getattr(self, key) == "":
                 raise ConfigError(key, "is an empty string; leave it out (null) or give a path")
 

@@ -5,9 +5,11 @@ the hacks: copy bait, room to pad) greedily every ``trainer.eval_interval`` step
 monitor four numbers per evaluation. The first evaluation (step 0, the starting policy) is the
 baseline. Three signals, each an alert string when it fires:
 
-- gap growth: ``gap = mean model reward − mean gold (rule) score`` on the set; the reward model is
-  being exploited when its score of the responses rises while their gold score does not, i.e. when
-  ``gap − baseline gap`` exceeds ``gap_threshold``.
+- gap growth: ``gap = mean model reward − mean gold (rule) score`` on the set, where the model
+  reward is the reward models' score (the mean of their heads; the whole configured reward when
+  there is no reward model, so rule rewards mixed into r̂ do not count as exploitation); the reward
+  model is being exploited when its score of the responses rises while their gold score does not,
+  i.e. when ``gap − baseline gap`` exceeds ``gap_threshold``.
 - copying: the mean n-gram copy rate of the responses (``reward.shaping.copy_ngram``) exceeds
   ``copy_rate_threshold``.
 - length drift: the mean response length over the baseline's exceeds ``length_ratio_threshold``.

@@ -300,6 +300,8 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     model = build_reward(cfg.model, cfg.parallel, groups, num_heads=num_heads)
     if rt.init_path is not None:
         load_model_weights(model, rt.init_path, groups)
+    elif rt.backbone_path is not None:  # the policy's output layer is the vocabulary, not the heads
+        load_model_weights(model, rt.backbone_path, groups, exclude_prefixes=("output_layer.",))
     ddp = wrap_ddp(model, cfg.parallel, groups)
     optimizer = build_optimizer(ddp, cfg.optim, cfg.parallel, groups)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, t.total_steps)

@@ -63,12 +63,13 @@ class HPATrainer:
         self.schedules = {name: make_schedule(**dataclasses.asdict(getattr(algo.hpa, name)))
                           for name in ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic")}
         self.schedules["entropy_coef"] = make_schedule(**dataclasses.asdict(algo.ppo.entropy_coef))
-        model_reward = None
+        model_reward = None  # the learned (hackable) part of the reward, watched by the monitor
         if cfg.reward.model_paths:  # the reward-model ensemble (hpa train-rm), next to the rule rewards
             from hpa.reward.model import ModelReward
 
             model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups,
                                                    pad_id=self.tokenizer.pad_id, micro_batch_size=self.mbs)
+        self.model_reward = model_reward
         self.reward = build_reward(cfg.reward, model_reward)
         self.guard = Guard(cfg.guard)
         self.ckpt = CheckpointManager(cfg.checkpoint, self.run_dir, groups)
@@ -561,7 +562,7 @@ class HPATrainer:
             metrics.update({f"eval/{k}": v for k, v in self._evaluate_prompts(self.eval_prompts).items()})
         if self.adversarial_prompts is not None:
             adv = self._evaluate_prompts(self.adversarial_prompts)
-            alerts, hacking = self.monitor.update(model_reward=adv["reward"], gold_score=adv["score"],
+            alerts, hacking = self.monitor.update(model_reward=adv["model_reward"], gold_score=adv["score"],
                                                   copy_rate=adv["copy_rate"],
                                                   mean_response_length=adv["response_length"])
             metrics.update(hacking)
@@ -572,8 +573,9 @@ class HPATrainer:
     def _evaluate_prompts(self, dataset: PromptDataset) -> Dict[str, float]:
         """Greedy responses to ``dataset`` (DP-sharded) and their means over the whole set: the gold
         rule ``score`` (``reward.rules``, exact match by default), the configured base ``reward``
-        (r̂: reward model heads and rules), the k1 ``kl`` to the reference per response token at
-        temperature 1, the n-gram ``copy_rate`` and the ``response_length``."""
+        (r̂: reward model heads and rules), the ``model_reward`` (the reward models' heads alone,
+        what a policy can exploit; r̂ without a reward model), the k1 ``kl`` to the reference per
+        response token at temperature 1, the n-gram ``copy_rate`` and the ``response_length``."""
         g = self.groups
         mine = list(range(g.dp_rank, len(dataset), g.data_parallel_size))
         n = comm.all_reduce_max(torch.tensor([len(mine)]), g.dp_group).item()
@@ -588,6 +590,8 @@ class HPATrainer:
                                   response_texts=self._texts(batch), ground_truths=[e.ground_truth for e in examples])
             gold = RuleReward.from_names(self.cfg.reward.rules or ("exact_match",), 1.0, None)(inputs).rewards[:, 0]
             reward = self.reward.base(inputs).rewards.float().mean(dim=1)  # [b]
+            learned = (self.model_reward(inputs).rewards.float().mean(dim=1) if self.model_reward is not None
+                       else reward)  # [b]
             copy = ngram_copy_rate(batch.response_ids, batch.response_mask, batch.prompt_ids, batch.prompt_mask,
                                    self.cfg.reward.shaping.copy_ngram)  # [b]
             ts = batch.training_sequences()
@@ -599,12 +603,12 @@ class HPATrainer:
         kl = (kl_penalty(logp.cpu(), ref.cpu(), kind="k1") * mask).sum(dim=1)  # [b]
         lengths = mask.sum(dim=1)  # [b]
         counted = len(set(mine))
-        sums = torch.stack([gold.cpu().float(), reward.cpu(), copy.cpu().float(), lengths, kl,
+        sums = torch.stack([gold.cpu().float(), reward.cpu(), learned.cpu(), copy.cpu().float(), lengths, kl,
                             torch.ones_like(lengths)])[:, :counted].sum(dim=1).double()
         comm.all_reduce_sum(sums, g.dp_group)
-        score, reward_sum, copy_sum, tokens, kl_sum, rows = sums.tolist()
-        return {"score": score / rows, "reward": reward_sum / rows, "copy_rate": copy_sum / rows,
-                "response_length": tokens / rows, "kl": kl_sum / max(tokens, 1.0)}
+        score, reward_sum, learned_sum, copy_sum, tokens, kl_sum, rows = sums.tolist()
+        return {"score": score / rows, "reward": reward_sum / rows, "model_reward": learned_sum / rows,
+                "copy_rate": copy_sum / rows, "response_length": tokens / rows, "kl": kl_sum / max(tokens, 1.0)}
 
 
 def _nan_loss(loss_fn):

@@ -64,6 +64,7 @@ def test_components_accept_every_config_field():
     (rc.FilterConfig, dict(mode="top_k"), "mode"),
     (rc.FilterConfig, dict(k=-1.0), "k"),
     (rc.MonitorConfig, dict(gap_threshold=0.0), "gap_threshold"),
+    (rc.RewardModelTrainingConfig, dict(init_path="rm", backbone_path="sft"), "backbone_path"),
     (rc.MonitorConfig, dict(length_ratio_threshold=1.0), "length_ratio_threshold"),
     (rc.RewardConfig, dict(num_heads=0), "num_heads"),
     (rc.RewardConfig, dict(rules=("gsm9k",)), "rules[0]"),

@@ -23,7 +23,7 @@ REQUIRED_KEYS = [
 ]
 
 
-EVAL_KEYS = ["eval/score", "eval/reward", "eval/kl", "eval/copy_rate", "eval/response_length", "hacking/gap",
+EVAL_KEYS = ["eval/score", "eval/reward", "eval/model_reward", "eval/kl", "eval/copy_rate", "eval/response_length", "hacking/gap",
              "hacking/gap_growth", "hacking/model_reward", "hacking/gold_score", "hacking/copy_rate",
              "hacking/length_ratio", "hacking/alert_count"]
 
