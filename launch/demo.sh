@@ -23,7 +23,7 @@ hpa train-rm --config "$CONFIG" "${COMMON[@]}" trainer.run_dir="$OUT/rm" trainer
     reward.training.backbone_path="$OUT/sft"
 # HPA with the rule reward (exact match) plus the ensemble; the tiny ensemble is weak on this task, so the
 # verifiable rule reward carries 4x its weight
-hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" \
+hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" trainer.total_steps=300 \
     reward.model_paths="[$OUT/rm/reward_model]" reward.num_heads=3 reward.rule_weight=4.0 "$@"
 hpa report "$OUT" || true
 echo "main job finished in $(( $(date +%s) - start )) s; metrics in $OUT/metrics.jsonl"
