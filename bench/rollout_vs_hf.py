@@ -14,7 +14,7 @@ early stop: EOS is ignored on both sides), with a KV cache, in one process, fp32
 
 - hpa: ``hpa.distributed.initialize`` (TP1/PP1/DP1, gloo, one process), ``build_policy`` from the
   ``ModelConfig`` (``transformer_impl="local"``, the CPU spec), ``build_rollout_engine(RolloutConfig(),
-  ...)`` (the native ``megatron`` engine: megatron's ``StaticInferenceContext`` KV cache), and
+  ...)`` (the native ``megatron`` engine with its default KV cache, ``hpa.rollout.kv_cache``), and
   ``engine.generate(prompts, SamplingParams(n=1, temperature=0, max_new_tokens=T, ignore_eos=True))``
   under ``torch.no_grad``.
 - HF: ``LlamaForCausalLM(LlamaConfig(same sizes))`` in eval mode,
