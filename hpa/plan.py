@@ -316,7 +316,8 @@ def _fitting_utilization(cfg: Config, static_gb: float, activations_gb: float, g
 def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float) -> dict:
     m = cfg.model
     dp = world_size // (k.tp * k.pp)
-    sp = k.tp > 1 and (cfg.parallel.sequence_parallel or k.tp != cfg.parallel.tensor_model_parallel_size)
+    sp = k.tp > 1 and _sequence_parallel_possible(cfg) and (
+        cfg.parallel.sequence_parallel or k.tp != cfg.parallel.tensor_model_parallel_size)
     pbytes = _DTYPE_BYTES[m.params_dtype]
     adam_bytes = 8 + (4 if m.params_dtype != "float32" else 0)
     shapes = training_micro_batches(cfg)
@@ -361,9 +362,14 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float) -> 
     }
 
 
+def _sequence_parallel_possible(cfg: Config) -> bool:
+    """The native rollout engine decodes one position a step and refuses sequence parallelism."""
+    return cfg.rollout.engine != "megatron"
+
+
 def _valid_layout(cfg: Config, world_size: int, tp: int, pp: int) -> bool:
-    parallel = dataclasses.replace(cfg.parallel, tensor_model_parallel_size=tp,
-                                   pipeline_model_parallel_size=pp, sequence_parallel=tp > 1)
+    parallel = dataclasses.replace(cfg.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                   sequence_parallel=tp > 1 and _sequence_parallel_possible(cfg))
     try:
         validate(dataclasses.replace(cfg, parallel=parallel), world_size)
     except ConfigError:
@@ -379,7 +385,7 @@ def _changes(cfg: Config, k: _Knobs) -> List[str]:
         out.append(f"model.recompute_granularity={k.recompute}")
     if k.tp != p.tensor_model_parallel_size:
         out.append(f"parallel.tensor_model_parallel_size={k.tp}"
-                   + (" parallel.sequence_parallel=true" if k.tp > 1 else ""))
+                   + (" parallel.sequence_parallel=true" if k.tp > 1 and _sequence_parallel_possible(cfg) else ""))
     if k.pp != p.pipeline_model_parallel_size:
         out.append(f"parallel.pipeline_model_parallel_size={k.pp}")
     return out

@@ -381,3 +381,20 @@ def test_vllm_share_that_does_not_fit_gets_a_utilization_suggestion():
     assert result["static_gb"] + util * 80 <= 78 < result["static_gb"] + (util + 0.05) * 80
     assert util * 80 >= vllm_minimum_gb(cfg)
     assert all("offload" not in c for s in result["suggestions"] for c in s["changes"])
+
+
+def test_native_engine_layouts_are_suggested_without_sequence_parallelism():
+    """The native rollout engine refuses sequence parallelism, so the planner neither assumes it in
+    the activations of a larger TP nor suggests it."""
+    from hpa.config import load_config
+    from hpa.plan import plan
+
+    cfg = load_config(ROOT / "configs" / "llama2_7b.yaml", ["rollout.engine=megatron", "parallel.sequence_parallel=false",
+                                                            "parallel.tensor_model_parallel_size=1"])
+    result = plan(cfg, world_size=8, gpu_memory_gb=80)
+    assert not result["fits"] and result["suggestions"]
+    assert all("sequence_parallel" not in " ".join(s["changes"]) for s in result["suggestions"])
+    assert all(not s["layout"]["sequence_parallel"] for s in result["suggestions"])
+    vllm = plan(load_config(ROOT / "configs" / "llama2_7b.yaml", ["rollout.gpu_memory_utilization=0.85"]),
+                world_size=8, gpu_memory_gb=80)
+    assert any("sequence_parallel=true" in " ".join(s["changes"]) for s in vllm["suggestions"])
