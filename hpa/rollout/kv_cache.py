@@ -4,10 +4,9 @@ megatron-core 0.16's ``StaticInferenceContext`` path stores keys *before* RoPE a
 rotary embedding to the whole cached prefix at every decode step, then runs the local spec's
 unfused attention with a ``repeat_interleave`` of the GQA groups over the whole cache: per-step cost
 grows with the sequence, and on CPU it made the engine 4x slower than HF ``generate``. This decoder
-walks the same modules the training forward uses (embedding, each ``TransformerLayer``'s
-``input_layernorm``, ``linear_qkv`` through ``get_query_key_value_tensors``, ``linear_proj``, the
-bias-dropout-add, megatron's own ``_forward_mlp``, the final norm and the output layer) and changes
-only the attention core:
+walks the same modules the training forward uses (embedding, each ``TransformerLayer``'s norms,
+``linear_qkv``, ``linear_proj``, bias-dropout-adds and MLP, the final norm and the output layer,
+with their parameters as they are) and changes how they are driven:
 
 - keys are rotated once, when they are written, and cached rotated: ``[b, g/tp, S, d]`` per layer;
 - attention is ``torch.nn.functional.scaled_dot_product_attention`` over the cached prefix, with the
