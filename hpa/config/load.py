@@ -231,7 +231,7 @@ def write_resolved(cfg: Config, run_dir: os.PathLike) -> Path:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.yaml"
-    tmp = out.with_suffix(".yaml.tmp")
+    tmp = out.with_suffix(f".yaml.tmp{os.getpid()}")  # one per process: ranks may write the same file
     tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     os.replace(tmp, out)
     return out

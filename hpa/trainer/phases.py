@@ -245,7 +245,9 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
                                        w_kl=weights.w_kl)
         metrics = {f"actor/{k}": v for k, v in pg_m.items()}
         metrics.update({"actor/entropy": ent_m["entropy"], "kl/token": hier_m["token_kl"],
-                        "kl/semantic": hier_m["semantic_distance"], "kl/hier": hier_m["hier_kl"]})
+                        "kl/semantic": hier_m["semantic_distance"], "kl/hier": hier_m["hier_kl"],
+                        # the KL term as it enters the loss (before w_kl): kl/hier, or 0 without the KL loss
+                        "actor/kl_loss": hier.detach()})
         return total, metrics
 
     def pair_loss(batch, logits, hidden):
@@ -283,8 +285,8 @@ def make_critic_loss(algo: AlgorithmConfig, counts: GlobalCounts):
 
 
 # metrics that are a micro-batch's share of a globally normalised loss: summed, not averaged
-SHARE_KEYS = frozenset({"actor/pg_loss", "actor/entropy", "kl/token", "kl/semantic", "kl/hier", "dpo/loss",
-                        "critic/vf_loss"})
+SHARE_KEYS = frozenset({"actor/pg_loss", "actor/entropy", "kl/token", "kl/semantic", "kl/hier", "actor/kl_loss",
+                        "dpo/loss", "critic/vf_loss"})
 
 
 def step_metrics(records: Sequence[Dict], groups: ParallelGroups,

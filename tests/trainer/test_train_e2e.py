@@ -11,7 +11,7 @@ import pytest
 from trainer_runs import launch
 
 REQUIRED_KEYS = [
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_coef",
+    "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_loss", "actor/kl_coef",
     "actor/entropy", "actor/grad_norm", "actor/lr", "dpo/loss", "dpo/reward_acc", "dpo/margin", "kl/token",
     "kl/semantic", "hpa/w_ppo", "hpa/w_dpo", "hpa/w_kl", "hpa/lambda_token", "hpa/lambda_semantic",
     "critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var", "reward/raw_mean", "reward/sigma_mean",
@@ -48,6 +48,9 @@ def test_metrics_file_has_every_key(runs):
     assert [r["step"] for r in dp2] == [0, 1, 2]
     for key in REQUIRED_KEYS:
         assert key in dp2[-1], key
+    for record in dp2[1:]:  # the KL loss is the hierarchical KL (the KL loss is on by default)
+        assert record["actor/kl_loss"] == pytest.approx(record["kl/hier"], rel=1e-6, abs=1e-12)
+    assert dp2[-1]["kl/hier"] > 0  # step 1 starts at the reference; step 2 has moved away
     for key in EVAL_KEYS:
         assert key in dp2[0] and key in dp2[-1], key
 
