@@ -136,7 +136,7 @@ def synthesize(strong_engine, weak_engine, reward_fn: BatchRewardFn, prompts: Se
 
     from hpa.distributed import comm
     from hpa.trainer.phases import chunks
-    from hpa.trainer.scoring import decode_responses
+    from hpa.rollout.base import decode_responses
 
     if not prompts:
         raise ValueError("no prompts to sample from")
@@ -294,19 +294,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse, initialise distributed like ``hpa generate`` (torchrun or one process), run, print the summary."""
-    from hpa.config import ConfigError, load_config
-    from hpa.config.schema import validate
-    from hpa.distributed import destroy, initialize, read_launch_env
+    from hpa.config import ConfigError
+    from hpa.distributed import destroy, initialize, launch_config
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        cfg = load_config(args.config, args.overrides)
-        launch = read_launch_env()
-        validate(cfg, launch.world_size)
-    except ConfigError as exc:
-        print(f"synth_preferences: {exc}", file=sys.stderr)
+    loaded = launch_config("synth_preferences", args.config, args.overrides)
+    if loaded is None:
         return 2
+    cfg, launch = loaded
     groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
     try:
         summary = run_synth(cfg, groups, strong_path=args.strong, weak_path=args.weak, prompts_path=args.prompts,

@@ -88,6 +88,25 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
                      launcher="single")
 
 
+def launch_config(prog: str, config_path: Optional[str], overrides):
+    """An entry point's config, loaded with its dotted overrides and cross-checked at this launch's
+    world size, and the launch: ``(cfg, launch)``, or None after printing ``prog: <error>`` to
+    stderr when the config is bad (the caller exits with status 2)."""
+    import sys
+
+    from hpa.config import ConfigError, load_config
+    from hpa.config.schema import validate
+
+    try:
+        cfg = load_config(config_path, overrides)
+        launch = read_launch_env()
+        validate(cfg, launch.world_size)
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+    return cfg, launch
+
+
 def _free_port() -> int:
     import socket
 

@@ -355,6 +355,13 @@ class RolloutEngine(abc.ABC):
         """Undo ``sleep``."""
 
 
+def decode_responses(tokenizer, batch: RolloutBatch) -> List[str]:
+    """The response texts of ``batch``: each row's real tokens, EOS left out, through ``tokenizer.decode``."""
+    eos = tokenizer.eos_id
+    return [tokenizer.decode([t for t, keep in zip(ids, mask) if keep and t != eos])
+            for ids, mask in zip(batch.response_ids.tolist(), batch.response_mask.tolist())]
+
+
 def prompt_token_lists(prompts) -> List[List[int]]:
     """Token-id lists from a list of lists or from a left-padded ``PromptBatch``."""
     if hasattr(prompts, "input_ids") and hasattr(prompts, "attention_mask"):
@@ -368,5 +375,5 @@ def prompt_token_lists(prompts) -> List[List[int]]:
     return out
 
 
-__all__ = ["FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "RolloutBatch", "RolloutEngine", "SamplingParams",
+__all__ = ["FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "RolloutBatch", "decode_responses", "RolloutEngine", "SamplingParams",
            "TokenizerInfo", "TrainingSequences", "logprob_consistency", "prompt_token_lists"]

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo
+from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo, decode_responses
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,6 @@ def _response_kl(policy, reference, batch: RolloutBatch, groups, *, micro_batch_
         ref = sequence_log_probs(reference, ts, batch.response_mask, groups, **kw)["log_probs"].cpu()  # [b, r]
     mask = batch.response_mask.float()  # [b, r]
     return masked_mean(kl_penalty(logp, ref, kind="k1"), mask, dim=1)  # [b]
-
-
-def _decode(tokenizer, batch: RolloutBatch, row: int) -> str:
-    ids = batch.response_ids[row].tolist()
-    keep = batch.response_mask[row].tolist()
-    return tokenizer.decode([t for t, k in zip(ids, keep) if k and t != tokenizer.eos_id])
 
 
 def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_threshold: float = 0.1,
@@ -174,9 +168,10 @@ def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_thresho
                 batch = _replace_rows(batch, over, retry)
                 kl[over] = retry_kl
                 regenerated[over] = True
+        texts = decode_responses(tokenizer, batch)
         for j in range(real):
             records.append({"index": index[j], "prompt": data[index[j]].prompt,
-                            "response": _decode(tokenizer, batch, j), "kl": float(kl[j]),
+                            "response": texts[j], "kl": float(kl[j]),
                             "kl_before": float(kl_before[j]), "regenerated": bool(regenerated[j]),
                             "finish_reason": batch.finish_reasons[j]})
 
@@ -236,19 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """``hpa generate --config X --prompts P --output O [--kl-threshold 0.1] [--guard-temperature 0.5]
     [overrides...]``; initialises distributed like ``hpa train`` (torchrun or a single process)."""
-    from hpa.config import ConfigError, load_config
-    from hpa.config.schema import validate
-    from hpa.distributed import destroy, initialize, read_launch_env
+    from hpa.distributed import destroy, initialize, launch_config
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        cfg = load_config(args.config, args.overrides)
-        launch = read_launch_env()
-        validate(cfg, launch.world_size)
-    except ConfigError as exc:
-        print(f"hpa generate: {exc}", file=sys.stderr)
+    loaded = launch_config("hpa generate", args.config, args.overrides)
+    if loaded is None:
         return 2
+    cfg, launch = loaded
     groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
     try:
         summary = run_generate(cfg, groups, prompts_path=args.prompts, output_path=args.output,

@@ -36,7 +36,7 @@ from hpa.reward import RewardHackingMonitor, RewardInputs, build_reward
 from hpa.reward.rules import RuleReward
 from hpa.reward.shaping import ngram_copy_rate
 from hpa.rollout import build_rollout_engine
-from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo, logprob_consistency
+from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo, decode_responses, logprob_consistency
 from hpa.trainer import faults, phases
 from hpa.trainer.checkpoint import CheckpointManager, load_model_weights
 from hpa.trainer.guard import Guard
@@ -367,20 +367,13 @@ class HPATrainer:
         self.policy.train()
         return batch
 
-    def _texts(self, batch: RolloutBatch) -> List[str]:
-        eos = self.tokenizer.eos_id
-        out = []
-        for ids, m in zip(batch.response_ids.tolist(), batch.response_mask.tolist()):
-            out.append(self.tokenizer.decode([t for t, keep in zip(ids, m) if keep and t != eos]))
-        return out
-
     def score(self, batch: RolloutBatch, examples):
         """Shaped reward at each response's last token; rows with a non-finite reward (and rows the
         filter drops) get an all-zero mask, so they reach no loss and move no baseline."""
         truths = [examples[int(i)].ground_truth for i in batch.group_ids]
         inputs = RewardInputs(response_ids=batch.response_ids, response_mask=batch.response_mask,
                               prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
-                              response_texts=self._texts(batch), ground_truths=truths)
+                              response_texts=decode_responses(self.tokenizer, batch), ground_truths=truths)
         reward = faults.nan_first_reward(self.reward) if faults.active("nan_reward", self.step + 1,
                                                                         self.groups.rank) else self.reward
         shaped = reward(inputs, policy_embeddings=batch.get("old_pooled"),
@@ -587,7 +580,8 @@ class HPATrainer:
             batch = self.engine.generate([e.prompt_ids for e in examples], params)
             inputs = RewardInputs(response_ids=batch.response_ids, response_mask=batch.response_mask,
                                   prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
-                                  response_texts=self._texts(batch), ground_truths=[e.ground_truth for e in examples])
+                                  response_texts=decode_responses(self.tokenizer, batch),
+                                  ground_truths=[e.ground_truth for e in examples])
             gold = RuleReward.from_names(self.cfg.reward.rules or ("exact_match",), 1.0, None)(inputs).rewards[:, 0]
             reward = self.reward.base(inputs).rewards.float().mean(dim=1)  # [b]
             learned = (self.model_reward(inputs).rewards.float().mean(dim=1) if self.model_reward is not None

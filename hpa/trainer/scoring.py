@@ -44,8 +44,7 @@ from hpa.data.tokenizer import Tokenizer, build_tokenizer
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.reward import RewardInputs, build_reward, ensemble_mean_std
-from hpa.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutBatch
-from hpa.trainer.generate import _decode
+from hpa.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutBatch, decode_responses
 from hpa.trainer.phases import chunks, sequence_log_probs
 
 SCORE_NAMES = ("reward", "reward_std", "log_prob")
@@ -54,11 +53,6 @@ SCORE_NAMES = ("reward", "reward_std", "log_prob")
 def needs_ground_truth(reward_cfg) -> bool:
     """Whether the reward of a ``reward`` config section reads ground truths (rule or custom rewards)."""
     return bool(reward_cfg.rules) or reward_cfg.custom_function is not None
-
-
-def decode_responses(tokenizer: Tokenizer, batch: RolloutBatch) -> List[str]:
-    """The response texts of a batch (padding and EOS removed), as ``hpa generate`` writes them."""
-    return [_decode(tokenizer, batch, row) for row in range(batch.batch_size)]
 
 
 def rollout_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], *, pad_id: int,
