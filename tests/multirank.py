@@ -1,7 +1,8 @@
 """One helper for multi-rank tests: spawn gloo workers on CPU, each with hpa's distributed init.
 
 ``run_ranks(fn, tp=2, pp=1, dp=1, args=(...))`` starts TP·PP·DP processes; each calls
-``fn(groups, *args)`` after ``hpa.distributed.initialize`` and returns a picklable value. The list
+``fn(groups, *args)`` after ``hpa.distributed.initialize`` and returns a picklable value; the backend
+is gloo unless ``parallel_kwargs`` names another. The list
 of per-rank return values (indexed by global rank) comes back; an exception in any rank fails the
 test with that rank's traceback.
 """
@@ -39,8 +40,8 @@ def _worker(rank, world_size, port, tp, pp, fn, args, parallel_kwargs, out_dir):
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
         groups = initialize(
-            ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                           backend="gloo", **parallel_kwargs),
+            ParallelConfig(**{"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                              "backend": "gloo", **parallel_kwargs}),
             launch=LaunchEnv(rank=rank, world_size=world_size, local_rank=rank,
                              master_addr="127.0.0.1", master_port=port, launcher="torchrun"))
         result = fn(groups, *args)
