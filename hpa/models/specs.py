@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
-import importlib.util
+from typing import Optional
 
 import torch
 
 
+def transformer_engine_import_error() -> Optional[str]:
+    """None when Transformer Engine's PyTorch layers import on a CUDA machine, else why not.
+
+    The package being present is not enough: a TE built against another torch, or without its
+    CUDA libraries, fails only when ``transformer_engine.pytorch`` is imported.
+    """
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # ImportError, or OSError/RuntimeError from its compiled extension
+        return f"import transformer_engine.pytorch failed: {type(exc).__name__}: {exc}"
+    return None
+
+
 def transformer_engine_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+    return transformer_engine_import_error() is None
 
 
 def use_transformer_engine(transformer_impl: str) -> bool:
     """Resolve ``model.transformer_impl`` (auto | local | transformer_engine) to a yes/no."""
     if transformer_impl == "local":
         return False
-    available = transformer_engine_available()
-    if transformer_impl == "transformer_engine" and not available:
-        raise RuntimeError("model.transformer_impl=transformer_engine but Transformer Engine is not "
-                           "importable on a CUDA machine; install hpa[gpu] or use 'auto'/'local'")
-    return available
+    error = transformer_engine_import_error()
+    if transformer_impl == "transformer_engine" and error is not None:
+        raise RuntimeError(f"model.transformer_impl=transformer_engine but Transformer Engine is not usable "
+                           f"({error}); run `hpa doctor` for the install command, or use 'auto'/'local'")
+    return error is None
 
 
 def gpt_layer_spec(*, use_te: bool, normalization: str):

@@ -1,0 +1,51 @@
+"""``model.transformer_impl``: auto takes Transformer Engine only when its PyTorch layers import."""
+
+import pytest
+import torch
+
+from hpa.models import specs
+
+
+@pytest.fixture
+def broken_te(tmp_path, monkeypatch):
+    """A ``transformer_engine`` that is installed (find_spec sees it) but whose PyTorch part fails to
+    import, as a TE built against another torch does; and a machine that says it has CUDA."""
+    pkg = tmp_path / "transformer_engine"
+    (pkg / "pytorch").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pytorch" / "__init__.py").write_text(
+        "raise ImportError('transformer_engine_torch.so: undefined symbol: _ZN3c10fake')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_auto_falls_back_to_local_when_te_does_not_import(broken_te):
+    assert specs.use_transformer_engine("auto") is False
+    assert "undefined symbol" in specs.transformer_engine_import_error()
+
+
+def test_explicit_te_names_the_import_error(broken_te):
+    with pytest.raises(RuntimeError, match="transformer_impl=transformer_engine.*undefined symbol.*hpa doctor"):
+        specs.use_transformer_engine("transformer_engine")
+
+
+def test_working_te_is_used(tmp_path, monkeypatch):
+    pkg = tmp_path / "transformer_engine"
+    (pkg / "pytorch").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pytorch" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert specs.use_transformer_engine("auto") is True
+    assert specs.use_transformer_engine("local") is False
+
+
+def test_no_cuda_means_local(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert specs.use_transformer_engine("auto") is False
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        specs.use_transformer_engine("transformer_engine")
