@@ -5,7 +5,9 @@ A converter supplies the input fields it needs and a ``convert(record) -> dict``
 ``SkipRecord`` for a record it leaves out by policy. Everything left out is counted by reason and
 written to the rejects file (default ``<output name>.rejects.jsonl`` next to the output).
 
-Input: JSONL (read line by line so errors can name the line) or Parquet (read through ``datasets``).
+Input: JSONL (read line by line so errors can name the line; a line that is not UTF-8 or holds a NUL
+byte is a malformed record) or Parquet (read with pyarrow; a truncated file or a column of the wrong
+type stops the conversion with an error naming the file and column).
 Output: JSONL, one converted record a line, in input order. Statistics are printed as JSON.
 """
 
@@ -17,7 +19,7 @@ import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from hpa.data.prompts import FieldSpec, RecordError, RejectLog, SkipRecord, read_records, rejects_path_for
+from hpa.data.prompts import FieldSpec, RejectLog, SkipRecord, build_records, rejects_path_for
 from hpa.data.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
 
 __all__ = ["SkipRecord", "add_common_args", "convert_file", "run_from_args", "tokenizer_from_args"]
@@ -55,17 +57,8 @@ def convert_file(input_path: str, output_path: str, convert: Callable[[Dict[str,
     char_lengths: Dict[str, List[int]] = {key: [] for key in limits}
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     with RejectLog(rejects_path) as rejects, open(output_path, "w", encoding="utf-8") as out:
-        for location, record in read_records(input_path, fields, on_error=on_error, rejects=rejects, stats=counters):
-            try:
-                converted = convert(record)
-            except SkipRecord as skip:
-                rejects.add(location, skip.reason, record, key=skip.key, message=skip.message)
-                continue
-            except ValueError as e:
-                if on_error == "raise":
-                    raise RecordError(location, str(e)) from e
-                rejects.add(location, "malformed", record, message=str(e))
-                continue
+        for location, _, converted in build_records(input_path, fields, convert, on_error=on_error, rejects=rejects,
+                                                    stats=counters):
             lengths = {key: len(tokenizer.encode(converted[key])) for key in limits} if tokenizer else {}
             too_long = [key for key, n in lengths.items() if limits[key] is not None and n > limits[key]]
             if too_long:

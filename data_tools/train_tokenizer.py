@@ -20,6 +20,8 @@ import json
 import os
 from typing import Iterable, List, Optional, Sequence
 
+from hpa.data.prompts import decode_line
+
 MODEL_TYPES = ("bpe", "unigram", "char", "word")
 NUM_SPECIAL = 4  # pad, unk, bos, eos
 
@@ -27,12 +29,15 @@ NUM_SPECIAL = 4  # pad, unk, bos, eos
 def read_corpus(path: str, keys: Optional[Sequence[str]] = None) -> List[str]:
     """Lines of a text file, or the string values of a JSONL file (``keys``: which fields; default all)."""
     lines: List[str] = []
-    with open(path, "r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
+            line, problem = decode_line(raw.rstrip(b"\r\n"))
+            if problem is not None:
+                raise ValueError(f"{path}:{line_no}: {problem} ({line[:200]}); fix or remove the line")
             if not path.endswith(".jsonl"):
-                lines.append(line.rstrip("\n"))
+                lines.append(line)
                 continue
             try:
                 record = json.loads(line)

@@ -71,8 +71,21 @@ def _train(args: argparse.Namespace) -> int:
         trainer.train()
     finally:
         destroy()
+    if trainer.exit_reason == "collective_failure":  # logged with the phase and the ranks waited for
+        from hpa.distributed.watchdog import EXIT_COLLECTIVE_FAILURE
+
+        return EXIT_COLLECTIVE_FAILURE
+    if trainer.exit_reason == "save_failed":
+        from hpa.trainer.checkpoint import EXIT_SAVE_FAILED
+
+        print(f"hpa train: stopped at step {trainer.step}: its checkpoint could not be saved "
+              f"(checkpoint.on_save_failure=stop); the previous checkpoint and 'latest' are intact, "
+              f"free space or fix the disk and run the same command again to resume", file=sys.stderr)
+        return EXIT_SAVE_FAILED
     if trainer.exit_reason in ("signal", "max_steps_per_run"):
-        print(f"hpa train: stopped at step {trainer.step} ({trainer.exit_reason}) after saving a checkpoint; "
+        saved = "after saving a checkpoint" if trainer.last_save_ok else \
+            "but its checkpoint could not be saved (the previous one is kept)"
+        print(f"hpa train: stopped at step {trainer.step} ({trainer.exit_reason}) {saved}; "
               f"run the same command again to resume", file=sys.stderr)
     return 0
 

@@ -26,6 +26,7 @@ RECOMPUTE_GRANULARITIES = ("selective", "full")
 ROLLOUT_ENGINES = ("megatron", "vllm")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RESUME_MODES = ("auto", "never")
+SAVE_FAILURE_ACTIONS = ("continue", "stop")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -47,11 +48,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     backend: str = "auto"
-    timeout_minutes: int = 30
+    # a collective that waits longer fails; the waiting ranks exit naming the phase and the rank they
+    # waited for (hpa.distributed.watchdog), so the launcher can restart the job
+    timeout_minutes: float = 30.0
 
     def __post_init__(self):
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "context_parallel_size", "virtual_pipeline_model_parallel_size", "timeout_minutes")
+                  "context_parallel_size", "virtual_pipeline_model_parallel_size")
+        check_range("timeout_minutes", self.timeout_minutes, low=0.0, low_open=True)
         check_choice("backend", self.backend, BACKENDS)
         if self.context_parallel_size != 1:
             raise ConfigError("context_parallel_size", "context parallelism is reserved in the "
@@ -228,18 +232,25 @@ class SFTConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Saving and resuming. ``resume`` is ``auto``, ``never`` or a checkpoint path."""
+    """Saving and resuming. ``resume`` is ``auto``, ``never`` or a checkpoint path.
+
+    ``on_save_failure``: a save that fails (out of space, I/O error) leaves the previous checkpoint
+    and ``latest`` as they were and removes its partial directory; then ``continue`` logs a warning,
+    counts it in ``checkpoint/save_failures`` and trains on, ``stop`` exits with status 74 (EX_IOERR).
+    """
 
     save_interval: int = 0
     resume: str = "auto"
     keep_last: int = 2
     keep_top_k: int = 5
     dir: Optional[str] = None
+    on_save_failure: str = "continue"
 
     def __post_init__(self):
         check_range("save_interval", self.save_interval, low=0)
         check_range("keep_last", self.keep_last, low=1)
         check_range("keep_top_k", self.keep_top_k, low=0)
+        check_choice("on_save_failure", self.on_save_failure, SAVE_FAILURE_ACTIONS)
         if not self.resume:
             raise ConfigError("resume", "use 'auto', 'never' or a checkpoint path")
 

@@ -7,7 +7,7 @@ from hpa.data.collate import (PreferenceBatch, PromptBatch, SFTBatch, balanced_m
                               collate_prompts, collate_sft, pad_left, pad_right, restore_order,
                               token_budget_micro_batches)
 from hpa.data.preferences import PreferenceDataset, PreferenceExample, SFTDataset, SFTExample
-from hpa.data.prompts import PromptDataset, PromptExample, RecordError, RejectLog, read_records
+from hpa.data.prompts import DataFileError, PromptDataset, PromptExample, RecordError, RejectLog, read_records
 from hpa.data.sampler import DistributedBatchSampler
 from hpa.data.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
 
@@ -15,6 +15,6 @@ __all__ = [
     "PreferenceBatch", "PromptBatch", "SFTBatch", "balanced_micro_batches", "collate_preferences",
     "collate_prompts", "collate_sft", "pad_left", "pad_right", "restore_order", "token_budget_micro_batches",
     "PreferenceDataset", "PreferenceExample", "SFTDataset", "SFTExample", "PromptDataset", "PromptExample",
-    "RecordError", "RejectLog", "read_records", "DistributedBatchSampler", "TOKENIZERS", "Tokenizer",
+    "DataFileError", "RecordError", "RejectLog", "read_records", "DistributedBatchSampler", "TOKENIZERS", "Tokenizer",
     "build_tokenizer",
 ]

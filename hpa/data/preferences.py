@@ -8,9 +8,9 @@ at position ``t`` is predicted from position ``t - 1``; shifting is the model si
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence
+from typing import List, Optional
 
-from hpa.data.prompts import (FieldSpec, SkipRecord, encode_prompt, fit_prompt, load_examples,
+from hpa.data.prompts import (ExampleDataset, FieldSpec, SkipRecord, encode_prompt, fit_prompt, load_examples,
                               rejects_path_for)
 from hpa.data.tokenizer import Tokenizer
 
@@ -95,19 +95,7 @@ PREFERENCE_FIELDS: FieldSpec = {"prompt": ((str,), True), "chosen": ((str,), Tru
 SFT_FIELDS: FieldSpec = {"prompt": ((str,), True), "response": ((str,), True)}
 
 
-class _ExampleDataset(Sequence):
-    def __init__(self, examples: List[Any], stats: Dict[str, Any]):
-        self.examples = examples
-        self.stats = stats
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index):
-        return self.examples[index]
-
-
-class PreferenceDataset(_ExampleDataset):
+class PreferenceDataset(ExampleDataset):
     """Tokenised ``{"prompt", "chosen", "rejected"}`` records. ``stats`` counts kept and rejected ones."""
 
     @classmethod
@@ -140,7 +128,7 @@ class PreferenceDataset(_ExampleDataset):
                         apply_chat_template=cfg.apply_chat_template, append_eos=cfg.append_eos)
 
 
-class SFTDataset(_ExampleDataset):
+class SFTDataset(ExampleDataset):
     """Tokenised ``{"prompt", "response"}`` records."""
 
     @classmethod

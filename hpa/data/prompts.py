@@ -5,11 +5,15 @@ carries its location (``file:line`` for JSONL, ``file[row N]`` for Parquet, both
 malformed record raises ``RecordError`` naming file, line and key (``on_error="raise"``) or is
 counted and written to a rejects JSONL file (``on_error="skip"``). Records skipped by policy (too
 long, duplicate) are always counted and written there too. Blank JSONL lines are not records; they
-are counted in the stats as ``num_blank_lines``.
+are counted in the stats as ``num_blank_lines``. A JSONL line that is not valid UTF-8 or holds a
+NUL byte is a malformed record like any other. A Parquet file that cannot be read (truncated,
+corrupt) or whose columns have the wrong types raises ``DataFileError`` naming the file and column,
+whatever ``on_error`` says: no record of it can be trusted.
 
 A rejects file has one JSON object per line:
 ``{"location": "data.jsonl:7", "reason": "malformed", "key": "prompt", "message": "...", "record": ...}``
-where ``record`` is the parsed record, or the raw line when it was not valid JSON.
+where ``record`` is the parsed record, or the raw line when it was not valid JSON (bytes that are
+not UTF-8 and control characters written as ``\\xNN`` escapes).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import collections
 import dataclasses
 import json
 import os
+import re
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -38,6 +43,16 @@ class RecordError(ValueError):
         where = f"key {key!r}: " if key else ""
         super().__init__(f"{location}: {where}{message} (fix the record, or set data.on_error=skip "
                          f"to count it and write it to the rejects file)")
+
+
+class DataFileError(ValueError):
+    """A data file that cannot be read as a whole; the message names the file (and column) and the fix."""
+
+    def __init__(self, path: str, message: str, column: Optional[str] = None):
+        self.path = path
+        self.column = column
+        where = f"column {column!r}: " if column else ""
+        super().__init__(f"{path}: {where}{message}")
 
 
 class SkipRecord(Exception):
@@ -131,26 +146,107 @@ def check_fields(record: Any, fields: FieldSpec) -> Optional[Tuple[Optional[str]
     return None
 
 
-def _iter_raw(path: str, stats: Dict[str, int]) -> Iterator[Tuple[str, Any, Optional[str]]]:
-    """Yield ``(location, parsed record or raw line, json error or None)``."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist")
-    if path.endswith(".parquet"):
-        import datasets
+def show_bytes(raw: bytes) -> str:
+    """``raw`` as printable text: UTF-8 where it decodes, ``\\xNN`` for other bytes and control characters."""
+    text = raw.decode("utf-8", errors="backslashreplace")
+    return re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", lambda m: f"\\x{ord(m.group()):02x}", text)
 
-        table = datasets.Dataset.from_parquet(path, keep_in_memory=True)
-        for row, record in enumerate(table, start=1):
-            yield f"{path}[row {row}]", record, None
-        return
-    with open(path, "r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+
+def decode_line(raw: bytes) -> Tuple[str, Optional[str]]:
+    """A JSONL line's text and None, or its safe display (``show_bytes``) and what is wrong with it."""
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        return show_bytes(raw), f"has a NUL byte at column {nul + 1}"
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as e:
+        return show_bytes(raw), f"is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+
+
+def _iter_jsonl(path: str, stats: Dict[str, int]) -> Iterator[Tuple[str, Any, Optional[str]]]:
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 must not end the file
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
                 stats["num_blank_lines"] += 1
+                continue
+            line, problem = decode_line(raw.rstrip(b"\r\n"))
+            if problem is not None:
+                yield f"{path}:{line_no}", line, problem
                 continue
             try:
                 yield f"{path}:{line_no}", json.loads(line), None
             except json.JSONDecodeError as e:
-                yield f"{path}:{line_no}", line.rstrip("\n"), f"is not valid JSON ({e.msg} at column {e.colno})"
+                yield f"{path}:{line_no}", line, f"is not valid JSON ({e.msg} at column {e.colno})"
+
+
+def _arrow_python_type(arrow_type) -> Optional[type]:
+    """The Python type ``to_pylist`` gives a Parquet column's values, or None for other types."""
+    import pyarrow as pa
+
+    t = pa.types
+    if t.is_dictionary(arrow_type):
+        return _arrow_python_type(arrow_type.value_type)
+    checks = ((t.is_string, str), (t.is_large_string, str), (t.is_boolean, bool), (t.is_integer, int),
+              (t.is_floating, float), (t.is_list, list), (t.is_large_list, list), (t.is_fixed_size_list, list),
+              (t.is_struct, dict), (t.is_null, type(None)))
+    return next((py for check, py in checks if check(arrow_type)), None)
+
+
+def _check_parquet_columns(path: str, schema, fields: FieldSpec) -> None:
+    names = list(schema.names)
+    for key, (types, required) in fields.items():
+        if key not in names:
+            if required:
+                raise DataFileError(path, f"is missing; the file has columns {names}, every record needs "
+                                          f"{sorted(k for k, (_, r) in fields.items() if r)}", column=key)
+            continue
+        arrow_type = schema.field(key).type
+        py = _arrow_python_type(arrow_type)
+        ok = not required if py is type(None) else py in types
+        if not ok:
+            expected = " or ".join(t.__name__ for t in types)
+            what = "holds only nulls" if py is type(None) else f"has Parquet type {arrow_type}"
+            raise DataFileError(path, f"{what}, expected {expected}; fix the column's type where the file is "
+                                      "written (or convert it with data_tools)", column=key)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _iter_parquet(path: str, fields: FieldSpec) -> Iterator[Tuple[str, Any, Optional[str]]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        schema = parquet.schema_arrow
+    except (pa.ArrowException, OSError) as e:
+        raise DataFileError(path, f"is not a readable Parquet file ({_one_line(e)}); it is truncated or not Parquet: "
+                                  "download or write it again") from None
+    _check_parquet_columns(path, schema, fields)
+    row = 0
+    batches = parquet.iter_batches(batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:
+            raise DataFileError(path, f"cannot be read after row {row} ({_one_line(e)}); the file is corrupt: "
+                                      "download or write it again") from None
+        if batch is None:
+            return
+        for record in batch.to_pylist():
+            row += 1
+            yield f"{path}[row {row}]", record, None
+
+
+def _iter_raw(path: str, fields: FieldSpec, stats: Dict[str, int]) -> Iterator[Tuple[str, Any, Optional[str]]]:
+    """Yield ``(location, parsed record or raw line, problem or None)``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    if path.endswith(".parquet"):
+        return _iter_parquet(path, fields)
+    return _iter_jsonl(path, stats)
 
 
 def read_records(path: str, fields: FieldSpec, *, on_error: str, rejects: RejectLog,
@@ -158,18 +254,21 @@ def read_records(path: str, fields: FieldSpec, *, on_error: str, rejects: Reject
     """Yield ``(location, record)`` for each well-formed record of a JSONL or Parquet file.
 
     Args:
-        path: ``.parquet`` files are read through ``datasets``; anything else is JSONL.
+        path: ``.parquet`` files are read with pyarrow; anything else is JSONL.
         fields: the keys every record must (or may) have and their types.
         on_error: ``raise`` a ``RecordError`` on a malformed record, or ``skip`` it into ``rejects``.
         rejects: where skipped records are counted and written.
         stats: counters updated in place (``num_read``, ``num_blank_lines``).
+
+    Raises:
+        DataFileError: a Parquet file that cannot be read, or a column of the wrong type.
     """
     if on_error not in ON_ERROR_MODES:
         raise ValueError(f"on_error must be one of {ON_ERROR_MODES}, got {on_error!r}")
     stats = stats if stats is not None else collections.Counter()
-    for location, record, json_error in _iter_raw(path, stats):
+    for location, record, problem in _iter_raw(path, fields, stats):
         stats["num_read"] += 1
-        problem = (None, json_error) if json_error else check_fields(record, fields)
+        problem = (None, problem) if problem else check_fields(record, fields)
         if problem is None:
             yield location, record
             continue
@@ -179,33 +278,58 @@ def read_records(path: str, fields: FieldSpec, *, on_error: str, rejects: Reject
         rejects.add(location, "malformed", record, key=key, message=message)
 
 
-def load_examples(path: str, fields: FieldSpec, build: Callable[[Dict[str, Any]], Any], *, on_error: str,
-                  rejects_path: Optional[str]) -> Tuple[List[Any], Dict[str, Any]]:
-    """Read ``path`` and turn each record into an example with ``build(record)``.
+def build_records(path: str, fields: FieldSpec, build: Callable[[Dict[str, Any]], Any], *, on_error: str,
+                  rejects: RejectLog, stats: Optional[Dict[str, int]] = None
+                  ) -> Iterator[Tuple[str, Dict[str, Any], Any]]:
+    """``read_records``, then ``build(record)``: yield ``(location, record, built)`` for each record built.
 
     ``build`` may raise ``SkipRecord`` (policy skip, always counted and written out) or ``ValueError``
-    (treated as a malformed record, subject to ``on_error``). Returns the examples and the stats.
+    (a malformed record, subject to ``on_error``). Every reader of records (datasets, converters) goes
+    through here, so they all count and write out the same way.
+    """
+    for location, record in read_records(path, fields, on_error=on_error, rejects=rejects, stats=stats):
+        try:
+            built = build(record)
+        except SkipRecord as skip:
+            rejects.add(location, skip.reason, record, key=skip.key, message=skip.message)
+            continue
+        except ValueError as e:
+            if on_error == "raise":
+                raise RecordError(location, str(e)) from e
+            rejects.add(location, "malformed", record, message=str(e))
+            continue
+        yield location, record, built
+
+
+def load_examples(path: str, fields: FieldSpec, build: Callable[[Dict[str, Any]], Any], *, on_error: str,
+                  rejects_path: Optional[str]) -> Tuple[List[Any], Dict[str, Any]]:
+    """Read ``path`` and turn each record into an example with ``build(record)`` (see ``build_records``).
+
+    Returns the examples (``source`` set to each record's location) and the stats.
     """
     stats: Dict[str, int] = collections.Counter()
-    examples = []
     with RejectLog(rejects_path) as rejects:
-        for location, record in read_records(path, fields, on_error=on_error, rejects=rejects, stats=stats):
-            try:
-                example = build(record)
-            except SkipRecord as skip:
-                rejects.add(location, skip.reason, record, key=skip.key, message=skip.message)
-                continue
-            except ValueError as e:
-                if on_error == "raise":
-                    raise RecordError(location, str(e)) from e
-                rejects.add(location, "malformed", record, message=str(e))
-                continue
-            examples.append(dataclasses.replace(example, source=location))
+        examples = [dataclasses.replace(example, source=location) for location, _, example in
+                    build_records(path, fields, build, on_error=on_error, rejects=rejects, stats=stats)]
     summary: Dict[str, Any] = {"path": path, "num_read": stats["num_read"], "num_examples": len(examples),
                                "num_blank_lines": stats["num_blank_lines"], "num_rejected": rejects.total,
                                "rejected_by_reason": dict(rejects.counts), "rejects_path": rejects_path,
                                "rejects": rejects.records}
     return examples, summary
+
+
+class ExampleDataset(Sequence):
+    """Examples of one file and the ``stats`` of reading it (read, kept, rejected by reason, ...)."""
+
+    def __init__(self, examples: List[Any], stats: Dict[str, Any]):
+        self.examples = examples
+        self.stats = stats
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index):
+        return self.examples[index]
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, apply_chat_template: bool) -> List[int]:
@@ -252,18 +376,8 @@ class PromptExample:
 PROMPT_FIELDS: FieldSpec = {"prompt": ((str,), True), "ground_truth": ((str,), False)}
 
 
-class PromptDataset(Sequence):
+class PromptDataset(ExampleDataset):
     """Tokenised rollout prompts. ``stats`` holds counts of read, kept, truncated and rejected records."""
-
-    def __init__(self, examples: List[PromptExample], stats: Dict[str, Any]):
-        self.examples = examples
-        self.stats = stats
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index):
-        return self.examples[index]
 
     @classmethod
     def load(cls, path: str, tokenizer: Tokenizer, *, max_prompt_length: int, prompt_truncation: str = "truncate_left",

@@ -10,9 +10,13 @@ Layout of one checkpoint ``<dir>/step_00000012/``::
 
 Saving is atomic: everything goes into ``step_N.tmp``, the manifest is written last, the directory is
 renamed, and only then does the ``latest`` pointer move. The previous checkpoint is deleted only by
-retention, after the new one is complete. Loading verifies the manifest and reports the first bad
-file; ``resume=auto`` then falls back to the newest checkpoint that verifies. Every ``.pt`` load uses
-``weights_only=True``.
+retention, after the new one is complete. A save that fails on any rank (out of space, I/O error)
+fails on every rank (they agree through a collective, so none waits for the others forever), its
+``.tmp`` directory is removed, and ``latest`` and the previous checkpoints stay as they were:
+``CheckpointSaveError`` says what failed where. A ``.tmp`` directory left by a process that died
+while saving is never a resume candidate and is removed on the next start. Loading verifies the
+manifest and reports the first bad file; ``resume=auto`` then falls back to the newest checkpoint
+that verifies. Every ``.pt`` load uses ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import torch
 from hpa.config.schema import CheckpointConfig
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
+from hpa.distributed.watchdog import is_collective_failure
 from hpa.models.heads import unwrap
+from hpa.trainer import faults
 
 logger = logging.getLogger("hpa")
 
@@ -42,6 +48,13 @@ LATEST = "latest"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete or corrupt; the message names the file."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that failed; the previous checkpoint and ``latest`` are intact. Names the ranks and errors."""
+
+
+EXIT_SAVE_FAILED = 74  # EX_IOERR: the exit status of checkpoint.on_save_failure=stop
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,11 +199,46 @@ class CheckpointManager:
         return f"step_{step:08d}"
 
     def save(self, step: int, models: Dict[str, Tuple], state: Dict, score: Optional[float] = None) -> Path:
-        """Save ``models`` (name -> (ddp_model, optimizer)) and the picklable run ``state`` at ``step``."""
-        from megatron.core import dist_checkpointing
+        """Save ``models`` (name -> (ddp_model, optimizer)) and the picklable run ``state`` at ``step``.
 
+        Raises ``CheckpointSaveError`` on every rank when writing failed on any rank; the partial
+        ``.tmp`` directory is then removed and ``latest`` still names the previous checkpoint.
+        """
         final = self.root / self.name(step)
         tmp = self.root / (self.name(step) + ".tmp")
+        error = self._agree(self._write_shards, step, models, state, tmp)
+        if error is None:  # every rank wrote its part; the main rank seals the checkpoint
+            error = self._agree(self._publish if self.groups.is_main else lambda *_: None, step, score, tmp, final)
+        if error is not None:
+            if self.groups.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            comm.barrier()
+            kept = (self.root / LATEST).read_text().strip() if (self.root / LATEST).is_file() else None
+            raise CheckpointSaveError(f"saving checkpoint {final} failed ({error}); removed {tmp.name}, "
+                                      f"'latest' still names {kept}")
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def _agree(self, write, *args) -> Optional[str]:
+        """Run this rank's ``write(*args)``; None when it succeeded on every rank, else what failed where."""
+        try:
+            write(*args)
+            mine = ""
+        except Exception as exc:  # disk full, I/O error, a shard write megatron or torch reports as failed
+            if is_collective_failure(exc):  # a peer is gone: there is no one to agree with
+                raise
+            mine = f"rank {self.groups.rank}: {type(exc).__name__}: {exc}"
+            logger.error("checkpoint save failed on %s", mine)
+        failed = torch.tensor([float(bool(mine))])
+        comm.all_reduce_max(failed, None)
+        if failed.item() == 0:
+            return None
+        errors = [e for e in comm.all_gather_objects(mine, None) if e]
+        return "; ".join(errors)
+
+    def _write_shards(self, step: int, models: Dict[str, Tuple], state: Dict, tmp: Path) -> None:
+        from megatron.core import dist_checkpointing
+
         if self.groups.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
@@ -202,22 +250,27 @@ class CheckpointManager:
                 (tmp / name).mkdir()
             comm.barrier()
             dist_checkpointing.save(sharded, str(tmp / name))
+        faults.maybe_fail_save(step, self.groups.rank)
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.groups.rank:05d}.pt")
         if self.groups.is_main:
             torch.save(state, tmp / "trainer_state.pt")
-        comm.barrier()
-        if self.groups.is_main:
-            write_manifest(tmp, step, score)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            pointer = self.root / (LATEST + ".tmp")
-            pointer.write_text(final.name)
-            os.replace(pointer, self.root / LATEST)
-            self.prune()
-        comm.barrier()
-        logger.info("saved checkpoint %s", final)
-        return final
+
+    def _publish(self, step: int, score: Optional[float], tmp: Path, final: Path) -> None:
+        """Manifest, rename, then the ``latest`` pointer (each step atomic); then retention."""
+        write_manifest(tmp, step, score)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = self.root / (LATEST + ".tmp")
+        pointer.write_text(final.name)
+        os.replace(pointer, self.root / LATEST)
+        self.prune()
+
+    def remove_partial(self) -> None:
+        """Remove the ``.tmp`` directories of saves that never finished (main rank)."""
+        for tmp in self.root.glob("step_*.tmp") if self.groups.is_main and self.root.is_dir() else ():
+            logger.warning("removing %s, left by a save that did not finish", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def candidates(self) -> List[Path]:
         """Complete checkpoints, newest first (the ``latest`` pointer's target first)."""
@@ -237,6 +290,7 @@ class CheckpointManager:
         """The checkpoint to resume from: ``auto`` -> the newest one that verifies (falling back and saying
         so), ``never`` -> None, a path -> that checkpoint (verified). The answer is the main rank's."""
         choice: Optional[str] = None
+        self.remove_partial()
         if self.groups.is_main and resume != "never":
             paths = [Path(resume)] if resume != "auto" else self.candidates()
             for path in paths:

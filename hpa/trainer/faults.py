@@ -3,6 +3,11 @@
 ``HPA_INJECT_FAULT`` holds comma-separated ``kind@step`` or ``kind@step:rank`` entries:
 
 - ``nan_loss@3``: the policy loss of step 3 is NaN (the guard must skip the step);
+- ``save_fail@3`` / ``save_fail@3:1``: saving the checkpoint of step 3 fails with "No space left on
+  device" on every rank / on rank 1, after the model shards are written (the previous checkpoint and
+  ``latest`` must stay intact);
+- ``hang@3:1``: rank 1 stops answering (sleeps for good) at the start of step 3 (the other ranks'
+  collectives must time out and exit naming the phase and rank 1);
 - ``nan_reward@3``: one response's raw reward at step 3 is NaN (it must be dropped and counted);
 - ``kl_spike@3``: the guard sees an infinite token KL after step 3 (it must roll back);
 - ``kill@3:1``: rank 1 kills itself with SIGKILL at the start of step 3.
@@ -13,8 +18,10 @@ Nothing happens when the variable is unset.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import time
 from typing import Optional, Set, Tuple
 
 ENV = "HPA_INJECT_FAULT"
@@ -46,6 +53,17 @@ def active(kind: str, step: int, rank: int) -> bool:
 def maybe_kill(step: int, rank: int) -> None:
     if active("kill", step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_fail_save(step: int, rank: int) -> None:
+    if active("save_fail", step, rank):
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV})")
+
+
+def maybe_hang(step: int, rank: int) -> None:
+    if active("hang", step, rank):
+        while True:  # signals are received but change nothing: a hung rank does not answer
+            time.sleep(3600)
 
 
 def nan_first_reward(shaped_reward):

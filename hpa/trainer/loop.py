@@ -31,6 +31,7 @@ from hpa.data.sampler import DistributedBatchSampler
 from hpa.data.tokenizer import build_tokenizer
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
+from hpa.distributed.watchdog import StepProgress, is_collective_failure
 from hpa.models import build_policy, build_reference, build_value, unwrap
 from hpa.reward import RewardHackingMonitor, RewardInputs, build_reward
 from hpa.reward.rules import RuleReward
@@ -38,7 +39,8 @@ from hpa.reward.shaping import ngram_copy_rate
 from hpa.rollout import build_rollout_engine
 from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo, decode_responses, logprob_consistency
 from hpa.trainer import faults, phases
-from hpa.trainer.checkpoint import CheckpointManager, load_model_weights
+from hpa.trainer.checkpoint import (EXIT_SAVE_FAILED, CheckpointManager, CheckpointSaveError,
+                                    load_model_weights)
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter
 from hpa.trainer.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
@@ -77,6 +79,9 @@ class HPATrainer:
         self.last_eval: Optional[float] = None
         self.exit_reason = "done"
         self._signal: Optional[int] = None
+        self.save_failures = 0
+        self.last_save_ok = True
+        self.progress = StepProgress(groups.rank, groups.world_size, cfg.parallel.timeout_minutes)
         resumed = self.ckpt.find_resumable(cfg.checkpoint.resume)
         if resumed is not None:
             self.restore(resumed)
@@ -147,7 +152,8 @@ class HPATrainer:
         """Adds the block's wall time to ``timing_s/<name>`` of the current step."""
         start = time.perf_counter()
         try:
-            yield
+            with self.progress.phase(name):
+                yield
         finally:
             key = f"timing_s/{name}"
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
@@ -155,8 +161,11 @@ class HPATrainer:
     def train(self) -> Dict[str, float]:
         """Run to ``trainer.total_steps`` (or an early stop, a signal, ``max_steps_per_run``).
 
-        Sets ``exit_reason`` to ``done``, ``early_stop``, ``signal`` or ``max_steps_per_run``; in the
-        last two cases a checkpoint was saved and the next launch resumes from it.
+        Sets ``exit_reason`` to ``done``, ``early_stop``, ``signal`` or ``max_steps_per_run`` (in the
+        last two cases a checkpoint was saved, unless ``last_save_ok`` is False, and the next launch
+        resumes from the newest one), ``save_failed`` (``checkpoint.on_save_failure=stop``) or
+        ``collective_failure`` (a collective timed out or lost a peer; the error names the phase and
+        the ranks waited for).
         """
         last: Dict[str, float] = {}
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
@@ -166,6 +175,8 @@ class HPATrainer:
                 self.metrics.write(0, self.evaluate())  # the starting point of the learning curve
             while self.step < self.cfg.trainer.total_steps:
                 faults.maybe_kill(self.step + 1, self.groups.rank)
+                faults.maybe_hang(self.step + 1, self.groups.rank)
+                self.progress.step = self.step + 1
                 self.timings = {}
                 with self.timer("step"):
                     last = self.train_step()
@@ -175,21 +186,29 @@ class HPATrainer:
                 self.step += 1
                 steps_this_run += 1
                 if self._due(self.cfg.trainer.eval_interval):
-                    last.update(self.evaluate())
+                    with self.progress.phase("evaluate"):
+                        last.update(self.evaluate())
                     self.last_eval = last.get("eval/score", self.last_eval)
                 reason = self.guard.rollback_reason(self._token_kl(last))
                 last.update(self.guard.metrics())
+                stop = self._stop_reason(last, steps_this_run) if reason is None else None
+                if reason is None and (stop or self._due(self.cfg.checkpoint.save_interval)) and not self.save():
+                    stop = stop if self.cfg.checkpoint.on_save_failure == "continue" else "save_failed"
+                last["checkpoint/save_failures"] = float(self.save_failures)
                 self.metrics.write(self.step, last)
                 if reason is not None:
                     self.rollback(reason)
                     continue
-                stop = self._stop_reason(last, steps_this_run)
-                if stop or self._due(self.cfg.checkpoint.save_interval):
-                    self.save()
                 if stop:
                     self.exit_reason = stop
                     self._write_exit_status()
                     break
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            logger.error("%s", self.progress.collective_failure_message(exc))
+            self.exit_reason = "collective_failure"
+            self._write_exit_status()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -255,8 +274,22 @@ class HPATrainer:
             state["critic_sched"] = self.critic_sched.state_dict()
         return state
 
-    def save(self) -> None:
-        self.ckpt.save(self.step, self._models(), self.state_dict(), score=self.last_eval)
+    def save(self) -> bool:
+        """Checkpoint this step; a failed save (previous checkpoint and ``latest`` intact) is logged,
+        counted in ``checkpoint/save_failures`` and returns False."""
+        with self.progress.phase("checkpoint"):
+            try:
+                self.ckpt.save(self.step, self._models(), self.state_dict(), score=self.last_eval)
+                self.last_save_ok = True
+                return True
+            except CheckpointSaveError as exc:
+                self.last_save_ok = False
+                self.save_failures += 1
+                then = ("training continues (checkpoint.on_save_failure=continue)"
+                        if self.cfg.checkpoint.on_save_failure == "continue" else
+                        f"stopping with status {EXIT_SAVE_FAILED} (checkpoint.on_save_failure=stop)")
+                logger.warning("%s; %s; %d failed save(s) in this process", exc, then, self.save_failures)
+                return False
 
     def restore(self, path) -> None:
         state = self.ckpt.load(path, self._models())

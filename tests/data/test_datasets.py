@@ -143,3 +143,112 @@ def test_chat_template_wraps_prompt(tok, tmp_path):
     path = write_lines(tmp_path / "p.jsonl", [{"prompt": "add 3 5 ="}])
     ds = PromptDataset.load(path, tok, max_prompt_length=64, apply_chat_template=True)
     assert ds[0].prompt_ids == tok.encode("user: add 3 5 =\nassistant:")
+
+
+def write_bytes(path, lines):
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return str(path)
+
+
+BAD_BYTES = [
+    b'{"prompt": "add 3 5 ="}',
+    b'{"prompt": "add \xff 5 ="}',  # not UTF-8
+    '{"prompt": "add 2 2 ="}'.encode("latin-1") + b' \xe9',  # Latin-1 text after the object
+    b'{"prompt": "add\x00 1 1 ="}',  # NUL inside a string
+    b'\x00\x00\x00',  # NUL bytes only
+    b'{"prompt": "add \xe2\x82 1 ="}',  # a UTF-8 sequence cut short
+    b'{"prompt": "add 4 4 =", "ground_truth": "8"}',
+]
+
+
+def test_invalid_utf8_and_nul_bytes_are_malformed_records(tok, tmp_path):
+    path = write_bytes(tmp_path / "p.jsonl", BAD_BYTES)
+    rejects = tmp_path / "rej.jsonl"
+    ds = PromptDataset.load(path, tok, max_prompt_length=8, on_error="skip", rejects_path=str(rejects))
+    assert [e.source for e in ds] == [f"{path}:1", f"{path}:7"] and ds[1].ground_truth == "8"
+    assert ds.stats["num_read"] == 7 and ds.stats["rejected_by_reason"] == {"malformed": 5}
+    rows = [json.loads(line) for line in rejects.read_text(encoding="utf-8").splitlines()]
+    assert [r["location"] for r in rows] == [f"{path}:{n}" for n in (2, 3, 4, 5, 6)]
+    assert rows[0]["message"] == "is not valid UTF-8 (byte 0xff at column 17)"
+    assert rows[0]["record"] == '{"prompt": "add \\xff 5 ="}'  # the raw bytes, shown as escapes
+    assert rows[1]["message"] == "is not valid UTF-8 (byte 0xe9 at column 25)"
+    assert rows[2]["message"] == "has a NUL byte at column 16" and rows[2]["record"] == '{"prompt": "add\\x00 1 1 ="}'
+    assert rows[3]["message"] == "has a NUL byte at column 1" and rows[3]["record"] == "\\x00\\x00\\x00"
+    assert rows[4]["message"].startswith("is not valid UTF-8 (byte 0xe2 at column 17)")
+
+
+def test_invalid_utf8_raises_naming_file_and_line(tok, tmp_path):
+    path = write_bytes(tmp_path / "p.jsonl", BAD_BYTES)
+    with pytest.raises(RecordError) as err:
+        PromptDataset.load(path, tok, max_prompt_length=8)
+    assert str(err.value).startswith(f"{path}:2: is not valid UTF-8 (byte 0xff at column 17)")
+    path = write_bytes(tmp_path / "q.jsonl", [BAD_BYTES[0], BAD_BYTES[4]])
+    with pytest.raises(RecordError, match=rf"q\.jsonl:2: has a NUL byte at column 1 \(fix the record"):
+        PromptDataset.load(path, tok, max_prompt_length=8)
+
+
+def parquet_file(path, columns):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def test_truncated_parquet_is_a_clear_error_naming_the_file(tok, tmp_path):
+    from hpa.data.prompts import DataFileError
+
+    path = parquet_file(tmp_path / "p.parquet", {"prompt": ["add 3 5 ="] * 50, "ground_truth": ["8"] * 50})
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    for on_error in ("raise", "skip"):
+        with pytest.raises(DataFileError) as err:
+            PromptDataset.load(path, tok, max_prompt_length=8, on_error=on_error, rejects_path=str(tmp_path / "r"))
+        assert str(err.value).startswith(f"{path}: is not a readable Parquet file")
+        assert "truncated" in str(err.value)
+        assert err.value.__cause__ is None and err.value.__suppress_context__  # no pyarrow traceback chained
+
+
+def test_parquet_with_corrupt_data_pages_names_the_file(tok, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hpa.data.prompts import DataFileError
+
+    path = str(tmp_path / "p.parquet")
+    pq.write_table(pa.table({"prompt": [f"add {i} {i} =" for i in range(200)]}), path, compression="snappy")
+    data = bytearray(open(path, "rb").read())
+    data[8:60] = b"\x00" * 52  # the first data page, the footer intact
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(DataFileError, match=r"p\.parquet: cannot be read after row 0 .*corrupt") as err:
+        PromptDataset.load(path, tok, max_prompt_length=8)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+@pytest.mark.parametrize("columns, column, what", [
+    ({"prompt": [1, 2]}, "prompt", "has Parquet type int64, expected str"),
+    ({"prompt": ["add 3 5 =", "add 1 1 ="], "ground_truth": [8.0, 2.0]}, "ground_truth",
+     "has Parquet type double, expected str"),
+    ({"prompt": [None, None]}, "prompt", "holds only nulls, expected str"),
+    ({"question": ["add 3 5 ="]}, "prompt", "is missing; the file has columns ['question']"),
+])
+def test_parquet_column_of_the_wrong_type_names_file_and_column(tok, tmp_path, columns, column, what):
+    from hpa.data.prompts import DataFileError
+
+    path = parquet_file(tmp_path / "p.parquet", columns)
+    with pytest.raises(DataFileError) as err:
+        PromptDataset.load(path, tok, max_prompt_length=8, on_error="skip", rejects_path=str(tmp_path / "r"))
+    assert str(err.value).startswith(f"{path}: column {column!r}: {what}")
+    assert err.value.column == column
+
+
+def test_parquet_optional_column_of_nulls_and_int_for_float_are_fine(tmp_path):
+    from hpa.data.prompts import RejectLog, read_records
+
+    path = parquet_file(tmp_path / "p.parquet", {"prompt": ["a", "b"], "ground_truth": [None, None],
+                                                 "score": [1, 2]})
+    fields = {"prompt": ((str,), True), "ground_truth": ((str,), False), "score": ((int, float), True)}
+    records = list(read_records(path, fields, on_error="raise", rejects=RejectLog(None)))
+    assert [r for _, r in records] == [{"prompt": "a", "ground_truth": None, "score": 1},
+                                       {"prompt": "b", "ground_truth": None, "score": 2}]
+    assert [loc for loc, _ in records] == [f"{path}[row 1]", f"{path}[row 2]"]

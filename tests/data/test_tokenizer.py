@@ -58,6 +58,15 @@ def test_read_corpus_names_bad_line(tmp_path):
         read_corpus(str(data))
 
 
+@pytest.mark.parametrize("name", ["c.jsonl", "c.txt"])
+def test_read_corpus_names_a_line_that_is_not_utf8(tmp_path, name):
+    data = tmp_path / name
+    data.write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"c\.(jsonl|txt):2: is not valid UTF-8 \(byte 0xff at column 13\) "
+                                         r"\(\{\"prompt\": \"\\xff\"\}\)"):
+        read_corpus(str(data))
+
+
 def test_missing_tokenizer_file_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="train_tokenizer"):
         build_tokenizer("sentencepiece", str(tmp_path / "nope.model"))

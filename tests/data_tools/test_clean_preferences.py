@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from data_tools.clean_preferences import (clean_preferences, edit_similarity, levenshtein,
                                           main)
-from hpa.data.prompts import RejectLog
+from hpa.data.prompts import RecordError, RejectLog
 
 
 def reference_levenshtein(a, b):
@@ -111,3 +111,20 @@ def test_cli_model_options_need_a_config(tmp_path, capsys):
         main(base + ["--config", str(default_config_path()), "--score-keys", "sc", "sr"])
     with pytest.raises(SystemExit, match="reward.bogus"):
         main(base + ["--config", str(default_config_path()), "reward.bogus=1"])
+
+
+def test_cli_lines_with_invalid_utf8_or_nul_bytes_are_malformed_records(tmp_path, capsys):
+    src = tmp_path / "prefs.jsonl"
+    good = [json.dumps({"prompt": p, "chosen": c, "rejected": r}).encode() for p, c, r in PAIRS]
+    src.write_bytes(b"\n".join([good[0], b'{"prompt": "p", "chosen": "\xff\xfe", "rejected": "no"}',
+                                b'{"prompt": "p", "chosen": "a\x00", "rejected": "no"}', *good[1:]]) + b"\n")
+    out = tmp_path / "clean.jsonl"
+    report = main(["--input", str(src), "--output", str(out), "--on-error", "skip"])
+    capsys.readouterr()
+    assert report["num_input"] == len(PAIRS) and report["num_malformed"] == 2
+    rejects = [json.loads(l) for l in open(tmp_path / "clean.rejects.jsonl", encoding="utf-8")]
+    assert [(r["location"], r["reason"]) for r in rejects[:2]] == [(f"{src}:2", "malformed"), (f"{src}:3", "malformed")]
+    assert "not valid UTF-8 (byte 0xff at column 28)" in rejects[0]["message"] and "\\xff\\xfe" in rejects[0]["record"]
+    assert "NUL byte at column 29" in rejects[1]["message"]
+    with pytest.raises(RecordError, match=rf"{src.name}:2: is not valid UTF-8"):
+        main(["--input", str(src), "--output", str(out)])

@@ -98,3 +98,39 @@ def test_gsm8k_ground_truth_template_and_dedup(tmp_path, capsys):
     assert stats["rejected_by_reason"] == {"duplicate": 1, "malformed": 1} and stats["num_blank_lines"] == 1
     with pytest.raises(RecordError, match=r"gsm\.jsonl:4: .*'#### <final answer>'"):
         prepare_gsm8k.main(["--input", src, "--output", out])
+
+
+def test_lines_with_invalid_utf8_or_nul_bytes_are_malformed_records(tmp_path, capsys):
+    good = json.dumps({"chosen": hh("q", "a"), "rejected": hh("q", "b")}).encode()
+    src = tmp_path / "hh.jsonl"
+    src.write_bytes(b"\n".join([good, b'{"chosen": "\xc3\x28", "rejected": "x"}', b"\x00" * 4,
+                                json.dumps({"chosen": hh("r", "a"), "rejected": hh("r", "b")}).encode()]) + b"\n")
+    out = tmp_path / "o.jsonl"
+    stats = prepare_hh_rlhf.main(["--input", str(src), "--output", str(out), "--on-error", "skip"])
+    capsys.readouterr()
+    assert stats["num_read"] == 4 and stats["num_written"] == 2 and stats["rejected_by_reason"] == {"malformed": 2}
+    rejects = read(tmp_path / "o.rejects.jsonl")
+    assert [r["location"] for r in rejects] == [f"{src}:2", f"{src}:3"]
+    assert rejects[0]["message"] == "is not valid UTF-8 (byte 0xc3 at column 13)"
+    assert rejects[1]["record"] == "\\x00" * 4
+    with pytest.raises(RecordError, match=r"hh\.jsonl:2: is not valid UTF-8 \(byte 0xc3 at column 13\)"):
+        prepare_hh_rlhf.main(["--input", str(src), "--output", str(out)])
+
+
+def test_truncated_or_mistyped_parquet_names_the_file_and_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hpa.data.prompts import DataFileError
+
+    src = str(tmp_path / "uf.parquet")
+    pq.write_table(pa.table({"prompt": ["q"] * 20, "chosen": [[{"role": "assistant", "content": "a"}]] * 20,
+                             "rejected": [[{"role": "assistant", "content": "b"}]] * 20}), src)
+    data = open(src, "rb").read()
+    open(src, "wb").write(data[:-20])
+    args = ["--input", src, "--output", str(tmp_path / "o.jsonl"), "--on-error", "skip"]
+    with pytest.raises(DataFileError, match=rf"^{src}: is not a readable Parquet file"):
+        prepare_ultrafeedback.main(args)
+    pq.write_table(pa.table({"prompt": ["q"], "chosen": ["a"], "rejected": ["b"]}), src)  # strings, not messages
+    with pytest.raises(DataFileError, match=rf"^{src}: column 'chosen': has Parquet type string, expected list"):
+        prepare_ultrafeedback.main(args)

@@ -202,3 +202,67 @@ def test_run_checkpoint_saved_at_tp1_dp4_resumes_under_tp2_pp2(demo, uninterrupt
     assert [r["step"] for r in resumed][-2:] == [3, 4]
     for key in ("dpo/loss", "dpo/reward_acc", "dpo/margin", "dpo/chosen_reward"):
         assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+
+
+class OneProcess:  # no torch.distributed: the checkpoint manager only needs these
+    is_main, rank = True, 0
+
+
+@pytest.mark.parametrize("where", ["shard", "manifest", "pointer"])
+def test_failed_save_keeps_latest_and_the_previous_checkpoint_and_removes_its_tmp(tmp_path, monkeypatch, where):
+    """Out of space while writing a shard, the manifest or the ``latest`` pointer: the save raises
+    CheckpointSaveError, ``latest`` still names the previous checkpoint, which verifies and stays
+    the resume choice, and no ``.tmp`` directory is left."""
+    import errno
+    from pathlib import Path
+
+    from hpa.config.schema import CheckpointConfig
+    from hpa.trainer import checkpoint
+    from hpa.trainer.checkpoint import CheckpointManager, CheckpointSaveError, verify
+
+    manager = CheckpointManager(CheckpointConfig(keep_last=5), tmp_path, OneProcess())
+    first = manager.save(1, {}, {"step": 1})
+    real_save, real_write_text = torch.save, Path.write_text
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "shard":
+        monkeypatch.setattr(checkpoint.torch, "save", lambda obj, f, *a, **k: (
+            real_save(obj, f, *a, **k), full()) if str(f).endswith("trainer_state.pt") else real_save(obj, f, *a, **k))
+    else:
+        target = checkpoint.MANIFEST + ".tmp" if where == "manifest" else checkpoint.LATEST + ".tmp"
+        monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: full() if self.name == target
+                            else real_write_text(self, *a, **k))
+    with pytest.raises(CheckpointSaveError, match=r"step_00000002 failed \(rank 0: OSError: .*No space left on "
+                                                  r"device\); removed step_00000002.tmp, 'latest' still names "
+                                                  r"step_00000001"):
+        manager.save(2, {}, {"step": 2})
+    monkeypatch.undo()
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text() == "step_00000001"
+    assert not list(root.glob("*.tmp"))
+    assert verify(first)["step"] == 1
+    assert manager.find_resumable("auto") == first
+    assert manager.save(3, {}, {"step": 3}).name == "step_00000003"  # the next save works
+    assert (root / "latest").read_text() == "step_00000003"
+
+
+def test_tmp_directory_of_an_interrupted_save_is_ignored_and_removed_on_start(tmp_path, caplog):
+    from hpa.config.schema import CheckpointConfig
+    from hpa.trainer.checkpoint import CheckpointManager, write_manifest
+
+    root = tmp_path / "checkpoints"
+    good = root / "step_00000001"
+    good.mkdir(parents=True)
+    (good / "trainer_state.pt").write_bytes(b"x")
+    write_manifest(good, 1, None)
+    (root / "latest").write_text(good.name)
+    partial = root / "step_00000002.tmp"
+    (partial / "policy").mkdir(parents=True)
+    (partial / "policy" / "shard").write_bytes(b"half")
+    manager = CheckpointManager(CheckpointConfig(), tmp_path, OneProcess())
+    assert manager.candidates() == [good]
+    with caplog.at_level("WARNING", logger="hpa"):
+        assert manager.find_resumable("auto") == good
+    assert not partial.exists() and "step_00000002.tmp" in caplog.text
