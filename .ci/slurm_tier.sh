@@ -166,6 +166,14 @@ done
 scancel --signal=USR1 --batch "$pre"
 echo "slurm tier: sent SIGUSR1 to job $pre at step $(tail -n1 "$WORK/preempted/metrics.jsonl" | python -c \
     'import json, sys; print(json.load(sys.stdin)["step"])')"
+# Slurm holds a requeued batch job back for about two minutes; let it start at once
+deadline=$(( $(date +%s) + 600 ))
+until scontrol show job "$pre" | grep -qE 'Restarts=[1-9]'; do
+    (( $(date +%s) < deadline )) || fail "job $pre was not requeued within 600 s of SIGUSR1"
+    [[ $(state "$pre") =~ ^(COMPLETED|FAILED|CANCELLED|TIMEOUT)$ ]] && fail "job $pre ended $(state "$pre") instead of requeueing"
+    sleep 1
+done
+scontrol update JobId="$pre" StartTime=now
 # 3. a rank dies mid-step; torchrun restarts the workers
 kil=$(HPA_MAX_RESTARTS=1 HPA_INJECT_FAULT=kill@6:1 submit rankdeath)
 wait_done "$pre" 900
@@ -176,10 +184,15 @@ done
 restarts=$(scontrol show job "$pre" | grep -oE 'Restarts=[0-9]+' | cut -d= -f2)
 (( restarts >= 1 )) || fail "job $pre was never requeued (Restarts=$restarts)"
 grep -q "received SIGUSR1" "$WORK"/preempted-"$pre".out || fail "job $pre never got SIGUSR1"
+stopped=$(python -c 'import json, sys; s = json.load(open(sys.argv[1])); assert s["reason"] == "signal", s; print(s["step"])' \
+    "$WORK/preempted/exit_status.json") || fail "job $pre: the trainers did not stop on the signal"
+grep -q "resumed from $WORK/preempted/checkpoints/step_$(printf %08d "$stopped") at step $stopped" \
+    "$WORK"/preempted-"$pre".out || fail "job $pre: the requeued run did not resume from the step-$stopped checkpoint"
 grep -q "exitcode: -9" "$WORK"/rankdeath-"$kil".out || fail "job $kil: rank 1 was not killed"
 grep -q "resumed from $WORK/rankdeath/checkpoints/step_00000004 at step 4" "$WORK"/rankdeath-"$kil".out \
     || fail "job $kil: the restarted workers did not resume from step 4, the newest checkpoint"
-echo "slurm tier: preempted job $pre requeued $restarts time(s); rank-death job $kil restarted by torchrun"
+echo "slurm tier: preempted job $pre checkpointed at step $stopped, requeued $restarts time(s) and resumed there;" \
+    "rank-death job $kil: rank 1 killed in step 6, torchrun restarted the workers, they resumed at step 4"
 
 python - "$WORK" "$STEPS" <<'EOF'
 import json, sys

@@ -126,6 +126,36 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(demo):
     assert manifest["step"] == read_metrics(run_dir)[-1]["step"] < 50
 
 
+@pytest.mark.slow
+def test_usr1_through_torchrun_after_a_periodic_save_still_checkpoints(demo):
+    """torchrun forwards SIGUSR1 to each worker's whole process group, and after the first save that group
+    holds the checkpoint writer's helper process (megatron's multiprocessing manager). The helper must
+    survive the signal, or the checkpoint the signal asks for fails (EOFError) and the preemption is lost."""
+    from hpa.trainer.checkpoint import verify
+
+    run_dir = demo / "ft_usr1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "hpa.train",
+           *overrides(demo, run_dir, ["trainer.total_steps=50", "checkpoint.save_interval=1"])]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)[-1]["step"] >= 2):
+            assert time.time() < deadline and proc.poll() is None, "the run never reached step 2"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)  # to torchrun, as srun forwards it
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "EOFError" not in err, err[-3000:]
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status["reason"] == "signal" and 2 <= status["step"] < 50
+    manifest = verify(run_dir / "checkpoints" / f"step_{status['step']:08d}")
+    assert manifest["step"] == status["step"] == read_metrics(run_dir)[-1]["step"]
+
+
 def test_truncated_shard_is_detected_and_resume_falls_back(demo, uninterrupted, caplog):
     import shutil
 
