@@ -103,16 +103,16 @@ def test_torchrun_passes_config_nproc_and_overrides(fake_bin):
     overrides = ["trainer.total_steps=3", "logging.wandb.name=my run", "optim.lr=2e-6"]
     out = subprocess.run(["bash", str(TORCHRUN_SH), "configs/llama2_7b.yaml", "8", *overrides], cwd=ROOT,
                          env=env_with(fake_bin), capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["--standalone", "--nproc_per_node", "8", "-m", "hpa.cli", "train",
-                                "--config", "configs/llama2_7b.yaml", *overrides]
+    assert out.splitlines() == ["--standalone", "--nproc_per_node", "8", "--max-restarts", "3", "-m", "hpa.cli",
+                                "train", "--config", "configs/llama2_7b.yaml", *overrides]
 
 
 def test_torchrun_defaults_to_the_visible_gpus(fake_bin):
     out = subprocess.run(["bash", str(TORCHRUN_SH), "configs/tiny_cpu.yaml", "trainer.total_steps=2"], cwd=ROOT,
-                         env=env_with(fake_bin, HPA_COMMAND="sft"), capture_output=True, text=True,
-                         check=True).stdout
-    assert out.splitlines() == ["--standalone", "--nproc_per_node", "3", "-m", "hpa.cli", "sft",
-                                "--config", "configs/tiny_cpu.yaml", "trainer.total_steps=2"]
+                         env=env_with(fake_bin, HPA_COMMAND="sft", HPA_MAX_RESTARTS="0"), capture_output=True,
+                         text=True, check=True).stdout
+    assert out.splitlines() == ["--standalone", "--nproc_per_node", "3", "--max-restarts", "0", "-m", "hpa.cli",
+                                "sft", "--config", "configs/tiny_cpu.yaml", "trainer.total_steps=2"]
 
 
 def test_torchrun_refuses_a_missing_config(fake_bin):
@@ -137,16 +137,19 @@ def slurm_env(fake_bin, log, **extra):
 
 def test_sbatch_starts_one_torchrun_per_node_with_overrides(fake_bin, tmp_path):
     log = tmp_path / "srun.log"
-    fake(fake_bin, "srun", 'printf "%s\\n" "$@" > "$FAKE_LOG"\n')
+    fake(fake_bin, "srun", 'printf "%s\\n" "$@" > "$FAKE_LOG"\n'
+                           'echo "shared store off: $TORCH_DISABLE_SHARE_RDZV_TCP_STORE" >> "$FAKE_LOG"\n')
     subprocess.run(["bash", str(SLURM_SBATCH), "configs/llama2_70b.yaml", "trainer.total_steps=5",
-                    "trainer.run_dir=/scratch/a b"], cwd=ROOT, env=slurm_env(fake_bin, log),
+                    "trainer.run_dir=/scratch/a b"], cwd=ROOT, env=slurm_env(fake_bin, log, HPA_MAX_RESTARTS="2"),
                    capture_output=True, text=True, check=True)
-    args = log.read_text().splitlines()
+    *args, shared = log.read_text().splitlines()
+    assert shared == "shared store off: 1"  # each rendezvous round of a restart gets a fresh store
     assert args[:5] == ["--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--ntasks=2", "torchrun"]
     torchrun = args[5:]
     joined = " ".join(torchrun)
     assert "--nnodes 2 --nproc_per_node 4 --rdzv_id 4242 --rdzv_backend c10d" in joined
     assert f"--rdzv_endpoint gpu017:{20000 + 4242 % 20000}" in joined
+    assert "--max-restarts 2" in joined
     assert "SIGUSR1" in joined
     assert torchrun[-7:] == ["-m", "hpa.cli", "train", "--config", "configs/llama2_70b.yaml",
                              "trainer.total_steps=5", "trainer.run_dir=/scratch/a b"]

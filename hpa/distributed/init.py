@@ -148,10 +148,12 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234,
         device = torch.device("cpu")
 
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
+        store = _restart_safe_store(launch, timeout)
         dist.init_process_group(
-            backend=backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-            rank=launch.rank, world_size=launch.world_size,
-            timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
+            backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
+            **({"store": store} if store is not None else
+               {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}))
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
@@ -179,6 +181,31 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234,
     )
     logger.info("initialised %s on %s (%s, launcher=%s)", groups.layout, device, backend, launch.launcher)
     return groups
+
+
+def _restart_safe_store(launch: LaunchEnv, timeout: datetime.timedelta,
+                        env: Optional[Mapping[str, str]] = None) -> Optional[dist.Store]:
+    """The store of this attempt when torchrun's agent hosts it, else None (``tcp://`` init).
+
+    torchrun's agent keeps one TCPStore for all the restarts it makes (static rendezvous, and c10d
+    rendezvous unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). A restarted worker reading it would find
+    the dead workers' gloo/NCCL addresses still there and fail to connect. One agent (one node) numbers
+    its restarts consistently, so ``TORCHELASTIC_RESTART_COUNT`` namespaces the keys; agents on several
+    nodes do not (a healthy node restarts without counting), so there the store must not be shared.
+    """
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if env.get("GROUP_WORLD_SIZE", "1") != "1":
+        if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+            logger.warning("torchrun shares its rendezvous store across %s nodes with --max-restarts; a restart "
+                           "may read stale addresses from it: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                           "(launch/slurm.sbatch does)", env["GROUP_WORLD_SIZE"])
+        return None
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"hpa/attempt_{attempt}", store)
 
 
 def set_seed(seed: int) -> None:

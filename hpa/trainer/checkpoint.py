@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -65,15 +66,36 @@ def _sharded_state_dict(model):
     return unwrap(model).sharded_state_dict(prefix="")
 
 
-def save_model_weights(model, directory: os.PathLike, groups: ParallelGroups) -> Path:
-    """Save the weights of ``model`` (any layout) to ``directory`` (created; must be empty)."""
+# what launchers send to stop a job (torchrun forwards them to each worker's whole process group)
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}
+
+
+def _dist_save(sharded, directory: os.PathLike) -> None:
+    """``dist_checkpointing.save`` with the stop signals blocked in this thread while it runs.
+
+    megatron's writer starts a helper process from this thread (a multiprocessing manager, started at
+    the first save and kept) and the helper inherits this thread's signal mask. torchrun sends SIGUSR1
+    or SIGTERM to the worker's whole process group; a helper that does not block them dies of them, and
+    the checkpoint the trainer then writes because of that signal fails. The trainer still sees the
+    signal: the kernel hands it to a thread that does not block it, and Python runs the handler in the
+    main thread (at the latest when the mask is restored).
+    """
     from megatron.core import dist_checkpointing
 
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        dist_checkpointing.save(sharded, str(directory))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def save_model_weights(model, directory: os.PathLike, groups: ParallelGroups) -> Path:
+    """Save the weights of ``model`` (any layout) to ``directory`` (created; must be empty)."""
     directory = Path(directory)
     if groups.is_main:
         directory.mkdir(parents=True, exist_ok=True)
     comm.barrier()
-    dist_checkpointing.save(_sharded_state_dict(model), str(directory))
+    _dist_save(_sharded_state_dict(model), directory)
     comm.barrier()
     return directory
 
@@ -249,7 +271,7 @@ class CheckpointManager:
             if self.groups.is_main:
                 (tmp / name).mkdir()
             comm.barrier()
-            dist_checkpointing.save(sharded, str(tmp / name))
+            _dist_save(sharded, tmp / name)
         faults.maybe_fail_save(step, self.groups.rank)
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.groups.rank:05d}.pt")
         if self.groups.is_main:

@@ -10,9 +10,13 @@
   collectives must time out and exit naming the phase and rank 1);
 - ``nan_reward@3``: one response's raw reward at step 3 is NaN (it must be dropped and counted);
 - ``kl_spike@3``: the guard sees an infinite token KL after step 3 (it must roll back);
-- ``kill@3:1``: rank 1 kills itself with SIGKILL at the start of step 3.
+- ``kill@3:1``: rank 1 kills itself with SIGKILL in the middle of step 3 (after the rollout, the
+  reward and the reference forwards, before the policy update).
 
-Steps count from 1. Each fault fires once per process (a rolled-back step does not fault again).
+Steps count from 1. Each fault fires once per run and rank, not once per process: the trainer calls
+``record_in(run_dir)``, and a fault that fires leaves a marker ``<run_dir>/faults_fired/kind@step.rankR``
+(written before the fault acts), so the workers a launcher restarts after ``kill`` (and a rolled-back
+step) do not fault again. Without ``record_in`` (a unit test) a fault fires once per process.
 Nothing happens when the variable is unset.
 """
 
@@ -22,6 +26,7 @@ import errno
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Optional, Set, Tuple
 
 ENV = "HPA_INJECT_FAULT"
@@ -39,15 +44,36 @@ def _parse() -> Set[Tuple[str, int, Optional[int]]]:
     return out
 
 
-_FIRED: Set[Tuple[str, int]] = set()
+_FIRED: Set[Tuple[str, int, int]] = set()
+_MARKER_DIR: Optional[Path] = None
+
+
+def record_in(run_dir: os.PathLike) -> None:
+    """Remember fired faults under ``run_dir`` (they then fire once per run, across restarts)."""
+    global _MARKER_DIR
+    _MARKER_DIR = Path(run_dir) / "faults_fired"
+
+
+def _marker(kind: str, step: int, rank: int) -> Optional[Path]:
+    return _MARKER_DIR / f"{kind}@{step}.rank{rank}" if _MARKER_DIR is not None else None
 
 
 def active(kind: str, step: int, rank: int) -> bool:
-    hit = (kind, step) not in _FIRED and any(
-        k == kind and s == step and (r is None or r == rank) for k, s, r in _parse())
-    if hit:
-        _FIRED.add((kind, step))
-    return hit
+    if (kind, step, rank) in _FIRED or not any(
+            k == kind and s == step and (r is None or r == rank) for k, s, r in _parse()):
+        return False
+    _FIRED.add((kind, step, rank))
+    marker = _marker(kind, step, rank)
+    if marker is None:
+        return True
+    if marker.exists():  # fired in an earlier process of this run
+        return False
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    with open(marker, "w") as f:  # on disk before the fault acts: a SIGKILL follows
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return True
 
 
 def maybe_kill(step: int, rank: int) -> None:

@@ -55,6 +55,7 @@ class HPATrainer:
     def __init__(self, cfg: Config, groups: ParallelGroups):
         self.cfg, self.groups = cfg, groups
         self.run_dir = Path(cfg.trainer.run_dir)
+        faults.record_in(self.run_dir)
         if groups.is_main:
             write_resolved(cfg, self.run_dir)
         self._build_data()
@@ -174,7 +175,6 @@ class HPATrainer:
             if self.cfg.trainer.eval_interval > 0 and self.step == 0:
                 self.metrics.write(0, self.evaluate())  # the starting point of the learning curve
             while self.step < self.cfg.trainer.total_steps:
-                faults.maybe_kill(self.step + 1, self.groups.rank)
                 faults.maybe_hang(self.step + 1, self.groups.rank)
                 self.progress.step = self.step + 1
                 self.timings = {}
@@ -355,6 +355,7 @@ class HPATrainer:
         metrics.update(adv_metrics)
         with self.timer("reference"):
             pairs = self.preference_micro_batches()
+        faults.maybe_kill(self.step + 1, self.groups.rank)
         with self.timer("update_actor"):
             metrics.update(self.update_policy(batch, ts, mask, pairs, weights))
         if self.critic is not None:

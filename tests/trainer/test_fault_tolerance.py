@@ -49,6 +49,51 @@ def test_kill_9_one_rank_then_resume_equals_uninterrupted(demo, uninterrupted):
     assert_same_metrics(uninterrupted, resumed, steps=[1, 2, 3, 4])
 
 
+def test_an_injected_fault_fires_once_per_run_not_once_per_process(tmp_path, monkeypatch):
+    """A worker that torchrun restarts is a new process; it must not fault again (else it dies forever)."""
+    from hpa.trainer import faults
+
+    monkeypatch.setenv(faults.ENV, "nan_loss@2,kill@3:1")
+    monkeypatch.setattr(faults, "_FIRED", set())
+    monkeypatch.setattr(faults, "_MARKER_DIR", None)
+    faults.record_in(tmp_path)
+    assert faults.active("nan_loss", 2, 0)
+    assert not faults.active("nan_loss", 2, 0)  # the same process (a rolled-back step)
+    monkeypatch.setattr(faults, "_FIRED", set())  # a restarted process of the same run
+    assert not faults.active("nan_loss", 2, 0)
+    assert faults.active("nan_loss", 2, 1)  # every rank has its own marker
+    assert not faults.active("kill", 3, 0) and not faults.active("nan_loss", 3, 0)
+    assert sorted(p.name for p in (tmp_path / "faults_fired").iterdir()) == ["nan_loss@2.rank0", "nan_loss@2.rank1"]
+
+    kill = [sys.executable, "-c", f"from hpa.trainer import faults; faults.record_in({str(tmp_path)!r}); "
+            "faults.maybe_kill(3, 1); print('alive')"]
+    env = dict(os.environ, **{faults.ENV: "kill@3:1"})
+    first = subprocess.run(kill, env=env, capture_output=True, text=True, timeout=60)
+    assert first.returncode == -signal.SIGKILL and (tmp_path / "faults_fired" / "kill@3.rank1").is_file()
+    second = subprocess.run(kill, env=env, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0 and second.stdout.strip() == "alive", second.stderr
+
+
+@pytest.mark.slow
+def test_kill_9_mid_step_under_max_restarts_resumes_by_itself_tp1_pp1_dp2(demo):
+    """torchrun --max-restarts=1, rank 1 SIGKILLs itself mid-step 3: torchrun restarts both workers, they
+    resume from step 2 (the newest checkpoint) and the run finishes with the metrics of an uninterrupted
+    run, each step written once. The restart reuses torchrun's rendezvous store, so it also checks that
+    the restarted workers do not connect to the dead ones' addresses."""
+    reference = launch(demo, demo / "ft_restart_ref", 2, FOUR_STEPS)
+    run_dir = demo / "ft_restart"
+    output = []
+    metrics = launch(demo, run_dir, 2, FOUR_STEPS, env={"HPA_INJECT_FAULT": "kill@3:1"},
+                     torchrun_args=["--max-restarts=1"], output=output)
+    log = output[0]
+    assert (run_dir / "faults_fired" / "kill@3.rank1").is_file()
+    assert "exitcode: -9" in log  # rank 1 did die
+    assert log.count("initialised tp1_pp1_dp2") == 4  # and both workers started twice
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000002'} at step 2" in log
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4]
+    assert_same_metrics(reference, metrics, steps=[1, 2, 3, 4])
+
+
 def test_max_steps_per_run_exits_resumable_and_resume_is_exact(demo, uninterrupted):
     run_dir = demo / "ft_sliced"
     launch(demo, run_dir, 4, FOUR_STEPS + ["trainer.max_steps_per_run=2"])
@@ -79,6 +124,36 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(demo):
     assert saved and not list((run_dir / "checkpoints").glob("*.tmp"))
     manifest = verify(saved[-1])
     assert manifest["step"] == read_metrics(run_dir)[-1]["step"] < 50
+
+
+@pytest.mark.slow
+def test_usr1_through_torchrun_after_a_periodic_save_still_checkpoints(demo):
+    """torchrun forwards SIGUSR1 to each worker's whole process group, and after the first save that group
+    holds the checkpoint writer's helper process (megatron's multiprocessing manager). The helper must
+    survive the signal, or the checkpoint the signal asks for fails (EOFError) and the preemption is lost."""
+    from hpa.trainer.checkpoint import verify
+
+    run_dir = demo / "ft_usr1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "hpa.train",
+           *overrides(demo, run_dir, ["trainer.total_steps=50", "checkpoint.save_interval=1"])]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)[-1]["step"] >= 2):
+            assert time.time() < deadline and proc.poll() is None, "the run never reached step 2"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)  # to torchrun, as srun forwards it
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "EOFError" not in err, err[-3000:]
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status["reason"] == "signal" and 2 <= status["step"] < 50
+    manifest = verify(run_dir / "checkpoints" / f"step_{status['step']:08d}")
+    assert manifest["step"] == status["step"] == read_metrics(run_dir)[-1]["step"]
 
 
 def test_truncated_shard_is_detected_and_resume_falls_back(demo, uninterrupted, caplog):

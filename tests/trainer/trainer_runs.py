@@ -29,12 +29,17 @@ def save_initial_policy(groups, path):
     save_model_weights(build_policy(cfg.model, cfg.parallel, groups), path, groups)
 
 
-def launch(root, run_dir, nproc, extra=(), env=None, expect=0):
-    """``torchrun -m hpa.train`` on the demo task; returns the metrics (and checks the exit code)."""
+def launch(root, run_dir, nproc, extra=(), env=None, expect=0, torchrun_args=(), output=None):
+    """``torchrun -m hpa.train`` on the demo task; returns the metrics (and checks the exit code).
+
+    ``torchrun_args`` go to torchrun (e.g. ``--max-restarts=1``); ``output``, a list, receives the
+    combined stdout and stderr."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "-m", "hpa.train", *overrides(root, run_dir, extra)]
+           f"--master_port={free_port()}", *torchrun_args, "-m", "hpa.train", *overrides(root, run_dir, extra)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if output is not None:
+        output.append(proc.stdout + proc.stderr)
     if expect is not None:
         assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
     return read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
