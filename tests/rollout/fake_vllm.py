@@ -81,12 +81,15 @@ def install(on_cpu: bool = False, monkeypatch=None) -> None:
 
 
 def rollouts(calls):
-    """The calls around each ``generate``: ``[(calls since the previous generate, the call after)]``."""
-    out, since = [], []
+    """The calls around each ``generate``: ``[(calls since the one after the previous generate, the call
+    after this one)]``."""
+    out, since, skip = [], [], False
     for i, call in enumerate(calls):
         if call[0] == "generate":
             out.append((since, calls[i + 1] if i + 1 < len(calls) else None))
-            since = []
+            since, skip = [], True
+        elif skip:
+            skip = False
         else:
             since.append(call)
     return out
