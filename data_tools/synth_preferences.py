@@ -213,7 +213,7 @@ def run_synth(cfg, groups, *, strong_path: str, weak_path: str, prompts_path: st
     from hpa.data.tokenizer import build_tokenizer
     from hpa.models import build_policy, unwrap
     from hpa.rollout import build_rollout_engine
-    from hpa.rollout.base import SamplingParams, TokenizerInfo
+    from hpa.rollout.base import SamplingParams, TokenizerInfo, WeightsFrom
     from hpa.trainer.checkpoint import load_model_weights
     from hpa.trainer.scoring import Scorer, needs_ground_truth
 
@@ -247,12 +247,19 @@ def run_synth(cfg, groups, *, strong_path: str, weak_path: str, prompts_path: st
                              "prompt record, or set reward.rules=[] and score with reward.model_paths")
 
     scorer = Scorer(cfg, g, reward=True, tokenizer=tokenizer)
-    engines = []
+    policies = []
     for path in (strong_path, weak_path):
         policy = build_policy(cfg.model, cfg.parallel, g)
         load_model_weights(policy, path, g)
         policy.eval()
-        engines.append(build_rollout_engine(cfg.rollout, unwrap(policy), g, TokenizerInfo.from_tokenizer(tokenizer)))
+        policies.append(unwrap(policy))
+    engines = [build_rollout_engine(cfg.rollout, policies[0], g, TokenizerInfo.from_tokenizer(tokenizer),
+                                    model_cfg=cfg.model, checkpoint_path=strong_path)]
+    if engines[0].copies_weights:  # one engine (vLLM), synced from each policy in turn: one copy in memory
+        engines = [WeightsFrom(engines[0], policy) for policy in policies]
+    else:
+        engines.append(build_rollout_engine(cfg.rollout, policies[1], g, TokenizerInfo.from_tokenizer(tokenizer),
+                                            model_cfg=cfg.model, checkpoint_path=weak_path))
     strong_params = SamplingParams.from_config(cfg.rollout, n=k, temperature=strong_temperature)
     weak_params = SamplingParams.from_config(cfg.rollout, n=k, temperature=weak_temperature,
                                              seed=cfg.rollout.seed + WEAK_SEED_OFFSET)

@@ -328,9 +328,15 @@ def logprob_consistency(rollout_log_probs: torch.Tensor, training_log_probs: tor
 
 
 class RolloutEngine(abc.ABC):
-    """A backend the trainer samples from (chosen by ``rollout.engine``)."""
+    """A backend the trainer samples from (chosen by ``rollout.engine``).
+
+    Attributes:
+        copies_weights: the engine samples from its own copy of the weights (vLLM), which
+            ``sync_weights`` fills; False when it samples from the training policy in place.
+    """
 
     name: str = ""
+    copies_weights: bool = False
 
     @abc.abstractmethod
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
@@ -346,13 +352,31 @@ class RolloutEngine(abc.ABC):
         """
 
     def sync_weights(self, *args, **kwargs) -> None:
-        """Copy the current policy weights into the engine; a no-op for engines that use them in place."""
+        """Copy the current policy weights into the engine; a no-op for engines that use them in place.
+        Callers sync before every rollout that follows a change of the weights."""
 
     def sleep(self) -> None:
         """Release the engine's memory (KV cache, and weights where it keeps its own) between rollouts."""
 
     def wake(self) -> None:
         """Undo ``sleep``."""
+
+
+class WeightsFrom(RolloutEngine):
+    """One weight-copying engine (``copies_weights``) sampling for ``model``: the engine is synced from
+    ``model`` before a ``generate`` whenever another model was synced into it last. Several views on one
+    engine sample from several policies with one copy of the inference weights in memory."""
+
+    def __init__(self, engine: RolloutEngine, model):
+        if not engine.copies_weights:
+            raise ValueError(f"the {engine.name!r} engine samples from its own model in place; build one per model")
+        self.engine, self.model = engine, model
+        self.name = engine.name
+
+    def generate(self, prompts, params: "SamplingParams") -> "RolloutBatch":
+        if self.engine.synced_from is not self.model:
+            self.engine.sync_weights(model=self.model)
+        return self.engine.generate(prompts, params)
 
 
 def decode_responses(tokenizer, batch: RolloutBatch) -> List[str]:
@@ -376,4 +400,4 @@ def prompt_token_lists(prompts) -> List[List[int]]:
 
 
 __all__ = ["FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "RolloutBatch", "decode_responses", "RolloutEngine", "SamplingParams",
-           "TokenizerInfo", "TrainingSequences", "logprob_consistency", "prompt_token_lists"]
+           "TokenizerInfo", "TrainingSequences", "WeightsFrom", "logprob_consistency", "prompt_token_lists"]

@@ -116,7 +116,9 @@ def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_thresho
         load_model_weights(reference, m.reference_path, g)
     policy.eval()
     reference.eval()
-    engine = build_rollout_engine(cfg.rollout, unwrap(policy), g, TokenizerInfo.from_tokenizer(tokenizer))
+    engine = build_rollout_engine(cfg.rollout, unwrap(policy), g, TokenizerInfo.from_tokenizer(tokenizer),
+                                  model_cfg=m, checkpoint_path=m.policy_path)
+    engine.sync_weights()  # the policy does not change here: one sync (vLLM) serves every call
 
     data = PromptDataset.load(prompts_path, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                               prompt_truncation=cfg.data.prompt_truncation, on_error=cfg.data.on_error,

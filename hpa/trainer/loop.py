@@ -144,7 +144,8 @@ class HPATrainer:
             self.critic_opt = build_optimizer(self.critic, cfg.optim, cfg.parallel, g, lr=lr)
             self.critic_sched = build_lr_scheduler(self.critic_opt, cfg.optim, cfg.trainer.total_steps, lr=lr)
         self.engine = build_rollout_engine(cfg.rollout, unwrap(self.policy), g,
-                                           TokenizerInfo.from_tokenizer(self.tokenizer))
+                                           TokenizerInfo.from_tokenizer(self.tokenizer), model_cfg=cfg.model,
+                                           checkpoint_path=cfg.model.policy_path)
 
     # ------------------------------------------------------------------------------------ loop
 
@@ -396,10 +397,21 @@ class HPATrainer:
         seed = self.cfg.rollout.seed + self.step * g.data_parallel_size + g.dp_rank
         params = SamplingParams.from_config(self.cfg.rollout, seed=seed)
         self.policy.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.engine_on_current_policy():
             batch = self.engine.generate([e.prompt_ids for e in examples], params)
         self.policy.train()
         return batch
+
+    @contextlib.contextmanager
+    def engine_on_current_policy(self):
+        """The rollout engine with the policy's current weights (vLLM keeps a copy: synced here, every
+        time, a no-op for the native engine), put to sleep after, so training gets its memory back."""
+        with self.timer("sync_weights"):
+            self.engine.sync_weights()
+        try:
+            yield self.engine
+        finally:
+            self.engine.sleep()
 
     def score(self, batch: RolloutBatch, examples):
         """Shaped reward at each response's last token; rows with a non-finite reward (and rows the
@@ -611,7 +623,8 @@ class HPATrainer:
         params = SamplingParams.from_config(self.cfg.rollout, n=1, temperature=0.0)
         self.policy.eval()
         with torch.no_grad():
-            batch = self.engine.generate([e.prompt_ids for e in examples], params)
+            with self.engine_on_current_policy():
+                batch = self.engine.generate([e.prompt_ids for e in examples], params)
             inputs = RewardInputs(response_ids=batch.response_ids, response_mask=batch.response_mask,
                                   prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
                                   response_texts=decode_responses(self.tokenizer, batch),

@@ -2,80 +2,182 @@
 GPU (skipped without CUDA and vllm): vLLM's log-probs on synced weights match the Megatron forward."""
 
 import importlib.util
-import types
+import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+import fake_vllm
 from multirank import run_ranks
 
 PAD, EOS = 0, 1
 
 
-class FakeLLM:
-    """Records what the engine asks of ``vllm.LLM``; answers generate() with fixed completions."""
+def _groups(world_size=1):
+    return SimpleNamespace(world_size=world_size, rank=0, local_rank=0, tensor_model_parallel_size=1,
+                           pipeline_model_parallel_size=1, data_parallel_size=1, mp_group=None)
 
-    def __init__(self, **kwargs):
-        self.kwargs, self.loaded, self.calls = kwargs, [], []
-        model = SimpleNamespace(load_weights=lambda weights: self.loaded.extend(n for n, _ in weights))
-        worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)))
 
-    def generate(self, requests, sampling, use_tqdm=False):
-        outs = []
-        for i, (req, sp) in enumerate(zip(requests, sampling)):
-            ids = [5, EOS] if i % 2 == 0 else [6, 7, 8]
-            logprobs = [{t: SimpleNamespace(logprob=-0.5 * (j + 1))} for j, t in enumerate(ids)]
-            reason = "stop" if i % 2 == 0 else "length"
-            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs,
-                                                                 finish_reason=reason)]))
-            self.calls.append((req, sp))
-        return outs
+def _model_cfg(**kw):
+    from hpa.config.schema import ModelConfig
 
-    def sleep(self, level=1):
-        self.calls.append(("sleep", level))
+    return ModelConfig(**{**dict(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32,
+                                 max_sequence_length=64), **kw})
 
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
 
-    def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache",))
+def _engine(monkeypatch, on_cpu=False, vocab_size=16, **kw):
+    from hpa.config.schema import RolloutConfig
+    from hpa.rollout import TokenizerInfo, build_rollout_engine
+
+    fake_vllm.install(on_cpu=on_cpu, monkeypatch=monkeypatch)
+    return build_rollout_engine(RolloutConfig(engine="vllm", vllm_tensor_parallel_size=1), None, _groups(),
+                                TokenizerInfo(vocab_size=vocab_size, eos_token_id=EOS, pad_token_id=PAD),
+                                model_cfg=_model_cfg(), **kw)
 
 
 def test_vllm_engine_logic_with_a_fake_vllm(monkeypatch):
-    from hpa.config.schema import RolloutConfig
-    from hpa.rollout import SamplingParams, TokenizerInfo, build_rollout_engine
-    from hpa.rollout import vllm_engine
+    from hpa.rollout import SamplingParams
 
-    fake = types.ModuleType("vllm")
-    fake.LLM = FakeLLM
-    fake.SamplingParams = lambda **kw: kw
-    monkeypatch.setattr(vllm_engine, "_import_vllm", lambda: fake)
-    groups = SimpleNamespace(world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                             data_parallel_size=1, mp_group=None)
-    engine = build_rollout_engine(RolloutConfig(engine="vllm", vllm_tensor_parallel_size=1), None, groups,
-                                  TokenizerInfo(vocab_size=16, eos_token_id=EOS, pad_token_id=PAD),
-                                  model_cfg=SimpleNamespace(max_sequence_length=64, params_dtype="float32"),
-                                  hf_model_path="/nonexistent")
-    assert engine.llm.kwargs["load_format"] == "dummy" and engine.llm.kwargs["skip_tokenizer_init"]
+    engine = _engine(monkeypatch)
+    llm = engine.llm
+    assert llm.kwargs["load_format"] == "dummy" and llm.kwargs["skip_tokenizer_init"]
+    assert llm.kwargs["disable_custom_all_reduce"] and llm.kwargs["enable_sleep_mode"]
+    assert llm.hf_config["vocab_size"] == 16  # the tokenizer's, not model.vocab_size (32)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=3, seed=4)
     with pytest.raises(RuntimeError, match="sync_weights"):
         engine.generate([[3, 4]], params)
-    engine.sleep()
     assert engine.sync_weights([("a", torch.zeros(1)), ("b", torch.ones(2))]) == 2
-    assert engine.llm.loaded == ["a", "b"]
-    assert ("wake_up", ["weights"]) in engine.llm.calls and ("wake_up", ["kv_cache"]) in engine.llm.calls
+    assert llm.calls[0] == ("reload_weights", ("a", "b"))
     batch = engine.generate([[3, 4], [9]], params)
-    assert batch.response_ids.tolist() == [[5, EOS, PAD], [6, 7, 8]] * 2
-    assert batch.finish_reasons == ["stop", "length"] * 2
+    assert batch.response_ids.tolist() == [[3, 4, EOS], [4, 4, EOS], [5, 4, EOS], [6, 4, EOS]]
+    assert batch.finish_reasons == ["stop"] * 4
     assert batch.group_ids.tolist() == [0, 0, 1, 1]
     assert batch.prompt_ids.tolist() == [[3, 4], [3, 4], [PAD, 9], [PAD, 9]]
     np.testing.assert_allclose(batch.log_probs[1].numpy(), [-0.5, -1.0, -1.5])
-    assert batch.response_mask.sum(1).tolist() == [2, 3, 2, 3]
-    seeds = [c[1]["seed"] for c in engine.llm.calls if len(c) == 2 and isinstance(c[0], dict)]
-    assert len(set(seeds)) == 4  # one seed per response
+    assert batch.response_mask.sum(1).tolist() == [3, 3, 3, 3]
+    assert len({sp["seed"] for sp in llm.sampling}) == 4  # one seed per response
+
+
+def test_eos_is_a_stop_id_unless_ignored(monkeypatch):
+    """vLLM without a tokenizer knows no EOS: the engine passes the tokenizer's with every request."""
+    from hpa.rollout import SamplingParams
+
+    engine = _engine(monkeypatch)
+    engine.sync_weights([])
+    engine.generate([[3]], SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=(7,)))
+    assert engine.llm.sampling[-1]["stop_token_ids"] == [7, EOS]
+    batch = engine.generate([[3]], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    assert engine.llm.sampling[-1]["stop_token_ids"] == [] and engine.llm.sampling[-1]["ignore_eos"]
+    assert batch.finish_reasons == ["length"] and batch.response_ids.shape[1] == 4
+
+
+def test_vocab_rows_beyond_the_tokenizer_are_not_synced(monkeypatch):
+    """model.vocab_size 32, tokenizer 16: vLLM's config has 16 tokens and gets 16 embedding / LM-head rows."""
+    engine = _engine(monkeypatch)
+    embed, head, norm = torch.randn(32, 16), torch.randn(32, 16), torch.randn(32)
+    engine.sync_weights([("model.embed_tokens.weight", embed), ("lm_head.weight", head), ("model.norm.weight", norm)])
+    w = engine.llm.weights
+    assert torch.equal(w["model.embed_tokens.weight"], embed[:16]) and torch.equal(w["lm_head.weight"], head[:16])
+    assert torch.equal(w["model.norm.weight"], norm)  # not a vocabulary tensor, although 32 long
+
+
+def test_sleep_discards_weights_and_sync_wakes_in_two_stages(monkeypatch):
+    from hpa.rollout import SamplingParams
+
+    engine = _engine(monkeypatch)
+    engine.sync_weights([])
+    engine.sleep()
+    assert engine.llm.calls[-1] == ("sleep", 2)
+    with pytest.raises(RuntimeError, match="sync_weights"):  # level 2 kept no weights
+        engine.generate([[3]], SamplingParams(temperature=0.0, max_new_tokens=2))
+    engine.llm.calls.clear()
+    engine.sync_weights([("a", torch.zeros(1))])
+    assert engine.llm.calls == [("wake_up", ("weights",)), ("reload_weights", ("a",)), ("reset_prefix_cache",),
+                                ("wake_up", ("kv_cache",))]
+    engine.generate([[3]], SamplingParams(temperature=0.0, max_new_tokens=2))
+
+
+def test_on_cpu_sleep_mode_is_off_and_eager(monkeypatch):
+    engine = _engine(monkeypatch, on_cpu=True)
+    assert not engine.llm.kwargs["enable_sleep_mode"] and engine.llm.kwargs["enforce_eager"]
+    engine.sync_weights([])
+    engine.sleep()
+    engine.wake()
+    assert ("sleep", 2) not in engine.llm.calls and engine._synced
+
+
+def test_build_needs_model_cfg(monkeypatch):
+    from hpa.config.schema import RolloutConfig
+    from hpa.rollout import TokenizerInfo, build_rollout_engine
+
+    fake_vllm.install(monkeypatch=monkeypatch)
+    with pytest.raises(ValueError, match="model_cfg"):
+        build_rollout_engine(RolloutConfig(engine="vllm", vllm_tensor_parallel_size=1), None, _groups(),
+                             TokenizerInfo(vocab_size=16, eos_token_id=EOS, pad_token_id=PAD))
+
+
+def test_launcher_env_is_set_from_the_world(monkeypatch):
+    from hpa.rollout.vllm_engine import set_launcher_env
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    g = SimpleNamespace(rank=5, local_rank=1, world_size=8)
+    set_launcher_env(g)
+    assert [os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")] == ["5", "1", "8"]
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(RuntimeError, match="RANK=3"):
+        set_launcher_env(g)
+
+
+@pytest.mark.parametrize("num_rows,parts", [(7, 2), (8, 4), (3, 4), (5, 1)])
+def test_instances_share_rows_contiguously(num_rows, parts):
+    from hpa.rollout.vllm_engine import _share
+
+    spans = [_share(num_rows, parts, k) for k in range(parts)]
+    assert spans[0][0] == 0 and spans[-1][1] == num_rows
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert max(b - a for a, b in spans) - min(b - a for a, b in spans) <= 1
+
+
+def _replica(rank, tp, pp, dp):
+    """The global ranks of ``rank``'s model replica under megatron's order (TP fastest, then DP, then PP)."""
+    dp_rank = (rank // tp) % dp
+    return [t + tp * dp_rank + tp * dp * p for p in range(pp) for t in range(tp)]
+
+
+@pytest.mark.parametrize("tp,pp,dp,vllm_tp,expected", [
+    (1, 2, 1, 1, [(2, 0), (2, 1)]),  # PP2: each stage's instance samples half the replica's rows
+    (1, 2, 1, 2, [(1, 0), (1, 0)]),  # one instance spans both stages
+    (2, 1, 1, 1, [(2, 0), (2, 1)]),
+    (1, 1, 2, 1, [(1, 0), (1, 0)]),  # DP2: one instance per replica
+    (2, 2, 2, 2, [(2, 0), (2, 0), (2, 0), (2, 0), (2, 1), (2, 1), (2, 1), (2, 1)]),
+    (1, 2, 2, 2, "do not split"),  # ranks 0, 1 are the first stages of two replicas
+    (2, 2, 2, 4, "do not split"),
+], ids=["tp1_pp2_dp1_v1", "tp1_pp2_dp1_v2", "tp2_pp1_dp1_v1", "tp1_pp1_dp2_v1", "tp2_pp2_dp2_v2",
+        "tp1_pp2_dp2_v2", "tp2_pp2_dp2_v4"])
+def test_vllm_instances_in_a_model_replica(tp, pp, dp, vllm_tp, expected):
+    from hpa.rollout.vllm_engine import instance_layout
+
+    world = tp * pp * dp
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            [instance_layout(_replica(r, tp, pp, dp), r, vllm_tp) for r in range(world)]
+    else:
+        assert [instance_layout(_replica(r, tp, pp, dp), r, vllm_tp) for r in range(world)] == expected
+
+
+def replica_worker(groups):
+    import torch.distributed as dist
+
+    return sorted(dist.get_process_group_ranks(groups.mp_group))
+
+
+def test_replica_ranks_follow_megatrons_order_tp1_pp2_dp2():
+    """The order ``_replica`` assumes is the one hpa's groups have."""
+    out = run_ranks(replica_worker, pp=2, dp=2)
+    assert out == [_replica(r, 1, 2, 2) for r in range(4)]
 
 
 def _gpu_ready():
