@@ -187,3 +187,19 @@ def test_tiny_real_ablation(tmp_path):
     assert not any("timing_s/rollout" in r or "reward/raw_mean" in r for r in records["dpo"])
     assert any("dpo/loss" in r for r in records["dpo"])
     assert "| dpo | 1 |" in (tmp_path / "out" / "ablation.md").read_text()
+
+
+def test_cli_reports_a_bad_ablation_file(tmp_path, capsys):
+    from hpa.cli import main
+
+    path = tmp_path / "a.yaml"
+    path.write_text("ablate:\n  variants: [hpa, ppo-only]\n")
+    assert main(["ablate", "--config", str(path)]) == 2
+    assert "unknown variant 'ppo-only'" in capsys.readouterr().err
+
+
+def test_training_config_resolves_against_the_ablation_file(tmp_path):
+    (tmp_path / "train.yaml").write_text("trainer:\n  total_steps: 3\n")
+    path = tmp_path / "a.yaml"
+    path.write_text("ablate:\n  config: train.yaml\n")
+    assert load_ablate_config(str(path)).config == str(tmp_path / "train.yaml")
