@@ -203,3 +203,14 @@ def test_training_config_resolves_against_the_ablation_file(tmp_path):
     path = tmp_path / "a.yaml"
     path.write_text("ablate:\n  config: train.yaml\n")
     assert load_ablate_config(str(path)).config == str(tmp_path / "train.yaml")
+
+
+@pytest.mark.parametrize("name", ["ablate_demo.yaml", "ablate_hackable.yaml"])
+def test_shipped_ablation_files_resolve(name):
+    from pathlib import Path
+
+    cfg = load_ablate_config(str(Path(__file__).parents[1] / "configs" / name))
+    runs = plan_runs(cfg)
+    assert len(runs) == len(cfg.variant_overrides()) * len(cfg.seeds) and len(cfg.seeds) >= 5
+    for run in runs[::len(cfg.seeds)]:
+        load_config(cfg.config, run.overrides)
