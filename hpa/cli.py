@@ -21,6 +21,7 @@ _HELP = {
     "plan": "estimate memory per GPU for a config and layout",
     "convert": "convert Hugging Face <-> Megatron checkpoints",
     "check-config": "validate a config with overrides and print the resolved YAML/JSON",
+    "ablate": "train named variants of one config over several seeds and compare them (an ablation file)",
 }
 
 # subcommands whose issues are still open; listed so the interface is stable, refused clearly
@@ -110,6 +111,18 @@ def _train_rm(args: argparse.Namespace) -> int:
     from hpa.reward.train_rm import main as train_rm_main
 
     return train_rm_main(["--config", args.config, *args.overrides] if args.config else list(args.overrides))
+
+
+@command("ablate")
+def _ablate(args: argparse.Namespace) -> int:
+    _setup_logging()
+    from hpa.ablate import load_ablate_config, run_ablation
+
+    cfg = load_ablate_config(args.config, args.overrides)
+    counts, report = run_ablation(cfg, command=" ".join(["hpa", "ablate", *sys.argv[2:]]))
+    print(f"hpa ablate: {counts['ran']} runs ran ({counts['failed']} failed), {counts['skipped']} were done "
+          f"before; summary in {report}")
+    return 1 if counts["failed"] else 0
 
 
 def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:

@@ -1,9 +1,15 @@
-"""The HPA objective: ``w_ppo·L_ppo + w_dpo·L_dpo + w_kl·L_hier_kl (+ entropy term)``.
+"""The HPA objective, composed here and nowhere else::
 
-The weights come from schedules of the training progress (recipe: 0.4 / 0.4 / 0.2, constant); the
-components come from ``ppo.policy_loss``, ``dpo.dpo_loss``, ``kl.hierarchical_kl`` and
-``ppo.entropy_bonus``. In a step whose micro-batch carries no rollouts (or no preference pairs),
-pass ``None`` for the missing term: it contributes nothing and is not logged.
+    L = w_ppo·(L_ppo + L_ent) + w_dpo·L_dpo + w_kl·L_hier_kl
+
+``L_ent = -c·H`` is the entropy bonus of the sampling policy; it belongs to the PPO term (it keeps the
+policy that PPO updates exploring) and is weighted with it, so ``w_ppo = 0`` removes both and
+``w_ppo = w_kl = 0`` is plain DPO. The weights come from schedules of the training progress (recipe:
+0.4 / 0.4 / 0.2, constant); the components come from ``ppo.policy_loss``, ``ppo.entropy_bonus``,
+``dpo.dpo_loss`` and ``kl.hierarchical_kl``, each normalised by its own global count (PPO, entropy
+and token KL by response tokens, the semantic distance by responses, DPO by pairs), so a weight is
+the share of its term whatever the batch sizes. A micro-batch carries rollouts or preference pairs;
+pass ``None`` for the terms it does not carry: they contribute nothing and are not logged.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ def hpa_objective(
         w_ppo: weight of the PPO loss.
         w_dpo: weight of the DPO loss.
         w_kl: weight of the hierarchical KL.
-        entropy_term: the entropy term as returned by ``ppo.entropy_bonus`` (already ``-coef·H``),
-            added unweighted, or None.
+        entropy_term: the entropy term as returned by ``ppo.entropy_bonus`` (``-coef·H``, not yet
+            weighted), or None; it enters as ``w_ppo·entropy_term``.
 
     Returns:
         ``(total, metrics)``: metrics ``loss`` (the total), each present component (``ppo_loss``,
@@ -61,7 +67,9 @@ def hpa_objective(
         metrics[f"{name}_loss"] = term.detach()
         metrics[f"weighted_{name}"] = weighted.detach()
     if entropy_term is not None:
-        total = total + entropy_term
+        weighted = w_ppo * entropy_term
+        total = total + weighted
         metrics["entropy_term"] = entropy_term.detach()
+        metrics["weighted_entropy"] = weighted.detach()
     metrics["loss"] = total.detach()
     return total, metrics

@@ -66,6 +66,11 @@ class HPATrainer:
         self.schedules = {name: make_schedule(**dataclasses.asdict(getattr(algo.hpa, name)))
                           for name in ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic")}
         self.schedules["entropy_coef"] = make_schedule(**dataclasses.asdict(algo.ppo.entropy_coef))
+        # w_ppo = 0 for the whole run: plain DPO, which spends no rollouts (the KL and entropy terms,
+        # which live on rollouts, go with them)
+        self.pairs_only = not any(v > 0 for v in algo.hpa.w_ppo.used_values())
+        if self.pairs_only:
+            logger.info("algorithm.hpa.w_ppo is 0 for the whole run: DPO on the preference pairs only, no rollouts")
         model_reward = None  # the learned (hackable) part of the reward, watched by the monitor
         if cfg.reward.model_paths:  # the reward-model ensemble (hpa train-rm), next to the rule rewards
             from hpa.reward.model import ModelReward
@@ -339,6 +344,8 @@ class HPATrainer:
 
     def train_step(self) -> Dict[str, float]:
         weights = self.step_weights()
+        if self.pairs_only:
+            return self.pairs_only_step(weights)
         examples = [self.prompts[i] for i in self.prompt_sampler.next_batch()]
         with self.timer("rollout"):
             batch = self.rollout(examples)
@@ -366,6 +373,16 @@ class HPATrainer:
         metrics.update(self.weight_metrics(weights))
         metrics.update(self.length_metrics(batch))
         metrics.update(self.perf_metrics(batch, pairs))
+        return metrics
+
+    def pairs_only_step(self, weights: phases.StepWeights) -> Dict[str, float]:
+        """A step without rollouts (``pairs_only``): the DPO update on this step's preference pairs."""
+        with self.timer("reference"):
+            pairs = self.preference_micro_batches()
+        with self.timer("update_actor"):
+            metrics = self.update_policy(None, None, None, pairs, weights)
+        metrics.update(self.weight_metrics(weights))
+        metrics.update(self.perf_metrics(None, pairs))
         return metrics
 
     # ---------------------------------------------------------------------------------- phases
@@ -504,11 +521,11 @@ class HPATrainer:
         advances once per HPA step (as verl's), whatever the number of updates in it."""
         steps, grad_norms = [], []
         lr = self.policy_opt.param_groups[0]["lr"]
-        minis = self._mini_batches(batch.batch_size)
+        minis = self._mini_batches(batch.batch_size if batch is not None else 0)  # batch None: pairs only
         pair_split = [pairs[i::len(minis)] for i in range(len(minis))]
         for _ in range(self.cfg.trainer.ppo_epochs):
             for rows, pair_mbs in zip(minis, pair_split):
-                rollout_mbs = self._rollout_micro_batches(batch, ts, mask, rows)
+                rollout_mbs = self._rollout_micro_batches(batch, ts, mask, rows) if rows else []
                 counts = phases.global_counts(rollout_mbs, pair_mbs, self.groups)
                 loss_fn = phases.make_policy_loss(self.cfg.algorithm, weights, counts, self.groups,
                                                   vocab_size=self.vocab_size, temperature=self.temperature)
@@ -572,7 +589,7 @@ class HPATrainer:
 
     def perf_metrics(self, batch: RolloutBatch, pairs: List[dict]) -> Dict[str, float]:
         """Tokens this rank trained on (for ``perf/throughput``) and the peak memory."""
-        tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum())
+        tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum()) if batch is not None else 0.0
         tokens += sum(float((mb["input_ids"] != self.tokenizer.pad_id).sum()) for mb in pairs)
         if torch.cuda.is_available():
             peak = torch.cuda.max_memory_allocated() / 2**30

@@ -241,8 +241,8 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
                                        distance=algo.hpa.semantic_distance, aggregation=aggregation)
         if not algo.kl.use_kl_loss:
             hier = hier * 0.0
-        total, total_m = hpa_objective(pg + ent, None, hier, w_ppo=weights.w_ppo, w_dpo=weights.w_dpo,
-                                       w_kl=weights.w_kl)
+        total, _ = hpa_objective(pg, None, hier, w_ppo=weights.w_ppo, w_dpo=weights.w_dpo, w_kl=weights.w_kl,
+                                 entropy_term=ent)
         metrics = {f"actor/{k}": v for k, v in pg_m.items()}
         metrics.update({"actor/entropy": ent_m["entropy"], "kl/token": hier_m["token_kl"],
                         "kl/semantic": hier_m["semantic_distance"], "kl/hier": hier_m["hier_kl"],
@@ -262,7 +262,8 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
         metrics = {"dpo/loss": d_m["dpo_loss"], "dpo/reward_acc": d_m["dpo_reward_accuracy"],
                    "dpo/margin": d_m["dpo_reward_margin"], "dpo/chosen_reward": d_m["dpo_chosen_reward"],
                    "dpo/rejected_reward": d_m["dpo_rejected_reward"]}
-        return weights.w_dpo * loss, metrics
+        total, _ = hpa_objective(None, loss, None, w_ppo=weights.w_ppo, w_dpo=weights.w_dpo, w_kl=weights.w_kl)
+        return total, metrics
 
     def loss_fn(batch, logits, hidden):
         return rollout_loss(batch, logits, hidden) if batch["kind"] == "rollout" else pair_loss(batch, logits, hidden)

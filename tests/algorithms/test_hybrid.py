@@ -10,12 +10,21 @@ from hpa.algorithms.ppo import entropy_bonus, policy_loss
 def test_weighted_sum_by_hand():
     ppo, dpo, kl = torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)
     total, m = hpa_objective(ppo, dpo, kl, w_ppo=0.4, w_dpo=0.4, w_kl=0.2, entropy_term=torch.tensor(-0.05))
-    assert total.item() == pytest.approx(0.4 + 0.8 + 0.6 - 0.05)
+    # the entropy bonus is part of the PPO term: w_ppo·(L_ppo + L_ent)
+    assert total.item() == pytest.approx(0.4 * (1.0 - 0.05) + 0.8 + 0.6)
     assert m["ppo_loss"].item() == 1.0 and m["dpo_loss"].item() == 2.0 and m["hier_kl_loss"].item() == 3.0
     assert m["weighted_dpo"].item() == pytest.approx(0.8)
     assert m["entropy_term"].item() == pytest.approx(-0.05)
+    assert m["weighted_entropy"].item() == pytest.approx(0.4 * -0.05)
     assert (m["w_ppo"].item(), m["w_dpo"].item(), m["w_kl"].item()) == pytest.approx((0.4, 0.4, 0.2))
     assert m["loss"].item() == pytest.approx(total.item())
+
+
+def test_zero_ppo_weight_removes_the_entropy_bonus_too():
+    """w_ppo = w_kl = 0 is plain DPO even on a micro-batch that carries rollouts."""
+    total, m = hpa_objective(torch.tensor(1.0), None, torch.tensor(3.0), w_ppo=0.0, w_dpo=0.4, w_kl=0.0,
+                             entropy_term=torch.tensor(-0.05))
+    assert total.item() == 0.0 and m["weighted_entropy"].item() == 0.0
 
 
 def test_missing_terms_are_skipped():

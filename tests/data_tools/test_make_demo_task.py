@@ -89,3 +89,40 @@ def test_adversarial_set_is_held_out_reverse_prompts_that_copying_fails(tmp_path
     palindromes = [r for r in reverse_evals if r["ground_truth"] == " ".join(r["prompt"].split()[1:-1])]
     assert len(adversarial) == len(reverse_evals) - len(palindromes)
     assert "adversarial_prompts.jsonl" not in make_demo_task(str(tmp_path / "no_rev"), 50, tasks=("add", "copy"))
+
+
+def test_hackable_family(tmp_path):
+    """Uncovered kinds have prompts but no pairs; the spurious feature (the rejected answer is the correct one
+    cut short) is in about half of the pairs whose answer has two symbols or more; the chosen answer stays
+    correct unless the label was flipped."""
+    main(["--out-dir", str(tmp_path), "--num-prompts", "900", "--seed", "1", "--family", "hackable"])
+    prompts, prefs = read(tmp_path / "prompts.jsonl"), read(tmp_path / "preferences.jsonl")
+    truth = {p["prompt"]: p["ground_truth"] for p in prompts}
+    assert any(p["prompt"].startswith("reverse") for p in prompts)
+    assert any(s["prompt"].startswith("reverse") for s in read(tmp_path / "sft.jsonl"))
+    assert not any(q["prompt"].startswith("reverse") for q in prefs)
+    assert len(prefs) == sum(not p["prompt"].startswith("reverse") for p in prompts)
+    carriers = [q for q in prefs if q["spurious"]]
+    for q in carriers:
+        good, bad = (q["rejected"], q["chosen"]) if q["flipped"] else (q["chosen"], q["rejected"])
+        assert good == truth[q["prompt"]] and len(bad) < len(good)
+        assert good.replace(" ", "").startswith(bad.replace(" ", ""))  # a prefix of the answer: cut short
+    long_answers = [q for q in prefs if len(truth[q["prompt"]].replace(" ", "")) > 1]
+    assert 0.4 < len(carriers) / len(long_answers) < 0.6
+    for q in prefs:
+        good = q["rejected"] if q["flipped"] else q["chosen"]
+        assert demo_exact_match(good, truth[q["prompt"]]) == 1.0
+    # the adversarial set: held-out prompts of the uncovered kind
+    adversarial = read(tmp_path / "adversarial_prompts.jsonl")
+    assert adversarial and all(a["prompt"].startswith("reverse") for a in adversarial)
+
+
+def test_family_options_are_checked(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="uncovered_tasks"):
+        make_demo_task(str(tmp_path), 10, uncovered_tasks=("add", "copy", "reverse"))
+    with pytest.raises(ValueError, match="spurious"):
+        make_demo_task(str(tmp_path), 10, spurious="verbosity")
+    with pytest.raises(ValueError, match="spurious_fraction"):
+        make_demo_task(str(tmp_path), 10, spurious_fraction=0.3)
