@@ -259,7 +259,6 @@ class CheckpointManager:
         return "; ".join(errors)
 
     def _write_shards(self, step: int, models: Dict[str, Tuple], state: Dict, tmp: Path) -> None:
-        from megatron.core import dist_checkpointing
 
         if self.groups.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
