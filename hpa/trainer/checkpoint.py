@@ -33,65 +33,15 @@ from hpa.config.schema import CheckpointConfig
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.models.heads import unwrap
+from hpa.models.weights import MANIFEST, sharded_state_dict
 
 logger = logging.getLogger("hpa")
 
-MANIFEST = "manifest.json"
 LATEST = "latest"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete or corrupt; the message names the file."""
-
-
-# ------------------------------------------------------------------------------------------------
-# model weights only (conversion, reference/reward models, SFT output)
-
-
-def _sharded_state_dict(model):
-    return unwrap(model).sharded_state_dict(prefix="")
-
-
-def save_model_weights(model, directory: os.PathLike, groups: ParallelGroups) -> Path:
-    """Save the weights of ``model`` (any layout) to ``directory`` (created; must be empty)."""
-    from megatron.core import dist_checkpointing
-
-    directory = Path(directory)
-    if groups.is_main:
-        directory.mkdir(parents=True, exist_ok=True)
-    comm.barrier()
-    dist_checkpointing.save(_sharded_state_dict(model), str(directory))
-    comm.barrier()
-    return directory
-
-
-def load_model_weights(model, directory: os.PathLike, groups: ParallelGroups, strict: bool = True,
-                       exclude_prefixes: tuple = ()) -> None:
-    """Load weights saved by ``save_model_weights`` (or a run checkpoint's model) under any layout.
-
-    Args:
-        directory: a weights directory, or a run checkpoint ``step_N`` (its ``policy/`` is read).
-        exclude_prefixes: parameters to leave as they are (e.g. ``("output_layer.",)`` to start a critic
-            from a policy checkpoint: same backbone, different head).
-    """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    directory = Path(directory)
-    if (directory / MANIFEST).is_file() and (directory / "policy").is_dir():
-        directory = directory / "policy"
-    if not (directory / "metadata.json").is_file():
-        raise FileNotFoundError(f"{directory} is not a megatron distributed checkpoint "
-                                f"(no metadata.json); point model.*_path at a saved checkpoint directory")
-    sharded = {k: v for k, v in _sharded_state_dict(model).items() if not k.startswith(tuple(exclude_prefixes))}
-    # tensors are found by their global keys, so a run checkpoint's {"model", "optimizer"} loads too
-    state = dist_checkpointing.load(sharded, str(directory), strict=StrictHandling.ASSUME_OK_UNEXPECTED)
-    state = {k: v for k, v in state.items() if k in sharded}  # drop a run checkpoint's optimizer part
-    missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith(tuple(exclude_prefixes)) and not k.endswith("_extra_state")]
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,7 +146,7 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
         comm.barrier()
         for name, (model, optimizer) in models.items():
-            model_sd = _sharded_state_dict(model)
+            model_sd = sharded_state_dict(model)
             sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
             if self.groups.is_main:
                 (tmp / name).mkdir()
@@ -256,7 +206,7 @@ class CheckpointManager:
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
         for name, (model, optimizer) in models.items():
-            model_sd = _sharded_state_dict(model)
+            model_sd = sharded_state_dict(model)
             sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
             loaded = dist_checkpointing.load(sharded, str(path / name), strict=StrictHandling.RAISE_ALL)
             unwrap(model).load_state_dict(loaded["model"], strict=False)
