@@ -14,7 +14,7 @@ beta 0.1, Adam lr 1e-6, gradient clipping at 1.0, and a reference forward every 
 - hpa: ``hpa.distributed.initialize`` (TP1/PP1/DP1, gloo, one process), ``build_policy`` /
   ``build_reference`` from the ``ModelConfig``, megatron DDP + optimizer; one step is what
   ``HPATrainer.preference_micro_batches`` + ``update_policy`` do with ``w_ppo = w_kl = 0``:
-  ``phases.pair_sequence_log_probs`` (reference), ``phases.make_policy_loss`` through
+  ``forward.pair_sequence_log_probs`` (reference), ``phases.make_policy_loss`` through
   ``forward_backward`` (``capture_hidden=True`` as in the trainer), ``optimizer_step``,
   ``phases.step_metrics``.
 - TRL: ``DPOTrainer`` with a ``LlamaForCausalLM`` of the same sizes and a local word-level tokenizer
@@ -130,9 +130,10 @@ def run_hpa(args, turn: "Turn") -> Dict:
     from hpa.data.preferences import PreferenceExample
     from hpa.distributed import LaunchEnv, destroy, initialize
     from hpa.models import build_policy, build_reference
-    from hpa.trainer import phases
-    from hpa.trainer.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
-    from hpa.trainer.step import forward_backward, optimizer_step, zero_grad
+    from hpa.engine import forward
+    from hpa.trainer import micro_batches, phases
+    from hpa.engine.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
+    from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
     total = args.warmup + args.steps
     model_cfg = ModelConfig(**model_sizes(args), make_vocab_size_divisible_by=128, params_dtype="float32",
@@ -157,12 +158,10 @@ def run_hpa(args, turn: "Turn") -> Dict:
         for step in range(total):
             turn.begin()
             batch = examples[step * args.batch:(step + 1) * args.batch]
-            mbs = phases.pair_micro_batches(batch, micro_batch_size=args.batch, pad_id=PAD)  # collation
+            mbs = micro_batches.pair_micro_batches(batch, micro_batch_size=args.batch, pad_id=PAD)  # collation
             start = time.perf_counter()
-            ref = phases.pair_sequence_log_probs(reference, mbs, groups, vocab_size=model_cfg.vocab_size)
-            phases.attach_ref_pair_logps(mbs, ref)
-            for mb in mbs:
-                mb["kind"] = "pairs"
+            ref = forward.pair_sequence_log_probs(reference, mbs, groups, vocab_size=model_cfg.vocab_size)
+            micro_batches.attach_ref_pair_logps(mbs, ref)
             counts = phases.global_counts([], mbs, groups)
             loss_fn = phases.make_policy_loss(algo, weights, counts, groups, vocab_size=model_cfg.vocab_size,
                                               temperature=1.0)

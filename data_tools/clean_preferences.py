@@ -21,7 +21,7 @@ reward-margin rule::
     python -m data_tools.clean_preferences --input prefs.jsonl --output clean.jsonl \\
         [--max-similarity 0.9] [--score-keys score_chosen score_rejected] [--min-reward-margin 0.5]
 
-``--config CFG [section.key=value ...]`` turns on the model-backed rules (``hpa.trainer.scoring``;
+``--config CFG [section.key=value ...]`` turns on the model-backed rules (``hpa.reward.scoring``;
 one process, or torchrun with TP/PP/DP): the reward margin from ``reward.*`` (the reward models of
 ``reward.model_paths``, r̂ = mean over their heads, and/or the rule rewards of ``reward.rules``, which
 read a ``ground_truth`` key of each record), the log-prob gap from the policy of ``model.policy_path``
@@ -186,7 +186,7 @@ def model_scores(cfg, groups, records: Sequence[Tuple[str, Dict[str, Any]]], *, 
                  embedding: bool, on_error: str, rejects: RejectLog, batch_size: int = 256
                  ) -> Tuple[List[Tuple[str, Dict[str, Any]]], Dict[str, Any]]:
     """Score every distinct ``(prompt, response)`` of ``records`` up front, in batches, with the models
-    of ``cfg`` (``hpa.trainer.scoring``), and return lookups for ``clean_preferences``.
+    of ``cfg`` (``hpa.reward.scoring``), and return lookups for ``clean_preferences``.
 
     Args:
         reward: r̂ of ``reward.*`` (model heads and/or rule rewards; rules read a ``ground_truth`` key).
@@ -201,7 +201,7 @@ def model_scores(cfg, groups, records: Sequence[Tuple[str, Dict[str, Any]]], *, 
         "unscorable"}`` (the functions are None where not asked for).
     """
     from hpa.data.prompts import RecordError
-    from hpa.trainer.scoring import Scorer, TextScores, needs_ground_truth
+    from hpa.reward.scoring import Scorer, TextScores, needs_ground_truth
 
     with_truths = reward and needs_ground_truth(cfg.reward)
     usable = []
@@ -309,24 +309,21 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         return _run(args)
 
     from hpa.config import ConfigError, load_config
-    from hpa.config.schema import validate
-    from hpa.distributed import destroy, initialize, read_launch_env
+    from hpa.distributed import launched
 
     try:
         cfg = load_config(args.config, args.overrides)
-        launch = read_launch_env()
-        validate(cfg, launch.world_size)
     except ConfigError as exc:
         raise SystemExit(f"clean_preferences: {exc}") from None
     if args.score_keys and has_reward_source(cfg.reward):
         raise SystemExit("clean_preferences: --score-keys and the config's reward (reward.model_paths, reward.rules "
                          "or reward.custom_function) both define the reward margin; drop --score-keys, or set "
                          "reward.rules=[] without reward.model_paths to use the stored scores")
-    groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
     try:
-        return _run(args, cfg, groups)
-    finally:
-        destroy()
+        with launched(cfg) as (cfg, groups):
+            return _run(args, cfg, groups)
+    except ConfigError as exc:
+        raise SystemExit(f"clean_preferences: {exc}") from None
 
 
 def _run(args, cfg=None, groups=None) -> Dict[str, Any]:

@@ -1,7 +1,7 @@
 """Synthetic preference pairs from a strong and a weak policy (the HPA recipe).
 
 For every prompt, ``k`` responses are sampled from the strong policy (temperature 0.7) and ``k``
-from the weak one (0.9); each is scored with the configured reward (``hpa.trainer.scoring``: r̂, the
+from the weak one (0.9); each is scored with the configured reward (``hpa.reward.scoring``: r̂, the
 mean over the reward-model heads and rule rewards of ``reward.*``). Of the ``k × k`` cross pairs
 (strong response, weak response) those with ``reward(strong) > reward(weak) + margin`` (1.0) are kept,
 the strong response as ``chosen``.
@@ -38,7 +38,6 @@ import argparse
 import collections
 import dataclasses
 import json
-import logging
 import math
 import os
 import sys
@@ -117,7 +116,7 @@ def synthesize(strong_engine, weak_engine, reward_fn: BatchRewardFn, prompts: Se
     Args:
         strong_engine, weak_engine: any two ``hpa.rollout.base.RolloutEngine``s.
         reward_fn: ``(batch, texts, ground_truths) -> [b]`` rewards of a ``RolloutBatch``'s rows
-            (``hpa.trainer.scoring.Scorer.batch_rewards``).
+            (``hpa.reward.scoring.Scorer.batch_rewards``).
         prompts: ``hpa.data.prompts.PromptExample``s (``prompt``, ``prompt_ids``, ``ground_truth``).
         tokenizer: decodes the responses.
         strong_params, weak_params: ``SamplingParams`` (``n`` = k samples per prompt); chunk ``c`` of
@@ -135,7 +134,7 @@ def synthesize(strong_engine, weak_engine, reward_fn: BatchRewardFn, prompts: Se
     import torch
 
     from hpa.distributed import comm
-    from hpa.trainer.phases import chunks
+    from hpa.engine.forward import chunks
     from hpa.rollout.base import decode_responses
 
     if not prompts:
@@ -213,9 +212,9 @@ def run_synth(cfg, groups, *, strong_path: str, weak_path: str, prompts_path: st
     from hpa.data.tokenizer import build_tokenizer
     from hpa.models import build_policy, unwrap
     from hpa.rollout import build_rollout_engine
+    from hpa.models.weights import load_model_weights
+    from hpa.reward.scoring import Scorer, needs_ground_truth
     from hpa.rollout.base import SamplingParams, TokenizerInfo, WeightsFrom
-    from hpa.trainer.checkpoint import load_model_weights
-    from hpa.trainer.scoring import Scorer, needs_ground_truth
 
     if k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
@@ -301,28 +300,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse, initialise distributed like ``hpa generate`` (torchrun or one process), run, print the summary."""
-    from hpa.config import ConfigError
-    from hpa.distributed import destroy, initialize, launch_config
+    from hpa.config import ConfigError, load_config
+    from hpa.distributed import launched
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    loaded = launch_config("synth_preferences", args.config, args.overrides)
-    if loaded is None:
-        return 2
-    cfg, launch = loaded
-    groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
     try:
-        summary = run_synth(cfg, groups, strong_path=args.strong, weak_path=args.weak, prompts_path=args.prompts,
-                            output_path=args.output, k=args.k, strong_temperature=args.strong_temperature,
-                            weak_temperature=args.weak_temperature, margin=args.margin,
-                            batch_size=args.batch_size, rejects_path=args.rejects)
-        if groups.is_main:
-            print(json.dumps(summary, indent=2))
+        with launched(load_config(args.config, args.overrides)) as (cfg, groups):
+            summary = run_synth(cfg, groups, strong_path=args.strong, weak_path=args.weak, prompts_path=args.prompts,
+                                output_path=args.output, k=args.k, strong_temperature=args.strong_temperature,
+                                weak_temperature=args.weak_temperature, margin=args.margin,
+                                batch_size=args.batch_size, rejects_path=args.rejects)
+            if groups.is_main:
+                print(json.dumps(summary, indent=2))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"synth_preferences: {exc}", file=sys.stderr)
         return 2
-    finally:
-        destroy()
     return 0
 
 

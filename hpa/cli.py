@@ -1,77 +1,70 @@
-"""``hpa``: the command line. Each subcommand takes ``--config FILE`` plus ``section.key=value`` overrides."""
+"""``hpa``: the command line.
+
+Every command is one row of ``COMMANDS``: its help line and the function that runs it
+(``"module:function"``, imported only when the command runs; it takes the command's own arguments and
+returns the exit code, and parses them with its own parser, so ``hpa COMMAND --help`` is that parser's).
+Most commands take ``--config FILE`` plus ``section.key=value`` overrides.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import json
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import List, Optional
 
 from hpa.config import ConfigError, load_config
 from hpa.config.schema import to_dict
 
-_COMMANDS: Dict[str, Callable[[argparse.Namespace], int]] = {}
 
-_HELP = {
-    "train": "run HPA training (PPO + DPO + hierarchical KL every step)",
-    "sft": "supervised fine-tuning of the initial policy",
-    "train-rm": "train a Bradley-Terry reward model ensemble",
-    "generate": "generate from a checkpoint, with a KL guard",
-    "report": "plots and a summary of a run directory's metrics (hpa report RUN_DIR)",
-    "plan": "estimate memory per GPU for a config and layout",
-    "convert": "convert Hugging Face <-> Megatron checkpoints",
-    "check-config": "validate a config with overrides and print the resolved YAML/JSON",
-    "ablate": "train named variants of one config over several seeds and compare them (an ablation file)",
+@dataclasses.dataclass(frozen=True)
+class Command:
+    help: str
+    run: str  # "module:function", function(argv: List[str]) -> int
+
+
+COMMANDS = {
+    "train": Command("run HPA training (PPO + DPO + hierarchical KL every step)", "hpa.cli:train"),
+    "sft": Command("supervised fine-tuning of the initial policy", "hpa.cli:sft"),
+    "train-rm": Command("train a Bradley-Terry reward model ensemble", "hpa.reward.train_rm:main"),
+    "generate": Command("generate from a checkpoint, with a KL guard", "hpa.generate:main"),
+    "report": Command("plots and a summary of a run directory's metrics (hpa report RUN_DIR)",
+                      "hpa.trainer.report:main"),
+    "plan": Command("estimate memory per GPU for a config and layout", "hpa.plan:main"),
+    "convert": Command("convert Hugging Face <-> Megatron checkpoints", "hpa.models.convert:run_convert"),
+    "check-config": Command("validate a config with overrides and print the resolved YAML/JSON", "hpa.cli:check_config"),
+    "ablate": Command("train named variants of one config over several seeds and compare them (an ablation file)",
+                      "hpa.cli:ablate"),
 }
 
-# subcommands whose issues are still open; listed so the interface is stable, refused clearly
-_NOT_YET: set = set()
+
+def config_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of a command that takes ``--config FILE`` and dotted overrides."""
+    parser = argparse.ArgumentParser(prog=f"hpa {name}", description=COMMANDS[name].help)
+    parser.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
+    return parser
 
 
-def command(name: str):
-    def wrap(fn):
-        _COMMANDS[name] = fn
-        return fn
-
-    return wrap
-
-
-@command("check-config")
-def _check_config(args: argparse.Namespace) -> int:
+def check_config(argv: List[str]) -> int:
+    parser = config_parser("check-config")
+    parser.add_argument("--world-size", type=int, default=None, help="also run the layout checks for this many processes")
+    args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     print(json.dumps(to_dict(cfg), indent=2))
     return 0
 
 
-def _setup_logging() -> None:
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-
-def _distributed(cfg):
-    from hpa.config.schema import validate
-    from hpa.distributed import initialize, read_launch_env
-
-    launch = read_launch_env()
-    validate(cfg, launch.world_size)
-    groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
-    return groups
-
-
-@command("train")
-def _train(args: argparse.Namespace) -> int:
-    _setup_logging()
-    cfg = load_config(args.config, args.overrides)
-    groups = _distributed(cfg)
-    from hpa.distributed import destroy
+def train(argv: List[str]) -> int:
+    args = config_parser("train").parse_args(argv)
+    from hpa.distributed import launched
     from hpa.trainer.loop import HPATrainer
 
-    try:
+    with launched(load_config(args.config, args.overrides)) as (cfg, groups):
         trainer = HPATrainer(cfg, groups)
         trainer.train()
-    finally:
-        destroy()
     if trainer.exit_reason == "collective_failure":  # logged with the phase and the ranks waited for
         from hpa.distributed.watchdog import EXIT_COLLECTIVE_FAILURE
 
@@ -91,91 +84,54 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("sft")
-def _sft(args: argparse.Namespace) -> int:
-    _setup_logging()
-    cfg = load_config(args.config, args.overrides)
-    groups = _distributed(cfg)
-    from hpa.distributed import destroy
+def sft(argv: List[str]) -> int:
+    args = config_parser("sft").parse_args(argv)
+    from hpa.distributed import launched
     from hpa.trainer.sft import run_sft
 
-    try:
+    with launched(load_config(args.config, args.overrides)) as (cfg, groups):
         run_sft(cfg, groups)
-    finally:
-        destroy()
     return 0
 
 
-@command("train-rm")
-def _train_rm(args: argparse.Namespace) -> int:
-    from hpa.reward.train_rm import main as train_rm_main
+def ablate(argv: List[str]) -> int:
+    args = config_parser("ablate").parse_args(argv)
+    import logging
 
-    return train_rm_main(["--config", args.config, *args.overrides] if args.config else list(args.overrides))
-
-
-@command("ablate")
-def _ablate(args: argparse.Namespace) -> int:
-    _setup_logging()
     from hpa.ablate import load_ablate_config, run_ablation
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_ablate_config(args.config, args.overrides)
-    counts, report = run_ablation(cfg, command=" ".join(["hpa", "ablate", *sys.argv[2:]]))
+    counts, report = run_ablation(cfg, command=" ".join(["hpa", "ablate", *argv]))
     print(f"hpa ablate: {counts['ran']} runs ran ({counts['failed']} failed), {counts['skipped']} were done "
           f"before; summary in {report}")
     return 1 if counts["failed"] else 0
 
 
-def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        print(f"hpa {name}: not available in this build yet (see the README's status table)",
-              file=sys.stderr)
-        return 2
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: lists the commands (each parses its own arguments)."""
     parser = argparse.ArgumentParser(
         prog="hpa", description="Hybrid Preference Alignment on megatron-core.",
         epilog="Example: hpa train --config configs/tiny_cpu.yaml trainer.total_steps=4 "
-               "parallel.tensor_model_parallel_size=2")
+               "parallel.tensor_model_parallel_size=2. Run hpa COMMAND --help for a command's arguments.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, text in _HELP.items():
-        p = sub.add_parser(name, help=text, description=text)
-        if name in ("convert", "report", "generate", "plan"):  # handled before parsing, by their own parsers
-            continue
-        p.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu.yaml)")
-        p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
-        if name == "check-config":
-            p.add_argument("--world-size", type=int, default=None,
-                           help="also run the layout checks for this many processes")
+    for name, command in COMMANDS.items():
+        sub.add_parser(name, help=command.help, description=command.help, add_help=False)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["convert"]:  # its own parser (hf-to-megatron | megatron-to-hf)
-        from hpa.models.convert import run_convert
-
-        return run_convert(argv[1:])
-    if argv[:1] == ["generate"]:  # --prompts/--output/--kl-threshold besides --config and overrides
-        from hpa.trainer.generate import main as generate_main
-
-        return generate_main(argv[1:])
-    if argv[:1] == ["plan"]:  # --world-size/--gpu-memory-gb/--json besides --config and overrides
-        from hpa.plan import main as plan_main
-
-        return plan_main(argv[1:])
-    if argv[:1] == ["report"]:  # hpa report RUN_DIR
-        from hpa.trainer.report import main as report_main
-
-        return report_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    run = _COMMANDS.get(args.command) or _not_yet(args.command)
+    if not argv or argv[0] not in COMMANDS:
+        build_parser().parse_args(argv[:1])  # --help, or an error that lists the commands (exit 2)
+        return 2
+    name = argv[0]
+    module, function = COMMANDS[name].run.split(":")
+    run = getattr(importlib.import_module(module), function)
     try:
-        return run(args)
+        return run(argv[1:])
     except ConfigError as exc:
-        print(f"hpa {args.command}: {exc}", file=sys.stderr)
+        print(f"hpa {name}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -1,4 +1,5 @@
-"""Name -> callable registries, one per family (STYLE rule 7).
+"""Name -> callable registries, one per family; an unknown name lists the valid
+ones.
 
 Every family (advantage estimators, policy losses, DPO variants, KL estimators, schedules, rollout
 engines, rule rewards, ...) has one ``Registry``; components are chosen by the name written in YAML.

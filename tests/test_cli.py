@@ -25,3 +25,35 @@ def test_config_error_is_reported_not_raised(capsys):
     assert main(["check-config", "trainer.total_stepz=4"]) == 2
     err = capsys.readouterr().err
     assert "trainer.total_stepz" in err and "trainer.total_steps" in err
+
+
+def test_every_command_is_a_row_of_the_table_and_resolves():
+    import importlib
+
+    from hpa.cli import COMMANDS
+
+    assert set(COMMANDS) >= {"train", "sft", "train-rm", "generate", "report", "plan", "convert", "check-config"}
+    for name, command in COMMANDS.items():
+        module, function = command.run.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
+
+
+def test_unknown_command_lists_the_commands(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        main(["trian", "trainer.total_steps=4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'trian'" in err and "train" in err
+
+
+def test_a_command_parses_its_own_arguments(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "--world-size" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["check-config", "--help"])
+    assert "--world-size" in capsys.readouterr().out

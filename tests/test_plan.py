@@ -6,7 +6,7 @@ Measured on CPU gloo ranks, deterministically (no RSS), with the models ``build_
   megatron allocates after one optimizer step (``wrap_ddp`` + ``build_optimizer``); the planner is
   exact up to torch's one-element ``step`` tensors.
 * **activations**: one training micro-batch of the planner's largest shape through
-  ``hpa.trainer.step.forward_backward`` with the trainer's loss (``vocab_parallel_log_probs`` on the
+  ``hpa.engine.step.forward_backward`` with the trainer's loss (``vocab_parallel_log_probs`` on the
   logits), under ``saved_tensors_hooks``: the peak over forward *and* backward of the bytes saved for
   backward, each storage counted once (``untyped_storage().data_ptr()``), parameters excluded, plus
   the loss's fp32 working copy of the logits shard (``logits.numel()·4``, alive at the end of the
@@ -144,8 +144,8 @@ def measure_static(groups, cfg):
     import torch
 
     from hpa.models import build_policy, build_reference
-    from hpa.trainer.optimizer import build_optimizer, wrap_ddp
-    from hpa.trainer.step import optimizer_step, zero_grad
+    from hpa.engine.optimizer import build_optimizer, wrap_ddp
+    from hpa.engine.step import optimizer_step, zero_grad
 
     torch.manual_seed(0)
     model = build_policy(cfg.model, cfg.parallel, groups)
@@ -186,7 +186,7 @@ def measure_activations(groups, cfg, recompute, rows, seq_length):
 
     from hpa.models import build_policy
     from hpa.ops.vocab_parallel import vocab_parallel_log_probs
-    from hpa.trainer.step import forward_backward
+    from hpa.engine.step import forward_backward
 
     torch.manual_seed(0)
     model = build_policy(dataclasses.replace(cfg.model, recompute_granularity=recompute), cfg.parallel, groups)

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from hpa.algorithms.losses import masked_whiten
+from hpa.algorithms.masked import masked_whiten
 from hpa.registry import Registry
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator")

@@ -22,7 +22,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from hpa.algorithms.losses import TOKEN_MEAN, Aggregation, masked_mean
+from hpa.algorithms.losses import TOKEN_MEAN, Aggregation
+from hpa.algorithms.masked import masked_mean
 from hpa.algorithms.schedules import make_schedule
 from hpa.registry import Registry
 
@@ -224,20 +225,6 @@ def semantic_mse(policy_pooled: torch.Tensor, ref_pooled: torch.Tensor) -> torch
 def semantic_cosine(policy_pooled: torch.Tensor, ref_pooled: torch.Tensor) -> torch.Tensor:
     """``1 - cos(policy, ref)``, in [0, 2]. # [b, h] -> [b]"""
     return 1.0 - torch.nn.functional.cosine_similarity(policy_pooled, ref_pooled, dim=-1, eps=1e-8)
-
-
-def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of the hidden states over the valid (response) tokens; empty rows give 0.
-
-    Args:
-        hidden: final hidden states. # [b, r, h]
-        mask: response tokens. # [b, r]
-
-    Returns:
-        # [b, h]
-    """
-    mask = mask.to(hidden.dtype).unsqueeze(-1)  # [b, r, 1]
-    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
 
 def hierarchical_kl(

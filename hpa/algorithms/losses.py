@@ -1,4 +1,4 @@
-"""Masked reductions and loss aggregation (token-mean, seq-mean, ...), exact under DP and micro-batching.
+"""Loss aggregation (token-mean, seq-mean, ...), exact under DP and micro-batching.
 
 The aggregation modes and their numerics follow verl 0.9.1 ``core_algos.agg_loss``. A mode reduces a
 per-token loss matrix ``# [b, r]`` under a response mask to a scalar. Cross-rank facts (the token or
@@ -14,62 +14,13 @@ from typing import Optional, Union
 
 import torch
 
+from hpa.algorithms.masked import masked_sum
 from hpa.registry import Registry
 
 Count = Union[int, float, torch.Tensor]
 
 AGG_MODES = Registry("loss aggregation mode")
 """Signature: ``fn(loss_mat, mask, *, num_global_tokens, num_global_seqs, dp_size, loss_scale_factor) -> loss``."""
-
-
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Sum of ``values`` where ``mask`` is set; NaNs under the mask's zeros do not leak in.
-
-    Args:
-        values: any shape.
-        mask: same shape, bool or 0/1 numbers.
-        dim: dimension(s) to reduce; all when None.
-    """
-    valid = torch.where(mask.bool(), values, 0.0)
-    if dim is None:
-        return (valid * mask).sum()
-    return (valid * mask).sum(dim=dim)
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Mean over the masked elements, ``sum / (count + 1e-8)`` as in verl (an empty mask gives 0)."""
-    count = mask.sum() if dim is None else mask.sum(dim=dim)
-    return masked_sum(values, mask, dim) / (count + 1e-8)
-
-
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance over all masked elements; unbiased (Bessel) by default, as verl.
-
-    Raises:
-        ValueError: when fewer than two elements are masked and ``unbiased`` is set.
-    """
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        count = mask.sum()
-        if count < 2:
-            raise ValueError(
-                f"whitening needs at least 2 valid tokens, got {int(count)}; use a larger (mini-)batch"
-            )
-        variance = variance * (count / (count - 1))
-    return variance
-
-
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """``(values - mean) / sqrt(var + 1e-8)`` with mean and unbiased variance over the masked elements.
-
-    Elements outside the mask are transformed too (not zeroed), as in verl.
-    """
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened += mean
-    return whitened
 
 
 def _local_count(count: torch.Tensor, dp_size: int, what: str) -> torch.Tensor:

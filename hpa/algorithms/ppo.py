@@ -18,7 +18,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from hpa.algorithms.losses import TOKEN_MEAN, Aggregation, masked_mean
+from hpa.algorithms.losses import TOKEN_MEAN, Aggregation
+from hpa.algorithms.masked import masked_mean
 from hpa.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")

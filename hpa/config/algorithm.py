@@ -1,6 +1,6 @@
 """The ``algorithm`` section: advantage, PPO, DPO, KL and HPA-mixing settings.
 
-Defaults are the HPA recipe (docs: HPA_RECIPE.md). Names chosen from registries in
+Defaults are the HPA recipe (listed in docs/design.md). Names chosen from registries in
 ``hpa.algorithms`` are validated against the tuples below, not by importing ``hpa.algorithms``
 (config is the lowest layer); a test keeps each tuple equal to its registry's ``names()``.
 """

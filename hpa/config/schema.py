@@ -1,4 +1,5 @@
-"""The config schema: one small frozen, keyword-only dataclass per concern (STYLE rules 5 and 6).
+"""The config schema: one small frozen, keyword-only dataclass per concern (docs/design.md,
+rules 5 and 6).
 
 YAML is plain data; ``hpa.config.load`` checks every key and type against these classes. Each class
 validates its own fields in ``__post_init__``; checks that span sections live in ``validate``.
@@ -328,7 +329,8 @@ class LoggingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    """The root. Components receive their own section, never this object (STYLE rule 5)."""
+    """The root. Components receive their own section, never this object, so no component
+    depends on sections it does not use."""
 
     model: ModelConfig
     trainer: TrainerConfig

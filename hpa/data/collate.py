@@ -24,30 +24,29 @@ def _target_length(seqs: Sequence[Sequence[int]], length: Optional[int], pad_to_
     return -(-target // pad_to_multiple_of) * pad_to_multiple_of
 
 
-def pad_left(seqs: Sequence[Sequence[int]], pad_id: int, *, length: Optional[int] = None,
-             pad_to_multiple_of: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad ``seqs``; returns ``ids [b, s]`` (int64) and ``attention_mask [b, s]`` (int64, 1 = token)."""
+def _pad(seqs: Sequence[Sequence[int]], value: int, *, left: bool, length: Optional[int],
+         pad_to_multiple_of: int) -> Tuple[torch.Tensor, torch.Tensor]:
     s = _target_length(seqs, length, pad_to_multiple_of)
-    ids = torch.full((len(seqs), s), pad_id, dtype=torch.long)  # [b, s]
+    values = torch.full((len(seqs), s), value, dtype=torch.long)  # [b, s]
     mask = torch.zeros((len(seqs), s), dtype=torch.long)  # [b, s]
     for row, seq in enumerate(seqs):
         if len(seq):
-            ids[row, s - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[row, s - len(seq):] = 1
-    return ids, mask
+            cols = slice(s - len(seq), s) if left else slice(0, len(seq))
+            values[row, cols] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[row, cols] = 1
+    return values, mask
+
+
+def pad_left(seqs: Sequence[Sequence[int]], pad_id: int, *, length: Optional[int] = None,
+             pad_to_multiple_of: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad ``seqs``; returns ``ids [b, s]`` (int64) and ``attention_mask [b, s]`` (int64, 1 = token)."""
+    return _pad(seqs, pad_id, left=True, length=length, pad_to_multiple_of=pad_to_multiple_of)
 
 
 def pad_right(seqs: Sequence[Sequence[int]], pad_value: int, *, length: Optional[int] = None,
               pad_to_multiple_of: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
     """Right-pad ``seqs``; returns ``values [b, s]`` (int64) and ``attention_mask [b, s]`` (int64, 1 = token)."""
-    s = _target_length(seqs, length, pad_to_multiple_of)
-    values = torch.full((len(seqs), s), pad_value, dtype=torch.long)  # [b, s]
-    mask = torch.zeros((len(seqs), s), dtype=torch.long)  # [b, s]
-    for row, seq in enumerate(seqs):
-        if len(seq):
-            values[row, :len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[row, :len(seq)] = 1
-    return values, mask
+    return _pad(seqs, pad_value, left=False, length=length, pad_to_multiple_of=pad_to_multiple_of)
 
 
 @dataclasses.dataclass

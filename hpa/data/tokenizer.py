@@ -122,6 +122,24 @@ class HFTokenizer(Tokenizer):
         return fallback_chat_template(messages, add_generation_prompt)
 
 
-def build_tokenizer(kind: str, path: str) -> Tokenizer:
-    """Build the tokenizer ``kind`` (a name in ``TOKENIZERS``) from ``path``."""
-    return TOKENIZERS.get(kind)(path)
+def check_model_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+    """A model must have an embedding row for every id the tokenizer can produce.
+
+    Raises:
+        ConfigError: naming ``model.vocab_size`` and the value to set.
+    """
+    from hpa.config.errors import ConfigError
+
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ConfigError("model.vocab_size", f"{model_vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.vocab_size} ids (data.tokenizer_path); set model.vocab_size: "
+                          f"{tokenizer.vocab_size} or more")
+
+
+def build_tokenizer(kind: str, path: str, *, model_vocab_size: Optional[int] = None) -> Tokenizer:
+    """Build the tokenizer ``kind`` (a name in ``TOKENIZERS``) from ``path``; with ``model_vocab_size``,
+    check that the model can embed every id (``check_model_vocab``)."""
+    tokenizer = TOKENIZERS.get(kind)(path)
+    if model_vocab_size is not None:
+        check_model_vocab(tokenizer, model_vocab_size)
+    return tokenizer

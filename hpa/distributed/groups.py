@@ -1,7 +1,7 @@
 """``ParallelGroups``: the process groups of one model layout, built once and passed down.
 
 Only ``hpa.distributed`` reads megatron's ``parallel_state``; everything else receives this frozen
-object (STYLE rule 3), so the policy, critic, reward and reference models could later use different
+object (one owner of the groups), so the policy, critic, reward and reference models could later use different
 layouts without silently sharing global state.
 """
 

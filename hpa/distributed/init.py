@@ -6,6 +6,8 @@ This is the only module that imports ``megatron.core.parallel_state`` (a test en
 
 from __future__ import annotations
 
+import contextlib
+
 import datetime
 import logging
 import os
@@ -88,23 +90,26 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
                      launcher="single")
 
 
-def launch_config(prog: str, config_path: Optional[str], overrides):
-    """An entry point's config, loaded with its dotted overrides and cross-checked at this launch's
-    world size, and the launch: ``(cfg, launch)``, or None after printing ``prog: <error>`` to
-    stderr when the config is bad (the caller exits with status 2)."""
-    import sys
+@contextlib.contextmanager
+def launched(cfg):
+    """The one launch preamble of every entry point: check ``cfg`` at this launch's world size (torchrun,
+    Slurm or one process), initialise distributed and logging, yield ``(cfg, groups)``, tear down.
 
-    from hpa.config import ConfigError, load_config
+    Raises:
+        ConfigError: when the config does not fit the launch (the caller prints it and exits with 2).
+    """
+    import logging
+
     from hpa.config.schema import validate
 
+    launch = read_launch_env()
+    validate(cfg, launch.world_size)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
     try:
-        cfg = load_config(config_path, overrides)
-        launch = read_launch_env()
-        validate(cfg, launch.world_size)
-    except ConfigError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return None
-    return cfg, launch
+        yield cfg, groups
+    finally:
+        destroy()
 
 
 def _free_port() -> int:

@@ -1,7 +1,7 @@
 """Builders for the four models of an HPA run: policy, reference, value (critic) and reward.
 
-Each takes its own config sections and the ``ParallelGroups``; none holds training logic (STYLE
-rule 8). Heads exist only on the last pipeline stage (``post_process``).
+Each takes its own config sections and the ``ParallelGroups``; none holds training logic
+(docs/design.md, rule 8). Heads exist only on the last pipeline stage (``post_process``).
 """
 
 from __future__ import annotations

@@ -532,7 +532,7 @@ def import_hf_checkpoint(hf: Any, out_dir: Union[str, os.PathLike], parallel_cfg
     Returns:
         The derived ``ModelConfig`` (put it in the ``model`` section of a training config).
     """
-    from hpa.trainer.checkpoint import save_model_weights
+    from hpa.models.weights import save_model_weights
 
     from .builders import build_policy
 
@@ -773,7 +773,7 @@ def _convert(args, groups: ParallelGroups, parallel_cfg: ParallelConfig) -> None
             print(f"wrote megatron checkpoint {out}; model section:\n"
                   + json.dumps({k: v for k, v in dataclasses.asdict(model_cfg).items() if v is not None}, indent=2))
         return
-    from hpa.trainer.checkpoint import load_model_weights
+    from hpa.models.weights import load_model_weights
 
     from .builders import build_reference
 

@@ -1,8 +1,7 @@
-"""Tensor ops shared by the algorithms and the trainer: vocab-parallel softmax statistics and masked
-reductions. Groups are arguments; nothing here reads global parallel state."""
+"""Tensor ops shared by the trainer, rollout and reward code: vocab-parallel softmax statistics.
+Groups are arguments; nothing here reads global parallel state. (Masked reductions are in
+``hpa.algorithms.masked``.)"""
 
-from .masked import masked_mean, masked_sum, masked_var, masked_whiten, mean_pool
 from .vocab_parallel import vocab_parallel_entropy, vocab_parallel_kl, vocab_parallel_log_probs
 
-__all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten", "mean_pool", "vocab_parallel_entropy",
-           "vocab_parallel_kl", "vocab_parallel_log_probs"]
+__all__ = ["vocab_parallel_entropy", "vocab_parallel_kl", "vocab_parallel_log_probs"]

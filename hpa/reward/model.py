@@ -28,13 +28,12 @@ import torch
 
 from hpa.config.reward import RewardConfig
 from hpa.config.schema import ModelConfig, ParallelConfig
-from hpa.distributed.comm import broadcast_tensor
 from hpa.distributed.groups import ParallelGroups
 from hpa.models import build_reward
-from hpa.ops.masked import mean_pool
+from hpa.algorithms.masked import mean_pool
 from hpa.reward.shaping import BaseRewardOutput, RewardInputs
-from hpa.trainer.checkpoint import load_model_weights
-from hpa.trainer.step import forward_backward
+from hpa.models.weights import load_model_weights
+from hpa.engine.forward import forward_only
 
 # Written next to megatron's files in a saved reward model directory.
 REWARD_MODEL_INFO = "hpa_reward_model.json"
@@ -154,22 +153,13 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         out = {"rewards": gather_last_token(output, batch["attention_mask"]).float()}  # [mb, K]
         if want_hidden:
             out["embeddings"] = mean_pool(hidden, batch["pool_mask"]).float()  # [mb, h]
-        return output.new_zeros(()), out
+        return out
 
-    with torch.no_grad():
-        results = forward_backward(model, micro_batches, read_scores, groups, forward_only=True,
-                                   capture_hidden=want_hidden)
-    if groups.is_last_stage:
-        rewards = torch.cat([r["rewards"] for r in results]).contiguous()
-        embeddings = torch.cat([r["embeddings"] for r in results]).contiguous() if want_hidden else None
-    else:
-        rewards = torch.empty((padded, num_heads), dtype=torch.float32, device=device)
-        embeddings = torch.empty((padded, hidden_size), dtype=torch.float32, device=device) if want_hidden else None
-    src = groups.last_stage_global_rank()
-    broadcast_tensor(rewards, src, groups.pp_group)
+    shapes = {"rewards": (num_heads,)}
     if want_hidden:
-        broadcast_tensor(embeddings, src, groups.pp_group)
-    return rewards[:b], (embeddings[:b] if want_hidden else None)
+        shapes["embeddings"] = (hidden_size,)
+    out = forward_only(model, micro_batches, groups, read_scores, shapes, capture_hidden=want_hidden)
+    return out["rewards"][:b], (out["embeddings"][:b] if want_hidden else None)
 
 
 # ---------------------------------------------------------------------------------------------------

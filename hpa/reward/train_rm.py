@@ -6,7 +6,7 @@ right-padded) → scores at each sequence's last token ``[2m, K]`` → per-head 
 weighted by the heads' bootstrap counts → megatron's pipeline schedule, DDP and optimizer.
 
 Loss: ``L = 1/(N·K) · Σ_pairs Σ_heads w_ik · −log σ(r_c,ik − r_r,ik − margin)`` with N the GLOBAL
-number of pairs of the step (all DP ranks, all micro-batches), as ``hpa.trainer.step`` requires.
+number of pairs of the step (all DP ranks, all micro-batches), as ``hpa.engine.step`` requires.
 The bootstrap counts ``w`` are drawn once for the whole training set from ``trainer.seed``, so every
 TP/PP rank of a replica (every rank, in fact) holds the same table, independent of the layout.
 
@@ -38,14 +38,14 @@ import torch.nn.functional as F
 from hpa.config import ConfigError, load_config, write_resolved
 from hpa.config.schema import Config
 from hpa.data import DistributedBatchSampler, PreferenceDataset, build_tokenizer, collate_preferences
-from hpa.distributed import ParallelGroups, destroy, initialize, read_launch_env, set_seed
+from hpa.distributed import ParallelGroups, launched, read_launch_env, set_seed
 from hpa.distributed.comm import all_reduce_sum, barrier, broadcast_tensor
 from hpa.models import build_reward
 from hpa.registry import Registry
 from hpa.reward.model import gather_last_token, score_sequences, write_reward_model_info
-from hpa.trainer.checkpoint import load_model_weights, save_model_weights
-from hpa.trainer.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
-from hpa.trainer.step import forward_backward, optimizer_step, zero_grad
+from hpa.models.weights import load_model_weights, save_model_weights
+from hpa.engine.optimizer import make_trainable
+from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
 logger = logging.getLogger(__name__)
 
@@ -254,14 +254,10 @@ def run_train_rm(cfg: Config, *, groups: Optional[ParallelGroups] = None) -> Dic
         groups: already initialised process groups (tests); None: initialise from the launcher's
             environment and tear down at the end.
     """
-    own_groups = groups is None
-    if own_groups:
-        groups = initialize(cfg.parallel, seed=cfg.trainer.seed)
-    try:
+    if groups is not None:
         return _train(cfg, groups)
-    finally:
-        if own_groups:
-            destroy()
+    with launched(cfg) as (cfg, groups):
+        return _train(cfg, groups)
 
 
 def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
@@ -273,10 +269,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
         (run_dir / METRICS_FILE).unlink(missing_ok=True)
     barrier()
 
-    tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"{tokenizer.vocab_size} ids; set model.vocab_size: {tokenizer.vocab_size}")
+    tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path, model_vocab_size=cfg.model.vocab_size)
     rejects_dir = (cfg.data.rejects_dir or str(run_dir / "rejects")) if groups.is_main else None
     dataset = PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects_dir)
     if rt.eval_path is not None:
@@ -302,9 +295,8 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
         load_model_weights(model, rt.init_path, groups)
     elif rt.backbone_path is not None:  # the policy's output layer is the vocabulary, not the heads
         load_model_weights(model, rt.backbone_path, groups, exclude_prefixes=("output_layer.",))
-    ddp = wrap_ddp(model, cfg.parallel, groups)
-    optimizer = build_optimizer(ddp, cfg.optim, cfg.parallel, groups)
-    scheduler = build_lr_scheduler(optimizer, cfg.optim, t.total_steps)
+    trainable = make_trainable(model, cfg.optim, cfg.parallel, groups, t.total_steps)
+    ddp, optimizer, scheduler = trainable.model, trainable.optimizer, trainable.scheduler
     sink = _MetricsSink(run_dir, groups.is_main)
     pad_id, margin, num_pairs = tokenizer.pad_id, rt.margin, t.preference_batch_size
 

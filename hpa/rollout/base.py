@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -152,8 +152,9 @@ class RolloutBatch:
         finish_reasons: ``b`` strings, ``"stop"`` (EOS/stop id) or ``"length"`` (max_new_tokens).
         group_ids: ``[b]`` int64, index of the prompt (in the ``generate`` call) a row answers.
         pad_token_id: the id used for padding.
-        extras: optional per-row tensors ``[b, ...]`` added by later phases (``old_log_probs``,
-            ``ref_log_probs``, ``values``, ``rewards``, ``advantages``, ...); see ``set``.
+        extras: optional per-row tensors ``[b, ...]`` added by later phases of a training step
+            (``mask``: the loss mask, ``token_scores``, ``old_log_probs``, ``ref_log_probs``, ``values``,
+            ``advantages``, ...); see ``set``. Everything per row of a step travels here.
     """
 
     prompt_ids: torch.Tensor
@@ -165,6 +166,7 @@ class RolloutBatch:
     group_ids: torch.Tensor
     pad_token_id: int = 0
     extras: Dict[str, torch.Tensor] = field(default_factory=dict)
+    _sequences: Optional[TrainingSequences] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         b = self.prompt_ids.shape[0]
@@ -272,6 +274,13 @@ class RolloutBatch:
             log_probs=torch.cat([right(b.log_probs, 0) for b in batches]),
             finish_reasons=[f for b in batches for f in b.finish_reasons],
             group_ids=torch.cat([b.group_ids for b in batches]), pad_token_id=pad, extras=extras)
+
+    @property
+    def sequences(self) -> TrainingSequences:
+        """``training_sequences()``, built once per batch (the rows' tokens never change)."""
+        if self._sequences is None:
+            self._sequences = self.training_sequences()
+        return self._sequences
 
     def training_sequences(self) -> TrainingSequences:
         """Right-padded ``prompt (no left padding) + response`` rows, see ``TrainingSequences``."""

@@ -149,3 +149,41 @@ def read_metrics(run_dir: os.PathLike):
     """The records of ``<run_dir>/metrics.jsonl`` as a list of dicts."""
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------
+# per-step figures of the HPA loop that are not losses
+
+
+def length_metrics(response_lengths, max_new_tokens: int, dp_group) -> Dict[str, float]:
+    """Response lengths over the global batch (mean weighted by responses, max as max, and the
+    fraction cut at ``max_new_tokens``)."""
+    import torch
+
+    from hpa.distributed import comm
+
+    lengths = response_lengths.double()
+    total = comm.all_reduce_sum(torch.stack([lengths.sum(), torch.tensor(float(len(lengths))),
+                                             (lengths >= max_new_tokens).double().sum()]), dp_group)
+    longest = comm.all_reduce_max(lengths.max().reshape(1), dp_group)
+    return {"response_length/mean": (total[0] / total[1]).item(), "response_length/max": longest.item(),
+            "response_length/clip_ratio": (total[2] / total[1]).item()}
+
+
+def peak_memory_gb() -> float:
+    """Peak GPU memory allocated by torch, or this process's peak resident set on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+
+
+def mfu(num_params: int, tokens_per_second: float, model_parallel_size: int, peak_tflops: Optional[float]) -> float:
+    """Model FLOPs utilisation: 6·N·tokens per second per device over the declared peak; NaN when the
+    peak is unknown (e.g. CPU), not a made-up figure."""
+    if not peak_tflops:
+        return float("nan")
+    return 6.0 * num_params * tokens_per_second / model_parallel_size / (peak_tflops * 1e12)

@@ -12,23 +12,23 @@ is plain DPO.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from hpa.algorithms import advantages as adv_lib
 from hpa.algorithms.dpo import dpo_loss
 from hpa.algorithms.hybrid import hpa_objective
-from hpa.algorithms.kl import apply_kl_penalty, hierarchical_kl
+from hpa.algorithms.kl import apply_kl_penalty, hierarchical_kl, kl_warmup_scale
 from hpa.algorithms.losses import Aggregation
 from hpa.algorithms.ppo import entropy_bonus, policy_loss, value_loss
+from hpa.algorithms.schedules import make_schedule
 from hpa.config.algorithm import AlgorithmConfig
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
-from hpa.ops.masked import mean_pool
+from hpa.algorithms.masked import mean_pool
 from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
-from hpa.rollout.base import RolloutBatch, TrainingSequences
-from hpa.trainer.step import forward_backward
+from hpa.rollout.base import RolloutBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,91 +44,37 @@ class StepWeights:
     reward_kl_coef: float
 
 
-def chunks(n: int, size: int) -> List[List[int]]:
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+class WeightSchedules:
+    """The schedules of the step weights (``algorithm.hpa`` and the entropy coefficient)."""
 
+    NAMES = ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic")
 
-def response_token_mask(ts: TrainingSequences, response_mask: torch.Tensor) -> torch.Tensor:
-    """``[b, s]`` mask of the input positions that hold response tokens (for mean pooling)."""
-    s = ts.input_ids.shape[1]
-    out = torch.zeros_like(ts.input_ids, dtype=torch.float32)
-    return out.scatter_(1, (ts.response_index + 1).clamp(max=s - 1), response_mask.float())
+    def __init__(self, algo: AlgorithmConfig):
+        self.algo = algo
+        self.schedules = {name: make_schedule(**dataclasses.asdict(getattr(algo.hpa, name))) for name in self.NAMES}
+        self.schedules["entropy_coef"] = make_schedule(**dataclasses.asdict(algo.ppo.entropy_coef))
 
+    def at(self, p: float, kl_coef: float) -> StepWeights:
+        """The weights at progress ``p``; the in-reward KL coefficient is the controller's ``kl_coef``
+        times the KL warm-up scale."""
+        values = {name: schedule(p) for name, schedule in self.schedules.items()}
+        return StepWeights(**values, reward_kl_coef=kl_coef * kl_warmup_scale(p, self.algo.kl.warmup_fraction))
 
-# ---------------------------------------------------------------------------------------------
-# forward-only passes (results broadcast from the last pipeline stage to every stage)
-
-
-def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
-                 fn: Callable[[dict, torch.Tensor, Optional[torch.Tensor]], Dict[str, torch.Tensor]],
-                 shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, torch.Tensor]:
-    """Run ``fn(batch, output, hidden)`` on every micro-batch, concatenate along rows.
-
-    Args:
-        shapes: each output's trailing shape (after the row dimension), so stages that are not last
-            can receive the broadcast.
-    """
-    def loss_fn(batch, output, hidden):
-        return output.new_zeros(()), fn(batch, output, hidden)
-
-    with torch.no_grad():
-        results = forward_backward(model, micro_batches, loss_fn, groups, forward_only=True,
-                                   capture_hidden=True)
-    rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
-    out = {}
-    for key, trailing in shapes.items():
-        if groups.is_last_stage:
-            value = torch.cat([r[key] for r in results]).float().contiguous()
-        else:
-            value = torch.empty((rows, *trailing), dtype=torch.float32, device=groups.device)
-        if groups.pipeline_model_parallel_size > 1:
-            comm.broadcast_tensor(value, src=groups.last_stage_global_rank(), group=groups.pp_group)
-        out[key] = value
-    return out
-
-
-def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor, groups: ParallelGroups, *,
-                       micro_batch_size: int, vocab_size: int, temperature: float,
-                       hidden_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
-    """Per-response-token log-probs ``[b, r]`` (and the pooled response hidden state ``[b, h]``)."""
-    pool_mask = response_token_mask(ts, response_mask)
-    rows = chunks(ts.input_ids.shape[0], micro_batch_size)
-    mbs = [dict(ts.micro_batch(r), pool_mask=pool_mask[r]) for r in rows]
-    r = ts.response_index.shape[1]
-
-    def fn(batch, logits, hidden):
-        logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size,
-                                        temperature=temperature)  # [b, s]
-        out = {"log_probs": logp.gather(1, batch["response_index"])}  # [b, r]
-        if hidden_size is not None:
-            out["pooled"] = mean_pool(hidden.float(), batch["pool_mask"])  # [b, h]
-        return out
-
-    shapes = {"log_probs": (r,)}
-    if hidden_size is not None:
-        shapes["pooled"] = (hidden_size,)
-    return forward_only(model, mbs, groups, fn, shapes)
-
-
-def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, micro_batch_size: int) -> torch.Tensor:
-    """Critic values ``[b, r]``: the value of the state before each response token (as verl)."""
-    rows = chunks(ts.input_ids.shape[0], micro_batch_size)
-    mbs = [ts.micro_batch(r) for r in rows]
-
-    def fn(batch, values, hidden):
-        return {"values": values[..., 0].gather(1, batch["response_index"])}
-
-    return forward_only(critic, mbs, groups, fn, {"values": (ts.response_index.shape[1],)})["values"]
+    def metrics(self, w: StepWeights) -> Dict[str, float]:
+        return {"hpa/w_ppo": w.w_ppo, "hpa/w_dpo": w.w_dpo, "hpa/w_kl": w.w_kl,
+                "hpa/lambda_token": w.lambda_token, "hpa/lambda_semantic": w.lambda_semantic}
 
 
 # ---------------------------------------------------------------------------------------------
 # advantages
 
 
-def compute_advantages(batch: RolloutBatch, mask: torch.Tensor, token_scores: torch.Tensor,
-                       algo: AlgorithmConfig, reward_kl_coef: float) -> Tuple[torch.Tensor, torch.Tensor, Dict]:
-    """Token rewards (scores, minus the in-reward KL when configured) -> (advantages, returns) ``[b, r]``."""
+def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig,
+                       reward_kl_coef: float) -> Tuple[torch.Tensor, torch.Tensor, Dict]:
+    """Token rewards (the batch's ``token_scores``, minus the in-reward KL when configured) ->
+    (advantages, returns) ``[b, r]``, under the batch's loss ``mask``."""
     metrics: Dict[str, float] = {}
+    mask, token_scores = batch.get("mask"), batch.get("token_scores")
     rewards = token_scores
     if algo.kl.use_kl_in_reward:
         rewards, kl_metrics = apply_kl_penalty(token_scores, batch.get("old_log_probs"),
@@ -144,50 +90,6 @@ def compute_advantages(batch: RolloutBatch, mask: torch.Tensor, token_scores: to
                                                      group_ids=group_ids, gamma=a.gamma, lam=a.lam,
                                                      norm_by_std=a.norm_by_std, epsilon=a.epsilon)
     return advantages * mask, returns, metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# preference pairs
-
-
-def pair_micro_batches(examples, *, micro_batch_size: int, pad_id: int) -> List[dict]:
-    """Preference examples -> micro-batches of ``micro_batch_size`` pairs, chosen rows then rejected rows.
-
-    Each holds ``input_ids``/``position_ids``/``labels`` ``[2m, s]`` and ``label_mask`` ``[2m, s]``
-    (1 where the label is a response token), right-padded.
-    """
-    out = []
-    for rows in chunks(len(examples), micro_batch_size):
-        seqs = [examples[i].chosen_input_ids for i in rows] + [examples[i].rejected_input_ids for i in rows]
-        masks = [examples[i].chosen_response_mask for i in rows] + \
-                [examples[i].rejected_response_mask for i in rows]
-        s = max(len(x) for x in seqs)
-        ids = torch.full((len(seqs), s + 1), pad_id, dtype=torch.long)
-        resp = torch.zeros((len(seqs), s + 1), dtype=torch.float32)
-        for i, (seq, m) in enumerate(zip(seqs, masks)):
-            ids[i, :len(seq)] = torch.tensor(seq)
-            resp[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
-        out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:], "label_mask": resp[:, 1:],
-                    "position_ids": torch.arange(s).expand(len(seqs), s)})
-    return out
-
-
-def pair_sequence_log_probs(model, micro_batches: List[dict], groups: ParallelGroups, *,
-                            vocab_size: int) -> torch.Tensor:
-    """Summed response log-probs of every row of ``micro_batches`` (reference side of DPO)."""
-    def fn(batch, logits, hidden):
-        logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size)
-        return {"seq_logp": (logp * batch["label_mask"]).sum(dim=1, keepdim=True)}
-
-    return forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)})["seq_logp"][:, 0]
-
-
-def attach_ref_pair_logps(micro_batches: List[dict], ref_seq_logps: torch.Tensor) -> None:
-    start = 0
-    for mb in micro_batches:
-        n = mb["input_ids"].shape[0]
-        mb["ref_seq_logp"] = ref_seq_logps[start:start + n]
-        start += n
 
 
 # ---------------------------------------------------------------------------------------------

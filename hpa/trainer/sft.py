@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
-import torch
 
 from hpa.config import write_resolved
 from hpa.config.schema import Config, OptimConfig
@@ -17,29 +16,13 @@ from hpa.distributed.groups import ParallelGroups
 from hpa.models import build_policy
 from hpa.ops.vocab_parallel import vocab_parallel_log_probs
 from hpa.trainer import phases
-from hpa.trainer.checkpoint import load_model_weights, save_model_weights
+from hpa.trainer.micro_batches import sft_micro_batches
+from hpa.models.weights import load_model_weights, save_model_weights
 from hpa.trainer.metrics import MetricsWriter
-from hpa.trainer.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
-from hpa.trainer.step import forward_backward, optimizer_step, zero_grad
+from hpa.engine.optimizer import make_trainable
+from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
 logger = logging.getLogger("hpa")
-
-
-def sft_micro_batches(examples, *, micro_batch_size: int, pad_id: int) -> List[dict]:
-    """Right-padded ``input_ids``/``labels``/``label_mask`` ``[m, s]`` micro-batches."""
-    out = []
-    for rows in phases.chunks(len(examples), micro_batch_size):
-        seqs = [examples[i].input_ids for i in rows]
-        masks = [examples[i].response_mask for i in rows]
-        s = max(len(x) for x in seqs)
-        ids = torch.full((len(seqs), s + 1), pad_id, dtype=torch.long)
-        resp = torch.zeros((len(seqs), s + 1))
-        for i, (seq, m) in enumerate(zip(seqs, masks)):
-            ids[i, :len(seq)] = torch.tensor(seq)
-            resp[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
-        out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:], "label_mask": resp[:, 1:],
-                    "position_ids": torch.arange(s).expand(len(seqs), s)})
-    return out
 
 
 def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
@@ -55,11 +38,10 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     model = build_policy(cfg.model, cfg.parallel, groups)
     if cfg.model.policy_path:
         load_model_weights(model, cfg.model.policy_path, groups)
-    ddp = wrap_ddp(model, cfg.parallel, groups)
     optim: OptimConfig = cfg.optim if cfg.sft.lr is None else \
         type(cfg.optim)(**{**cfg.optim.__dict__, "lr": cfg.sft.lr, "min_lr": min(cfg.optim.min_lr, cfg.sft.lr)})
-    opt = build_optimizer(ddp, optim, cfg.parallel, groups)
-    sched = build_lr_scheduler(opt, optim, cfg.sft.total_steps)
+    trainable = make_trainable(model, optim, cfg.parallel, groups, cfg.sft.total_steps)
+    ddp, opt, sched = trainable.model, trainable.optimizer, trainable.scheduler
     writer = MetricsWriter(run_dir / "sft_logs", cfg.logging, is_main=groups.is_main,
                            total_steps=cfg.sft.total_steps)
     vocab = tokenizer.vocab_size  # rows beyond the tokenizer's vocabulary are never normalised over

@@ -17,8 +17,8 @@ from hpa.algorithms.kl import (
     kl_penalty,
     kl_warmup_scale,
     make_kl_controller,
-    mean_pool,
 )
+from hpa.algorithms.masked import mean_pool
 from hpa.algorithms.losses import Aggregation
 
 LP = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)

@@ -108,3 +108,13 @@ def test_hf_tokenizer_uses_its_chat_template(tmp_path):
     _save_hf_tokenizer(tmp_path / "hf", chat_template=template)
     tok = build_tokenizer("hf", str(tmp_path / "hf"))
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
+
+
+def test_model_vocab_smaller_than_the_tokenizer_names_the_key(tmp_path):
+    from hpa.config.errors import ConfigError
+
+    path = train_sentencepiece(CORPUS, str(tmp_path / "tok"), vocab_size=256)
+    n = build_tokenizer("sentencepiece", path).vocab_size
+    assert build_tokenizer("sentencepiece", path, model_vocab_size=n).vocab_size == n
+    with pytest.raises(ConfigError, match=rf"model\.vocab_size.*{n - 1} is smaller than the tokenizer's {n} ids"):
+        build_tokenizer("sentencepiece", path, model_vocab_size=n - 1)

@@ -117,7 +117,7 @@ def _independent_scores(groups, cfg, items, texts, rm_path, policy_path):
 
     from hpa.data.tokenizer import build_tokenizer
     from hpa.models import build_policy, build_reward, capture_final_hidden
-    from hpa.trainer.checkpoint import load_model_weights
+    from hpa.models.weights import load_model_weights
 
     tok = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path)
     rm = build_reward(cfg.model, cfg.parallel, groups, num_heads=cfg.reward.num_heads)
@@ -200,7 +200,7 @@ def e2e_worker(groups, root, out, port):
     from hpa.distributed import set_seed
     from hpa.models import build_policy, build_reward
     from hpa.reward.model import write_reward_model_info
-    from hpa.trainer.checkpoint import save_model_weights
+    from hpa.models.weights import save_model_weights
     from hpa.trainer.sft import run_sft
 
     timings = {}

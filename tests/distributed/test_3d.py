@@ -14,8 +14,8 @@ def train_worker(groups, steps):
     from hpa.distributed import set_seed
     from hpa.models import build_policy
     from hpa.ops.vocab_parallel import vocab_parallel_log_probs
-    from hpa.trainer.optimizer import build_optimizer, wrap_ddp
-    from hpa.trainer.step import forward_backward, optimizer_step, zero_grad
+    from hpa.engine.optimizer import build_optimizer, wrap_ddp
+    from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
     model_cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             vocab_size=64, max_sequence_length=32, make_vocab_size_divisible_by=16)

@@ -79,3 +79,94 @@ def test_algorithms_do_not_touch_torch_distributed():
                  if re.search(r"^\s*(import torch\.distributed|from torch import distributed|from torch\.distributed|"
                               r"import hpa\.config|from hpa\.config|.*\bdist\.)", p.read_text(), re.M)]
     assert offenders == []
+
+
+# The layers, top to bottom (the README's Layout section lists them in this order): a module may import
+# from its own layer and from the layers below it, never from a layer above.
+LAYERS = (
+    ("data_tools", "hpa.cli", "hpa.train"),
+    ("hpa.trainer", "hpa.generate", "hpa.plan"),
+    ("hpa.reward",),
+    ("hpa.engine",),
+    ("hpa.rollout",),
+    ("hpa.models",),
+    ("hpa.algorithms", "hpa.ops", "hpa.data"),
+    ("hpa.distributed", "megatron_patches"),
+    ("hpa.config", "hpa.registry", "hpa.__init__"),
+)
+
+
+def _unit(module: str):
+    """The LAYERS entry a dotted module name belongs to (None outside the project)."""
+    parts = module.split(".")
+    if parts[0] in ("data_tools", "megatron_patches"):
+        return parts[0]
+    if parts[0] != "hpa":
+        return None
+    return "hpa.__init__" if len(parts) == 1 else f"hpa.{parts[1]}"
+
+
+def _upward_imports(root: pathlib.Path):
+    import ast
+
+    rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    found = []
+    files = [*root.glob("hpa/**/*.py"), *root.glob("data_tools/*.py"), *root.glob("megatron_patches/*.py")]
+    for path in files:
+        src = _unit(".".join(path.relative_to(root).with_suffix("").parts))
+        assert src in rank, f"{path.relative_to(root)}: its package is in no layer of LAYERS; add it"
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            for name in names:
+                dst = _unit(name)
+                if dst is not None and rank[dst] < rank[src]:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} imports {name} ({dst} is above {src})")
+    return found
+
+
+def test_no_module_imports_a_higher_layer():
+    assert _upward_imports(ROOT) == []
+
+
+def test_layer_check_catches_an_upward_import(tmp_path):
+    (tmp_path / "hpa" / "models").mkdir(parents=True)
+    (tmp_path / "hpa" / "models" / "x.py").write_text("from hpa.trainer.loop import HPATrainer\nimport hpa.ops\n")
+    assert _upward_imports(tmp_path) == ["hpa/models/x.py:1 imports hpa.trainer.loop (hpa.trainer is above hpa.models)"]
+
+
+def test_readme_layout_lists_the_layers_in_order():
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    listed = []
+    for line in block.strip().splitlines():
+        names = line.split("  ", 1)[0].strip()
+        listed.append(tuple(n.strip().removesuffix(".py").replace("/", ".") for n in names.split(",")))
+    assert tuple(listed) == LAYERS
+
+
+def _cited_documents(root: pathlib.Path):
+    """(file:line, document) for every ``*.md`` a code comment or docstring names, and every "STYLE rule"."""
+    cited = []
+    for path in [*root.glob("hpa/**/*.py"), *root.glob("data_tools/*.py"), *root.glob("megatron_patches/*.py"),
+                 *root.glob("bench/*.py"), *root.glob("launch/*"), *root.glob("configs/*.yaml")]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{path.relative_to(root)}:{n}"
+            cited += [(where, doc) for doc in re.findall(r"\b(?:docs/[\w./-]+|[A-Z][A-Z_]+)\.md\b", line)]
+            if re.search(r"\bSTYLE\b", line) or (re.search(r"\brule \d+", line) and "design.md" not in line):
+                cited.append((where, line.strip()))
+    return cited
+
+
+def test_comments_cite_only_documents_in_the_repository():
+    missing = [(where, doc) for where, doc in _cited_documents(ROOT)
+               if not doc.endswith(".md") or not ((ROOT / doc).is_file() or any(ROOT.glob(f"**/{doc}")))]
+    assert missing == []
+
+
+def test_document_check_catches_an_outside_citation(tmp_path):
+    (tmp_path / "hpa").mkdir()
+    (tmp_path / "hpa" / "x.py").write_text('"""Defaults are the recipe (HPA_RECIPE.md); see STYLE rule 10."""\n')
+    cited = _cited_documents(tmp_path)
+    assert ("hpa/x.py:1", "HPA_RECIPE.md") in cited and len(cited) == 2
+    assert not any(tmp_path.glob("**/HPA_RECIPE.md"))

@@ -50,8 +50,8 @@ def tp2_pp2_worker(groups, root, families):
     from hpa.distributed.comm import all_gather_cat
     from hpa.models.builders import build_reference
     from hpa.models.convert import hf_tensors_from_megatron, run_convert
-    from hpa.trainer.checkpoint import load_model_weights
-    from hpa.trainer.step import forward_backward
+    from hpa.models.weights import load_model_weights
+    from hpa.engine.step import forward_backward
 
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--backend", "gloo"]
     out = {}
@@ -240,7 +240,7 @@ def test_tp2_pp2_checkpoint_exports_identically_at_tp1(converted, local_groups, 
     from hpa.config.schema import ModelConfig, ParallelConfig
     from hpa.models import build_reference
     from hpa.models.convert import hf_tensors_from_megatron
-    from hpa.trainer.checkpoint import load_model_weights
+    from hpa.models.weights import load_model_weights
 
     root, models, _ = converted
     ckpt = root / f"{family}_megatron"
@@ -261,7 +261,7 @@ def test_export_writes_sharded_safetensors_that_transformers_loads(converted, lo
     from hpa.config.schema import ModelConfig, ParallelConfig
     from hpa.models import build_reference
     from hpa.models.convert import export_hf_checkpoint
-    from hpa.trainer.checkpoint import load_model_weights
+    from hpa.models.weights import load_model_weights
 
     root, models, _ = converted
     ckpt = root / "llama_megatron"

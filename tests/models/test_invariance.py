@@ -32,8 +32,8 @@ def micro_batches(num=2, b=2, s=10):
 def _setup(groups, ckpt_in):
     from hpa.config.schema import OptimConfig, ParallelConfig
     from hpa.models import build_policy
-    from hpa.trainer.checkpoint import load_model_weights
-    from hpa.trainer.optimizer import build_optimizer, wrap_ddp
+    from hpa.models.weights import load_model_weights
+    from hpa.engine.optimizer import build_optimizer, wrap_ddp
 
     parallel = ParallelConfig(tensor_model_parallel_size=groups.tensor_model_parallel_size,
                               pipeline_model_parallel_size=groups.pipeline_model_parallel_size)
@@ -47,7 +47,7 @@ def _setup(groups, ckpt_in):
 def save_initial_worker(groups, ckpt_dir):
     from hpa.config.schema import ParallelConfig
     from hpa.models import build_policy
-    from hpa.trainer.checkpoint import save_model_weights
+    from hpa.models.weights import save_model_weights
 
     torch.manual_seed(0)
     save_model_weights(build_policy(tiny_model_config(), ParallelConfig(), groups), ckpt_dir, groups)
@@ -56,8 +56,8 @@ def save_initial_worker(groups, ckpt_dir):
 def layout_worker(groups, ckpt_in, ckpt_out):
     """Forward (log-probs, entropy, hidden) then one NLL step; saves the updated weights."""
     from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
-    from hpa.trainer.checkpoint import save_model_weights
-    from hpa.trainer.step import forward_backward, optimizer_step, zero_grad
+    from hpa.models.weights import save_model_weights
+    from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
     ddp, opt = _setup(groups, ckpt_in)
     mbs = micro_batches()
@@ -88,7 +88,7 @@ def layout_worker(groups, ckpt_in, ckpt_out):
 def read_weights_worker(groups, ckpt_dirs):
     from hpa.config.schema import ParallelConfig
     from hpa.models import build_policy
-    from hpa.trainer.checkpoint import load_model_weights
+    from hpa.models.weights import load_model_weights
 
     out = []
     for d in ckpt_dirs:

@@ -133,7 +133,7 @@ def tp1_worker(groups, root, out, separable_root):
     from hpa.models import build_reward as build_reward_model
     from hpa.reward.model import write_reward_model_info
     from hpa.reward.train_rm import run_train_rm
-    from hpa.trainer.checkpoint import save_model_weights
+    from hpa.models.weights import save_model_weights
 
     cfg = make_config(root, f"{out}/tp1")
     set_seed(0)  # megatron's RNG tracker too: torch.manual_seed alone leaves the init run-dependent

@@ -1,4 +1,4 @@
-"""``hpa generate`` (hpa.trainer.generate) on CPU: the KL guard, DP sharding and the CLI.
+"""``hpa generate`` (hpa.generate) on CPU: the KL guard, DP sharding and the CLI.
 
 One spawn (tp1_pp1_dp2) saves a policy (seed 0) and a differently seeded reference (seed 1) and runs:
 policy == reference (KL 0, nothing regenerated); reference differs with the guard off (the first-round
@@ -68,8 +68,8 @@ def generate_worker(groups, root):
     from hpa.data.tokenizer import build_tokenizer
     from hpa.models import build_policy
     from hpa.rollout import SamplingParams, TokenizerInfo, build_rollout_engine
-    from hpa.trainer.generate import run_generate
-    from hpa.trainer.checkpoint import load_model_weights, save_model_weights
+    from hpa.generate import run_generate
+    from hpa.models.weights import load_model_weights, save_model_weights
 
     cfg = load_config(None, _overrides(root), world_size=2)
     for name, seed in (("policy", 0), ("reference", 1)):
@@ -151,7 +151,7 @@ def test_cli_single_process(results):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "hpa.trainer.generate", "--prompts", str(root / "prompts.jsonl"),
+    proc = subprocess.run([sys.executable, "-m", "hpa.generate", "--prompts", str(root / "prompts.jsonl"),
                            "--output", str(out), "--kl-threshold", "0.1", "--guard-temperature", "0.5",
                            *_overrides(root, f"model.reference_path={root / 'reference'}")],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -55,7 +55,7 @@ def choose_stops(response_ids):
 def training_log_probs(model, groups, batch, temperature):
     """Log-probs of the rollout's tokens from the training forward, ``[b, r]`` (last stage) or None."""
     from hpa.ops.vocab_parallel import vocab_parallel_log_probs
-    from hpa.trainer.step import forward_backward
+    from hpa.engine.step import forward_backward
 
     seq = batch.training_sequences()
 
@@ -74,7 +74,7 @@ def engine_worker(groups, ckpt_dir, save):
     from hpa.rollout import SamplingParams, TokenizerInfo, logprob_consistency
     from hpa.rollout.kv_cache import CachedDecoder
     from hpa.rollout.megatron_engine import MegatronRolloutEngine
-    from hpa.trainer.checkpoint import load_model_weights, save_model_weights
+    from hpa.models.weights import load_model_weights, save_model_weights
 
     parallel = ParallelConfig(tensor_model_parallel_size=groups.tensor_model_parallel_size,
                               pipeline_model_parallel_size=groups.pipeline_model_parallel_size)

@@ -199,7 +199,7 @@ def vllm_consistency_worker(groups, hf_dir):
     from hpa.ops.vocab_parallel import vocab_parallel_log_probs
     from hpa.rollout import SamplingParams, TokenizerInfo
     from hpa.rollout.vllm_engine import VLLMRolloutEngine
-    from hpa.trainer.step import forward_backward
+    from hpa.engine.step import forward_backward
 
     cfg = gpu_model_config()
     torch.manual_seed(0)

@@ -3,7 +3,6 @@ against the recording stand-in of ``fake_vllm`` (no vLLM needed): the engine is 
 model section with the tokenizer's vocabulary, the policy's current weights are synced before every
 rollout (training and evaluation), vLLM sleeps after each, and every request stops on EOS."""
 
-import json
 import subprocess
 import sys
 
@@ -54,8 +53,8 @@ def wiring_worker(groups, root):
     from hpa.config import load_config
     from hpa.data.tokenizer import build_tokenizer
     from hpa.models import build_policy
-    from hpa.trainer.checkpoint import save_model_weights
-    from hpa.trainer.generate import run_generate
+    from hpa.models.weights import save_model_weights
+    from hpa.generate import run_generate
     from hpa.trainer.loop import HPATrainer
 
     cfg = load_config(None, _overrides(root))
@@ -99,7 +98,7 @@ def wiring_worker(groups, root):
 
 def _load(cfg, groups, path):
     from hpa.models import build_policy
-    from hpa.trainer.checkpoint import load_model_weights
+    from hpa.models.weights import load_model_weights
 
     model = build_policy(cfg.model, cfg.parallel, groups)
     load_model_weights(model, str(path), groups)

@@ -203,7 +203,7 @@ def test_top_k_retention_keeps_exactly_the_right_checkpoints(tmp_path):
 def compare_weights_worker(groups, first, second):
     from hpa.config import load_config
     from hpa.models import build_policy
-    from hpa.trainer.checkpoint import load_model_weights
+    from hpa.models.weights import load_model_weights
 
     cfg = load_config(None, ["model.num_layers=4"])
     out = []

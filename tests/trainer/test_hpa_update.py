@@ -19,8 +19,9 @@ def _setup(groups):
     from hpa.config.schema import ModelConfig, ParallelConfig
     from hpa.models import build_policy
     from hpa.rollout.base import RolloutBatch
-    from hpa.trainer import phases
-    from hpa.trainer.optimizer import wrap_ddp
+    from hpa.engine import forward
+    from hpa.trainer import micro_batches
+    from hpa.engine.optimizer import wrap_ddp
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -43,11 +44,11 @@ def _setup(groups):
               "ref_log_probs": -3.7 + 0.3 * torch.randn(b, r, generator=g),
               "advantages": torch.randn(b, r, generator=g) * response_mask,
               "ref_pooled": torch.randn(b, 32, generator=g)}
-    pool_mask = phases.response_token_mask(ts, response_mask)
+    pool_mask = forward.response_token_mask(ts, response_mask)
 
     def rollout_mbs(size):
         out = []
-        for rows in phases.chunks(b, size):
+        for rows in forward.chunks(b, size):
             idx = torch.tensor(rows)
             mb = ts.micro_batch(idx)
             mb.update(kind="rollout", mask=response_mask[idx], pool_mask=pool_mask[idx],
@@ -65,7 +66,7 @@ def _setup(groups):
     pairs = [Pair([5, 6, 7], [8, 9], [10, 11, 12]), Pair([13, 14], [15], [16, 17]), Pair([18], [19, 20, 21], [22])]
 
     def pair_mbs(size):
-        mbs = phases.pair_micro_batches(pairs, micro_batch_size=size, pad_id=0)
+        mbs = micro_batches.pair_micro_batches(pairs, micro_batch_size=size, pad_id=0)
         ref = torch.tensor([-6.0, -5.0, -7.0, -8.0, -4.5, -6.5])  # chosen rows then rejected rows
         chosen, rejected = ref[:3], ref[3:]
         start = 0
@@ -81,7 +82,7 @@ def _setup(groups):
 
 def gradients_worker(groups):
     from hpa.trainer import phases
-    from hpa.trainer.step import forward_backward
+    from hpa.engine.step import forward_backward
 
     algo, policy, rollout_mbs, pair_mbs = _setup(groups)
 

@@ -22,7 +22,7 @@ def save_initial_policy(groups, path):
 
     from hpa.config import load_config
     from hpa.models import build_policy
-    from hpa.trainer.checkpoint import save_model_weights
+    from hpa.models.weights import save_model_weights
 
     cfg = load_config(None, ["model.num_layers=4"])
     torch.manual_seed(0)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpa.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten, mean_pool
+from hpa.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten, mean_pool
 
 X = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
 MASK = torch.tensor([[1, 1, 1, 0]])

@@ -44,19 +44,11 @@ _RETRY_SEED_STRIDE = 1_000_003  # separates the seeds of retry rounds from the f
 def _response_kl(policy, reference, batch: RolloutBatch, groups, *, micro_batch_size: int,
                  vocab_size: int) -> torch.Tensor:
     """Per-response mean k1 KL to the reference ``[b]`` (temperature 1, sampled tokens)."""
-    from hpa.algorithms.kl import kl_penalty
-    from hpa.ops.masked import masked_mean
-    from hpa.trainer.phases import sequence_log_probs
+    from hpa.algorithms.masked import masked_mean
+    from hpa.engine.forward import response_kl
 
-    ts = batch.training_sequences()
-    kw = dict(micro_batch_size=micro_batch_size, vocab_size=vocab_size, temperature=1.0)
-    logp = sequence_log_probs(policy, ts, batch.response_mask, groups, **kw)["log_probs"].cpu()  # [b, r]
-    if reference is policy:
-        ref = logp
-    else:
-        ref = sequence_log_probs(reference, ts, batch.response_mask, groups, **kw)["log_probs"].cpu()  # [b, r]
-    mask = batch.response_mask.float()  # [b, r]
-    return masked_mean(kl_penalty(logp, ref, kind="k1"), mask, dim=1)  # [b]
+    kl = response_kl(policy, reference, batch, groups, micro_batch_size=micro_batch_size, vocab_size=vocab_size)
+    return masked_mean(kl, batch.response_mask.float().cpu(), dim=1)  # [b]
 
 
 def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_threshold: float = 0.1,
@@ -87,7 +79,7 @@ def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_thresho
     from hpa.distributed import comm
     from hpa.models import build_policy, build_reference, unwrap
     from hpa.rollout import build_rollout_engine
-    from hpa.trainer.checkpoint import load_model_weights
+    from hpa.models.weights import load_model_weights
 
     if max_retries < 0:
         raise ValueError(f"max_retries must be >= 0, got {max_retries}")
@@ -97,10 +89,7 @@ def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_thresho
     if not m.policy_path:
         raise ValueError("hpa generate needs model.policy_path (a checkpoint written by save_model_weights, "
                          "e.g. <run_dir>/sft)")
-    tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path)
-    if tokenizer.vocab_size > m.vocab_size:
-        raise ValueError(f"the tokenizer at data.tokenizer_path has {tokenizer.vocab_size} tokens but "
-                         f"model.vocab_size is {m.vocab_size}; raise model.vocab_size")
+    tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path, model_vocab_size=m.vocab_size)
     vocab_size = tokenizer.vocab_size
 
     policy = build_policy(m, cfg.parallel, g)
@@ -233,23 +222,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """``hpa generate --config X --prompts P --output O [--kl-threshold 0.1] [--guard-temperature 0.5]
     [overrides...]``; initialises distributed like ``hpa train`` (torchrun or a single process)."""
-    from hpa.distributed import destroy, initialize, launch_config
+    from hpa.config import ConfigError, load_config
+    from hpa.distributed import launched
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    loaded = launch_config("hpa generate", args.config, args.overrides)
-    if loaded is None:
-        return 2
-    cfg, launch = loaded
-    groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
     try:
-        summary = run_generate(cfg, groups, prompts_path=args.prompts, output_path=args.output,
-                               kl_threshold=args.kl_threshold, guard_temperature=args.guard_temperature,
-                               max_retries=args.max_retries)
-        if groups.is_main:
-            print(json.dumps(summary))
-    finally:
-        destroy()
+        with launched(load_config(args.config, args.overrides)) as (cfg, groups):
+            summary = run_generate(cfg, groups, prompts_path=args.prompts, output_path=args.output,
+                                   kl_threshold=args.kl_threshold, guard_temperature=args.guard_temperature,
+                                   max_retries=args.max_retries)
+            if groups.is_main:
+                print(json.dumps(summary))
+    except ConfigError as exc:
+        print(f"hpa generate: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -40,12 +40,12 @@ from hpa.config.errors import ConfigError
 from hpa.data.collate import pad_left, pad_right
 from hpa.data.preferences import encode_response
 from hpa.data.prompts import SkipRecord, encode_prompt, fit_prompt
-from hpa.data.tokenizer import Tokenizer, build_tokenizer
+from hpa.data.tokenizer import Tokenizer, build_tokenizer, check_model_vocab
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.reward import RewardInputs, build_reward, ensemble_mean_std
 from hpa.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutBatch, decode_responses
-from hpa.trainer.phases import chunks, sequence_log_probs
+from hpa.engine.forward import chunks, sequence_log_probs
 
 SCORE_NAMES = ("reward", "reward_std", "log_prob")
 
@@ -108,16 +108,13 @@ class Scorer:
                  embedding: bool = False, tokenizer: Optional[Tokenizer] = None, batch_size: int = 256):
         from hpa.models import build_policy
         from hpa.reward.model import ModelReward
-        from hpa.trainer.checkpoint import load_model_weights
+        from hpa.models.weights import load_model_weights
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.cfg, self.groups, self.batch_size = cfg, groups, batch_size
         self.tokenizer = tokenizer or build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError("model.vocab_size", f"the tokenizer at data.tokenizer_path has "
-                                                  f"{self.tokenizer.vocab_size} tokens but model.vocab_size is "
-                                                  f"{cfg.model.vocab_size}; raise model.vocab_size")
+        check_model_vocab(self.tokenizer, cfg.model.vocab_size)
         mbs = cfg.trainer.micro_batch_size
         self.model_reward = None
         if embedding and not cfg.reward.model_paths:

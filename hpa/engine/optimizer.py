@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -79,3 +80,40 @@ def build_lr_scheduler(optimizer, optim: OptimConfig, total_steps: int, lr: Opti
         lr_warmup_steps=warmup, lr_decay_steps=max(total_steps, warmup + 1),
         lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
         wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
+
+
+@dataclasses.dataclass
+class Trainable:
+    """A model being trained: the DDP-wrapped module, its megatron optimizer and its LR scheduler."""
+
+    model: torch.nn.Module
+    optimizer: object
+    scheduler: object
+
+    def state(self) -> Tuple[torch.nn.Module, object]:
+        """``(model, optimizer)``, what a checkpoint saves for it."""
+        return self.model, self.optimizer
+
+
+def make_trainable(model: torch.nn.Module, optim: OptimConfig, parallel: ParallelConfig, groups: ParallelGroups,
+                   total_steps: int, *, lr: Optional[float] = None) -> Trainable:
+    """The one set-up path of the policy, the critic, the SFT policy and the reward model: wrap a built
+    (and, where wanted, loaded) model in megatron's DDP, then its optimizer and LR schedule.
+
+    Args:
+        lr: overrides ``optim.lr`` (the critic uses ``optim.critic_lr``).
+    """
+    ddp = wrap_ddp(model, parallel, groups)
+    optimizer = build_optimizer(ddp, optim, parallel, groups, lr=lr)
+    return Trainable(model=ddp, optimizer=optimizer, scheduler=build_lr_scheduler(optimizer, optim, total_steps, lr=lr))
+
+
+def scale_lr(scheduler, factor: float) -> None:
+    """Multiply a megatron LR scheduler's bounds (and its optimizer's per-group bounds) by ``factor``."""
+    scheduler.max_lr *= factor
+    scheduler.min_lr *= factor
+    for group in scheduler.optimizer.param_groups:  # megatron keeps per-group LR bounds too
+        for key in ("max_lr", "min_lr"):
+            if group.get(key) is not None:
+                group[key] *= factor
+    scheduler.step(increment=0)

@@ -1,0 +1,120 @@
+"""Forward-only passes of a Megatron model through the pipeline schedule.
+
+Every result is computed on the last pipeline stage and broadcast to the other stages of the replica,
+so every rank of a model replica holds the same rows afterwards. Used by training (reference, old
+policy, critic values), evaluation, generation, scoring and reward models.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hpa.distributed import comm
+from hpa.distributed.groups import ParallelGroups
+from hpa.engine.step import forward_backward
+from hpa.algorithms.masked import mean_pool
+from hpa.ops.vocab_parallel import vocab_parallel_log_probs
+from hpa.rollout.base import TrainingSequences
+
+
+def chunks(n: int, size: int) -> List[List[int]]:
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def response_token_mask(ts: TrainingSequences, response_mask: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` mask of the input positions that hold response tokens (for mean pooling)."""
+    s = ts.input_ids.shape[1]
+    out = torch.zeros_like(ts.input_ids, dtype=torch.float32)
+    return out.scatter_(1, (ts.response_index + 1).clamp(max=s - 1), response_mask.float())
+
+
+def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
+                 fn: Callable[[dict, torch.Tensor, Optional[torch.Tensor]], Dict[str, torch.Tensor]],
+                 shapes: Dict[str, Tuple[int, ...]], *, capture_hidden: bool = True) -> Dict[str, torch.Tensor]:
+    """Run ``fn(batch, output, hidden)`` on every micro-batch, concatenate along rows.
+
+    Args:
+        shapes: each output's trailing shape (after the row dimension), so stages that are not last
+            can receive the broadcast.
+        capture_hidden: hand the final hidden states to ``fn`` (otherwise ``hidden`` is None).
+    """
+    def loss_fn(batch, output, hidden):
+        return output.new_zeros(()), fn(batch, output, hidden)
+
+    with torch.no_grad():
+        results = forward_backward(model, micro_batches, loss_fn, groups, forward_only=True,
+                                   capture_hidden=capture_hidden)
+    rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
+    out = {}
+    for key, trailing in shapes.items():
+        if groups.is_last_stage:
+            value = torch.cat([r[key] for r in results]).float().contiguous()
+        else:
+            value = torch.empty((rows, *trailing), dtype=torch.float32, device=groups.device)
+        if groups.pipeline_model_parallel_size > 1:
+            comm.broadcast_tensor(value, src=groups.last_stage_global_rank(), group=groups.pp_group)
+        out[key] = value
+    return out
+
+
+def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor, groups: ParallelGroups, *,
+                       micro_batch_size: int, vocab_size: int, temperature: float,
+                       hidden_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Per-response-token log-probs ``[b, r]`` (and the pooled response hidden state ``[b, h]``)."""
+    pool_mask = response_token_mask(ts, response_mask)
+    rows = chunks(ts.input_ids.shape[0], micro_batch_size)
+    mbs = [dict(ts.micro_batch(r), pool_mask=pool_mask[r]) for r in rows]
+    r = ts.response_index.shape[1]
+
+    def fn(batch, logits, hidden):
+        logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size,
+                                        temperature=temperature)  # [b, s]
+        out = {"log_probs": logp.gather(1, batch["response_index"])}  # [b, r]
+        if hidden_size is not None:
+            out["pooled"] = mean_pool(hidden.float(), batch["pool_mask"])  # [b, h]
+        return out
+
+    shapes = {"log_probs": (r,)}
+    if hidden_size is not None:
+        shapes["pooled"] = (hidden_size,)
+    return forward_only(model, mbs, groups, fn, shapes)
+
+
+def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, micro_batch_size: int) -> torch.Tensor:
+    """Critic values ``[b, r]``: the value of the state before each response token (as verl)."""
+    rows = chunks(ts.input_ids.shape[0], micro_batch_size)
+    mbs = [ts.micro_batch(r) for r in rows]
+
+    def fn(batch, values, hidden):
+        return {"values": values[..., 0].gather(1, batch["response_index"])}
+
+    return forward_only(critic, mbs, groups, fn, {"values": (ts.response_index.shape[1],)})["values"]
+
+
+def pair_sequence_log_probs(model, micro_batches: List[dict], groups: ParallelGroups, *,
+                            vocab_size: int) -> torch.Tensor:
+    """Summed response log-probs of every row of ``micro_batches`` (reference side of DPO)."""
+    def fn(batch, logits, hidden):
+        logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size)
+        return {"seq_logp": (logp * batch["label_mask"]).sum(dim=1, keepdim=True)}
+
+    return forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)})["seq_logp"][:, 0]
+
+
+def response_kl(policy, reference, batch, groups: ParallelGroups, *, micro_batch_size: int,
+                vocab_size: int) -> torch.Tensor:
+    """The k1 KL to the reference of every sampled response token ``[b, r]`` (temperature 1; 0 on padding).
+
+    ``batch`` is a ``RolloutBatch``; with ``reference is policy`` the KL is 0 without a second forward.
+    """
+    from hpa.algorithms.kl import kl_penalty
+
+    kw = dict(micro_batch_size=micro_batch_size, vocab_size=vocab_size, temperature=1.0)
+    ts = batch.sequences
+    logp = sequence_log_probs(policy, ts, batch.response_mask, groups, **kw)["log_probs"].cpu()  # [b, r]
+    ref = logp if reference is policy else \
+        sequence_log_probs(reference, ts, batch.response_mask, groups, **kw)["log_probs"].cpu()  # [b, r]
+    mask = batch.response_mask.float().cpu()  # [b, r]
+    return torch.where(mask.bool(), kl_penalty(logp, ref, kind="k1"), 0.0)

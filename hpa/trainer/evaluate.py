@@ -1,0 +1,111 @@
+"""Evaluation of the policy during training: held-out prompts (``eval/*``) and the adversarial set,
+whose numbers feed the reward-hacking monitor (``hacking/*``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict
+
+import torch
+
+from hpa.config.data import DataConfig
+from hpa.config.reward import RewardConfig
+from hpa.config.schema import RolloutConfig
+from hpa.data.prompts import PromptDataset
+from hpa.distributed import comm
+from hpa.distributed.groups import ParallelGroups
+from hpa.engine.forward import response_kl
+from hpa.reward import RewardHackingMonitor, RewardInputs
+from hpa.reward.rules import RuleReward
+from hpa.reward.shaping import ngram_copy_rate
+from hpa.rollout.base import SamplingParams, decode_responses
+
+logger = logging.getLogger("hpa")
+
+
+class Evaluator:
+    """Greedy responses of the policy to the held-out and adversarial prompts, DP-sharded.
+
+    Owns the reward-hacking monitor (a stateful part of the run: ``state_dict`` / ``load_state_dict``).
+    """
+
+    def __init__(self, data: DataConfig, rollout: RolloutConfig, reward_cfg: RewardConfig, groups: ParallelGroups,
+                 tokenizer, *, rejects_dir: str, reward, model_reward, micro_batch_size: int):
+        """
+        Args:
+            reward: the shaped reward of the run (``.base`` gives r̂: reward-model heads and rules).
+            model_reward: the reward-model ensemble alone (what a policy can exploit), or None.
+        """
+        self.rollout_cfg, self.groups, self.tokenizer = rollout, groups, tokenizer
+        self.copy_ngram = reward_cfg.shaping.copy_ngram
+        self.reward, self.model_reward, self.micro_batch_size = reward, model_reward, micro_batch_size
+        self.gold = RuleReward.from_names(reward_cfg.rules or ("exact_match",), 1.0, None)
+        self.eval_prompts = (PromptDataset.from_config(data, tokenizer, rejects_dir=rejects_dir, split="eval")
+                             if data.eval_prompt_path else None)
+        self.adversarial_prompts = (PromptDataset.from_config(data, tokenizer, rejects_dir=rejects_dir,
+                                                              split="adversarial")
+                                    if data.adversarial_prompt_path else None)
+        self.monitor = RewardHackingMonitor.from_config(reward_cfg.monitor)
+
+    def state_dict(self) -> Dict:
+        return self.monitor.state_dict()
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.monitor.load_state_dict(state)
+
+    def evaluate(self, policy, reference, generate, step: int) -> Dict[str, float]:
+        """``eval/*`` of the held-out prompts and ``hacking/*`` of the adversarial set (alerts logged).
+
+        Args:
+            generate: ``(prompt_ids, SamplingParams) -> RolloutBatch`` on the policy's current weights.
+        """
+        metrics: Dict[str, float] = {}
+        if self.eval_prompts is not None:
+            held_out = self.evaluate_prompts(self.eval_prompts, policy, reference, generate)
+            metrics.update({f"eval/{k}": v for k, v in held_out.items()})
+        if self.adversarial_prompts is not None:
+            adv = self.evaluate_prompts(self.adversarial_prompts, policy, reference, generate)
+            alerts, hacking = self.monitor.update(model_reward=adv["model_reward"], gold_score=adv["score"],
+                                                  copy_rate=adv["copy_rate"],
+                                                  mean_response_length=adv["response_length"])
+            metrics.update(hacking)
+            for alert in alerts if self.groups.is_main else ():
+                logger.warning("reward-hacking monitor at step %d: %s", step, alert)
+        return metrics
+
+    def evaluate_prompts(self, dataset: PromptDataset, policy, reference, generate) -> Dict[str, float]:
+        """Greedy responses to ``dataset`` and their means over the whole set: the gold rule ``score``
+        (``reward.rules``, exact match by default), the configured base ``reward`` (r̂: reward-model
+        heads and rules), the ``model_reward`` (the reward models' heads alone, what a policy can
+        exploit; r̂ without a reward model), the k1 ``kl`` to the reference per response token at
+        temperature 1, the n-gram ``copy_rate`` and the ``response_length``."""
+        g = self.groups
+        mine = list(range(g.dp_rank, len(dataset), g.data_parallel_size))
+        n = comm.all_reduce_max(torch.tensor([len(mine)]), g.dp_group).item()
+        mine = (mine + mine[:1] * n)[:n]  # equal work on every DP rank (the repeat is not counted)
+        examples = [dataset[i] for i in mine]
+        params = SamplingParams.from_config(self.rollout_cfg, n=1, temperature=0.0)
+        batch = generate([e.prompt_ids for e in examples], params)
+        policy.eval()
+        with torch.no_grad():
+            inputs = RewardInputs(response_ids=batch.response_ids, response_mask=batch.response_mask,
+                                  prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
+                                  response_texts=decode_responses(self.tokenizer, batch),
+                                  ground_truths=[e.ground_truth for e in examples])
+            gold = self.gold(inputs).rewards[:, 0]
+            reward = self.reward.base(inputs).rewards.float().mean(dim=1)  # [b]
+            learned = (self.model_reward(inputs).rewards.float().mean(dim=1) if self.model_reward is not None
+                       else reward)  # [b]
+            copy = ngram_copy_rate(batch.response_ids, batch.response_mask, batch.prompt_ids, batch.prompt_mask,
+                                   self.copy_ngram)  # [b]
+            kl = response_kl(policy, reference, batch, g, micro_batch_size=self.micro_batch_size,
+                             vocab_size=self.tokenizer.vocab_size).sum(dim=1)  # [b]
+        policy.train()
+        lengths = batch.response_mask.float().sum(dim=1)  # [b]
+        counted = len(set(mine))
+        sums = torch.stack([gold.cpu().float(), reward.cpu(), learned.cpu(), copy.cpu().float(), lengths, kl,
+                            torch.ones_like(lengths)])[:, :counted].sum(dim=1).double()
+        comm.all_reduce_sum(sums, g.dp_group)
+        score, reward_sum, learned_sum, copy_sum, tokens, kl_sum, rows = sums.tolist()
+        return {"score": score / rows, "reward": reward_sum / rows, "model_reward": learned_sum / rows,
+                "copy_rate": copy_sum / rows, "response_length": tokens / rows, "kl": kl_sum / max(tokens, 1.0)}
