@@ -84,7 +84,7 @@ def test_algorithms_do_not_touch_torch_distributed():
 # The layers, top to bottom (the README's Layout section lists them in this order): a module may import
 # from its own layer and from the layers below it, never from a layer above.
 LAYERS = (
-    ("data_tools", "hpa.cli", "hpa.train"),
+    ("data_tools", "hpa.cli", "hpa.train", "hpa.ablate"),
     ("hpa.trainer", "hpa.generate", "hpa.plan"),
     ("hpa.reward",),
     ("hpa.engine",),
@@ -120,6 +120,7 @@ def _upward_imports(root: pathlib.Path):
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
             for name in names:
                 dst = _unit(name)
+                assert dst is None or dst in rank, f"{path.relative_to(root)} imports {name}: {dst} is in no layer"
                 if dst is not None and rank[dst] < rank[src]:
                     found.append(f"{path.relative_to(root)}:{node.lineno} imports {name} ({dst} is above {src})")
     return found
