@@ -11,10 +11,8 @@ controller → metrics → evaluation → checkpoint. Everything per row of the 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import signal
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -47,6 +45,7 @@ from hpa.trainer.checkpoint import EXIT_SAVE_FAILED, CheckpointManager, Checkpoi
 from hpa.trainer.evaluate import Evaluator
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter, length_metrics, mfu, peak_memory_gb
+from hpa.trainer.run_control import RunControl
 
 logger = logging.getLogger("hpa")
 
@@ -102,6 +101,7 @@ class HPATrainer:
         self.evaluator = Evaluator(cfg.data, cfg.rollout, cfg.reward, groups, self.tokenizer, rejects_dir=rejects,
                                    reward=self.reward, model_reward=model_reward, micro_batch_size=self.mbs)
         self.guard = Guard(cfg.guard)
+        self.control = RunControl(t, cfg.guard, self.guard, self.run_dir, is_main=groups.is_main)
         self.states = {"kl_ctrl": self.kl_ctrl, "guard": self.guard, "prompt_sampler": self.prompt_sampler,
                        "pair_sampler": self.pair_sampler, "reward": self.reward,
                        "policy_sched": self.policy.scheduler, "monitor": self.evaluator}
@@ -111,7 +111,6 @@ class HPATrainer:
         self.step = 0
         self.last_eval: Optional[float] = None
         self.exit_reason = "done"
-        self._signal: Optional[int] = None
         self.save_failures = 0
         self.last_save_ok = True
         self.progress = StepProgress(groups.rank, groups.world_size, cfg.parallel.timeout_minutes)
@@ -172,9 +171,13 @@ class HPATrainer:
         ``collective_failure`` (a collective timed out or lost a peer; the error names the phase and
         the ranks waited for).
         """
+        with self.control.catching_signals():
+            return self._train()
+
+    def _train(self) -> Dict[str, float]:
         last: Dict[str, float] = {}
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
         steps_this_run = 0
+        due = self.control.due
         try:
             if self.cfg.trainer.eval_interval > 0 and self.step == 0:
                 self.metrics.write(0, self.evaluate())  # the starting point of the learning curve
@@ -191,14 +194,14 @@ class HPATrainer:
                                        self.cfg.trainer.peak_tflops_per_device)
                 self.step += 1
                 steps_this_run += 1
-                if self._due(self.cfg.trainer.eval_interval):
+                if due(self.step, self.cfg.trainer.eval_interval):
                     with self.progress.phase("evaluate"):
                         last.update(self.evaluate())
                     self.last_eval = last.get("eval/score", self.last_eval)
                 reason = self.guard.rollback_reason(self._token_kl(last))
                 last.update(self.guard.metrics())
-                stop = self._stop_reason(last, steps_this_run) if reason is None else None
-                if reason is None and (stop or self._due(self.cfg.checkpoint.save_interval)) and not self.save():
+                stop = self.control.stop_reason(self.step, last, steps_this_run) if reason is None else None
+                if reason is None and (stop or due(self.step, self.cfg.checkpoint.save_interval)) and not self.save():
                     stop = stop if self.cfg.checkpoint.on_save_failure == "continue" else "save_failed"
                 last["checkpoint/save_failures"] = float(self.save_failures)
                 self.metrics.write(self.step, last)
@@ -207,17 +210,15 @@ class HPATrainer:
                     continue
                 if stop:
                     self.exit_reason = stop
-                    self._write_exit_status()
+                    self.control.write_exit_status(stop, self.step)
                     break
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
             logger.error("%s", self.progress.collective_failure_message(exc))
             self.exit_reason = "collective_failure"
-            self._write_exit_status()
+            self.control.write_exit_status(self.exit_reason, self.step)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             self.metrics.close()
         return last
 
@@ -466,44 +467,10 @@ class HPATrainer:
         logger.warning("guard: %s; rolled back to %s (step %d), LR x%.3g (rollback %d)", reason, path, self.step,
                        self.guard.lr_scale, self.guard.rollbacks)
 
-    def _due(self, interval: int) -> bool:
-        return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.trainer.total_steps)
-
-    def _write_exit_status(self) -> None:
-        """``<run_dir>/exit_status.json``: why this process stopped before ``total_steps`` and where."""
-        if self.groups.is_main:
-            (self.run_dir / "exit_status.json").write_text(json.dumps(
-                {"reason": self.exit_reason, "step": self.step, "resumable": self.exit_reason != "early_stop",
-                 "best_step": self.guard.best_step}))
-
-    def _on_signal(self, signum, frame) -> None:
-        logger.warning("received signal %d: checkpointing at the end of this step, then exiting", signum)
-        self._signal = signum
-
     def _token_kl(self, metrics: Dict[str, float]) -> Optional[float]:
         if faults.active("kl_spike", self.step, self.groups.rank):
             return float("inf")
         return metrics.get("kl/token")
-
-    def _stop_reason(self, metrics: Dict[str, float], steps_this_run: int) -> Optional[str]:
-        flags = torch.tensor([float(self._signal is not None)])
-        comm.all_reduce_max(flags, None)  # any rank signalled: every rank stops at this step
-        if flags.item() > 0:
-            return "signal"
-        if self.cfg.guard.early_stop_on_hacking and metrics.get("hacking/alert_count", 0.0) > 0:
-            logger.warning("early stop at step %d: the reward-hacking monitor alerted (guard.early_stop_on_hacking); "
-                           "best step %d", self.step, self.guard.best_step)
-            return "early_stop"
-        if self.guard.should_stop(self.step, metrics.get("reward/raw_mean", 0.0), metrics.get("reward/shaped_std", 0.0),
-                                  metrics.get("kl/token", 0.0)):
-            logger.info("early stop at step %d: no improvement of the stop metric for %d steps; best step %d "
-                        "(metric %.4g)", self.step, self.cfg.guard.early_stop_patience, self.guard.best_step,
-                        self.guard.best_metric)
-            return "early_stop"
-        limit = self.cfg.trainer.max_steps_per_run
-        if limit is not None and steps_this_run >= limit and self.step < self.cfg.trainer.total_steps:
-            return "max_steps_per_run"
-        return None
 
 
 def _nan_loss(loss_fn):
