@@ -21,6 +21,7 @@ _HELP = {
     "plan": "estimate memory per GPU for a config and layout",
     "convert": "convert Hugging Face <-> Megatron checkpoints",
     "check-config": "validate a config with overrides and print the resolved YAML/JSON",
+    "doctor": "installed torch, CUDA, NCCL, Transformer Engine, vLLM, megatron-core: compatible? the fix",
 }
 
 # subcommands whose issues are still open; listed so the interface is stable, refused clearly
@@ -116,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in _HELP.items():
         p = sub.add_parser(name, help=text, description=text)
-        if name in ("convert", "report", "generate", "plan"):  # handled before parsing, by their own parsers
+        if name in ("convert", "report", "generate", "plan", "doctor"):  # handled before parsing, by their own parsers
             continue
         p.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu.yaml)")
         p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
@@ -140,6 +141,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from hpa.plan import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["doctor"]:  # no config: it reads the installed packages
+        from hpa.doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
     if argv[:1] == ["report"]:  # hpa report RUN_DIR
         from hpa.trainer.report import main as report_main
 
