@@ -31,6 +31,10 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
         loss_fn: called on the last stage only.
         capture_hidden: also hand the final hidden states ``[b, s, h]`` to ``loss_fn``.
 
+    Under sequence parallelism each micro-batch enters the model right-padded to a multiple of TP
+    positions (megatron splits the sequence evenly); ``loss_fn`` sees the outputs and hidden states
+    of the real ``s`` positions only.
+
     Returns:
         The metrics dict of every micro-batch on the last pipeline stage; ``[]`` on other stages.
     """
@@ -50,13 +54,16 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
         if capture_hidden and groups.is_last_stage:
             with capture_final_hidden(module) as box:
                 output = module(input_ids, position_ids, None)
-            hidden = box[0].transpose(0, 1)[:, :s]  # [s_pad, b, h] -> [b, s, h]
+            hidden = box[0].transpose(0, 1)  # [s_pad, b, h] -> [b, s_pad, h]
+            hidden = hidden[:, :s] if hidden.shape[1] != s else hidden
         else:
             output = module(input_ids, position_ids, None)
             hidden = None
 
         def loss_func(output_tensor):
-            loss, metrics = loss_fn(batch, output_tensor[:, :s], hidden)  # [b, s_pad, ...] -> [b, s, ...]
+            if output_tensor.shape[1] != s:  # [b, s_pad, ...] -> [b, s, ...]
+                output_tensor = output_tensor[:, :s]
+            loss, metrics = loss_fn(batch, output_tensor, hidden)
             return loss * scale, metrics
 
         return output, loss_func

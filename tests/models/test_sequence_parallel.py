@@ -102,6 +102,16 @@ def sp_worker(groups):
     return results
 
 
+def test_pad_sequence_to_a_multiple_of_tp():
+    from hpa.trainer.step import pad_sequence
+
+    ids, pos = torch.tensor([[5, 6, 7], [8, 9, 4]]), torch.arange(3).expand(2, 3)
+    padded_ids, padded_pos = pad_sequence(ids, pos, 4)
+    assert padded_ids.tolist() == [[5, 6, 7, 0], [8, 9, 4, 0]] and padded_pos.tolist() == [[0, 1, 2, 3]] * 2
+    assert pad_sequence(ids, pos, 3)[0] is ids and pad_sequence(ids, pos, 1)[1] is pos
+    assert pad_sequence(ids[:, :1], pos[:, :1], 2)[1].tolist() == [[0, 1]] * 2
+
+
 @pytest.fixture(scope="module")
 def results():
     return run_ranks(sp_worker, tp=2)
