@@ -24,7 +24,10 @@ setup(
         "matplotlib>=3.7",  # hpa report (imported lazily)
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.10"],
+        # vLLM 0.27.0-0.32.0 pin torch==2.13.0 (0.33 pins 2.14 and would replace the installed torch).
+        # Transformer Engine is not here: its PyTorch part is a source distribution that must be built
+        # against the installed torch, with --no-build-isolation (README, "Install"; `hpa doctor`).
+        "gpu": ["vllm>=0.27,<0.33"],
         "bench": ["trl>=1.0", "accelerate>=1.0"],
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "tensorboard>=2.14"],
     },

@@ -35,6 +35,8 @@ COMMANDS = {
     "plan": Command("estimate memory per GPU for a config and layout", "hpa.plan:main"),
     "convert": Command("convert Hugging Face <-> Megatron checkpoints", "hpa.models.convert:run_convert"),
     "check-config": Command("validate a config with overrides and print the resolved YAML/JSON", "hpa.cli:check_config"),
+    "doctor": Command("installed torch, CUDA, NCCL, Transformer Engine, vLLM, megatron-core: compatible? the fix",
+                      "hpa.doctor:main"),
     "ablate": Command("train named variants of one config over several seeds and compare them (an ablation file)",
                       "hpa.cli:ablate"),
 }

@@ -51,12 +51,13 @@ The estimate is analytic (no GPU, no megatron import). Per GPU, the worst pipeli
   the local spec's ``[s, s]`` bool causal mask per layer, token ids. Policy and critic update one
   after the other, so the larger of the two counts.
 
-  *Measured vs formula-only*: the local-spec terms (float32, TP1 and TP2, no / selective / full
-  recomputation, GQA and MHA, RMSNorm and LayerNorm, SwiGLU and GeLU, dropout) match the peak of
-  the bytes saved for backward, measured on CPU in ``tests/test_plan.py``, within about 1%. The
-  Transformer Engine terms (``transformer_engine_expected``: ``transformer_impl``, or for ``auto``
-  a 16-bit ``params_dtype``), sequence parallelism (which the local spec does not support) and PP
-  are formula only.
+  *Measured vs formula-only*: the local-spec terms (float32, TP1 and TP2, with and without
+  sequence parallelism, no / selective / full recomputation, GQA and MHA, RMSNorm and LayerNorm,
+  SwiGLU and GeLU, dropout) match the peak of the bytes saved for backward, measured on CPU in
+  ``tests/test_plan.py``, within about 1%. The Transformer Engine terms
+  (``transformer_engine_expected``: ``transformer_impl``, or for ``auto`` a 16-bit
+  ``params_dtype``) and PP are formula only. Under sequence parallelism a micro-batch is padded to
+  a multiple of TP positions (at most TP - 1 more), which the estimate leaves out.
 * **rollout KV cache** (native engine, ``hpa.rollout.kv_cache.CachedDecoder``): keys and values
   ``[B, g/TP, P + R, d]`` in ``params_dtype`` for each of the stage's ``L/PP`` layers, with
   ``P = data.max_prompt_length``, ``R = rollout.max_new_tokens`` and ``B = global_batch_size/DP·n``

@@ -20,6 +20,7 @@ PATCHES: Tuple[str, ...] = (
     "clip_grads",
     "distrib_optimizer",
     "tied_embeddings",
+    "sequence_parallel_norm",
 )
 
 _applied: Tuple[str, ...] = ()

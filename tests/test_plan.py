@@ -18,8 +18,9 @@ Measured on CPU gloo ranks, deterministically (no RSS), with the models ``build_
 * **peak**: measured static (policy + reference) + max(measured activations, measured KV cache)
   against the planner's total.
 
-What stays formula-only: the Transformer Engine (GPU, bf16) activation terms, pipeline parallelism
-(1F1B in-flight micro-batches) and sequence parallelism (the local spec does not support it).
+Sequence parallelism is measured too (TP2, activations only: the KV-cache decoder refuses it). What
+stays formula-only: the Transformer Engine (GPU, bf16) activation terms and pipeline parallelism
+(1F1B in-flight micro-batches).
 """
 
 import dataclasses
@@ -46,12 +47,15 @@ SIZES = {
 }
 
 
-def tiny_cfg(tp=1, pp=1, distributed_optimizer=False, size="gqa"):
+def tiny_cfg(tp=1, pp=1, distributed_optimizer=False, size="gqa", sequence_parallel=False):
     from hpa.config import load_config
 
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
-        f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}"] + SIZES[size])
+        f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}",
+        f"parallel.sequence_parallel={str(sequence_parallel).lower()}"]
+        # the planner takes sequence parallelism only with rollouts that allow it (not the native engine)
+        + (["rollout.engine=vllm"] if sequence_parallel else []) + SIZES[size])
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="gloo"))
 
 
@@ -248,7 +252,9 @@ def measure_worker(groups, cfgs):
             out[size] = {
                 "activations": {r or "none": measure_activations(groups, cfg, r, rows, seq_length)
                                 for r in (None, "selective", "full")},
-                "kv_cache": measure_kv_cache(groups, cfg, *rollout_batch(cfg, groups.data_parallel_size))}
+                # the KV-cache decoder refuses sequence parallelism (it decodes one position a step)
+                "kv_cache": None if cfg.parallel.sequence_parallel else
+                measure_kv_cache(groups, cfg, *rollout_batch(cfg, groups.data_parallel_size))}
     return out
 
 
@@ -263,8 +269,10 @@ def planned_micro_batch(cfg):
 
 
 TP1, TP2, PP2_DP2 = layout_id(1, 1, 1), layout_id(2, 1, 1), layout_id(1, 2, 2) + "_distopt"
+TP2_SP = layout_id(2, 1, 1) + "_sp"
 LAYOUTS = {TP1: dict(tp=1, pp=1, dp=1, distributed_optimizer=False),
            TP2: dict(tp=2, pp=1, dp=1, distributed_optimizer=False),
+           TP2_SP: dict(tp=2, pp=1, dp=1, distributed_optimizer=False, sequence_parallel=True),
            PP2_DP2: dict(tp=1, pp=2, dp=2, distributed_optimizer=True)}
 
 
@@ -272,9 +280,12 @@ LAYOUTS = {TP1: dict(tp=1, pp=1, dp=1, distributed_optimizer=False),
 def measured(layout_name):
     """One spawn per layout, shared by the tests below: per-rank measurements."""
     lay = LAYOUTS[layout_name]
-    cfgs = {size: tiny_cfg(lay["tp"], lay["pp"], lay["distributed_optimizer"], size) for size in SIZES}
+    sp = lay.get("sequence_parallel", False)
+    cfgs = {size: tiny_cfg(lay["tp"], lay["pp"], lay["distributed_optimizer"], size, sequence_parallel=sp)
+            for size in SIZES}
     return run_ranks(measure_worker, tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], args=(cfgs,),
-                     parallel_kwargs={"use_distributed_optimizer": lay["distributed_optimizer"]})
+                     parallel_kwargs={"use_distributed_optimizer": lay["distributed_optimizer"],
+                                      "sequence_parallel": sp})
 
 
 @pytest.mark.parametrize("layout_name", [TP2, PP2_DP2])
@@ -298,13 +309,13 @@ def test_static_estimate_matches_measured(layout_name):
           f"error {100 * (total_est - total_measured) / total_measured:+.2f}%")
 
 
-@pytest.mark.parametrize("layout_name", [TP1, TP2])
+@pytest.mark.parametrize("layout_name", [TP1, TP2, TP2_SP])
 @pytest.mark.parametrize("size", list(SIZES))
 def test_activation_estimate_matches_measured(layout_name, size):
     from hpa.plan import plan
 
     lay = LAYOUTS[layout_name]
-    cfg = tiny_cfg(lay["tp"], size=size)
+    cfg = tiny_cfg(lay["tp"], size=size, sequence_parallel=lay.get("sequence_parallel", False))
     rows, seq_length = planned_micro_batch(cfg)
     assert (rows, seq_length) == (2 * cfg.trainer.micro_batch_size,
                                   cfg.data.max_prompt_length + cfg.data.max_response_length)  # DPO pairs

@@ -31,6 +31,10 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
         loss_fn: called on the last stage only.
         capture_hidden: also hand the final hidden states ``[b, s, h]`` to ``loss_fn``.
 
+    Under sequence parallelism each micro-batch enters the model right-padded to a multiple of TP
+    positions (megatron splits the sequence evenly); ``loss_fn`` sees the outputs and hidden states
+    of the real ``s`` positions only.
+
     Returns:
         The metrics dict of every micro-batch on the last pipeline stage; ``[]`` on other stages.
     """
@@ -41,24 +45,30 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
         return []
     num_microbatches = len(micro_batches)
     scale = float(num_microbatches * groups.data_parallel_size)
+    multiple = sequence_multiple(model)
 
     def forward_step(data_iterator, module):
         batch = next(data_iterator)
+        s = batch["input_ids"].shape[1]
+        input_ids, position_ids = pad_sequence(batch["input_ids"], batch["position_ids"], multiple)
         if capture_hidden and groups.is_last_stage:
             with capture_final_hidden(module) as box:
-                output = module(batch["input_ids"], batch["position_ids"], None)
-            hidden = box[0].transpose(0, 1)  # [s, b, h] -> [b, s, h]
+                output = module(input_ids, position_ids, None)
+            hidden = box[0].transpose(0, 1)  # [s_pad, b, h] -> [b, s_pad, h]
+            hidden = hidden[:, :s] if hidden.shape[1] != s else hidden
         else:
-            output = module(batch["input_ids"], batch["position_ids"], None)
+            output = module(input_ids, position_ids, None)
             hidden = None
 
         def loss_func(output_tensor):
+            if output_tensor.shape[1] != s:  # [b, s_pad, ...] -> [b, s, ...]
+                output_tensor = output_tensor[:, :s]
             loss, metrics = loss_fn(batch, output_tensor, hidden)
             return loss * scale, metrics
 
         return output, loss_func
 
-    first = micro_batches[0]["input_ids"]
+    first, _ = pad_sequence(micro_batches[0]["input_ids"], micro_batches[0]["position_ids"], multiple)
     fb = get_forward_backward_func(pp_size=groups.pipeline_model_parallel_size)
     return fb(
         forward_step_func=forward_step,
@@ -72,6 +82,27 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
         **({"p2p_communicator": P2PCommunicator(pp_group=groups.pp_group, config=_config(model))}
            if groups.pipeline_model_parallel_size > 1 else {}),
     )
+
+
+def sequence_multiple(model) -> int:
+    """The multiple a micro-batch's width is padded to: TP under sequence parallelism (megatron
+    splits the sequence evenly over the TP ranks), else 1."""
+    config = _config(model)
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def pad_sequence(input_ids: torch.Tensor, position_ids: torch.Tensor, multiple: int):
+    """Right-pad ``[b, s]`` ids and positions to a multiple of ``multiple`` columns.
+
+    The attention is causal, so the padded positions change nothing at the real ones; their outputs
+    are cut off before the loss sees them.
+    """
+    pad = -input_ids.shape[1] % multiple
+    if pad == 0:
+        return input_ids, position_ids
+    step = torch.arange(1, pad + 1, dtype=position_ids.dtype, device=position_ids.device)
+    return (torch.nn.functional.pad(input_ids, (0, pad), value=0),
+            torch.cat([position_ids, position_ids[:, -1:] + step], dim=1))
 
 
 def _config(model):

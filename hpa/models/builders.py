@@ -110,7 +110,9 @@ def build_reference(model: ModelConfig, parallel: ParallelConfig, groups: Parall
 def _with_scalar_head(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, num_heads: int):
     gpt = _gpt(model, parallel, groups)
     if groups.is_last_stage:
-        gpt.output_layer = ScalarHead(model.hidden_size, num_heads, init_std=model.init_method_std).to(
+        gpt.output_layer = ScalarHead(model.hidden_size, num_heads, init_std=model.init_method_std,
+                                      sequence_parallel=gpt.config.sequence_parallel,
+                                      tp_group=groups.tp_group).to(
             device=groups.device, dtype=_DTYPES[model.params_dtype])
     return gpt
 

@@ -63,3 +63,28 @@ def test_rng_tracker_forks_cpu_states():
         "assert not torch.equal(a, b)  # the forked stream advanced\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_torch_norm_accepts_sequence_parallel_and_marks_its_parameters():
+    code = (
+        "import torch, megatron_patches\n"
+        "from megatron.core.transformer import TransformerConfig\n"
+        "from megatron.core.transformer.torch_norm import WrappedTorchNorm\n"
+        "cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,\n"
+        "                        sequence_parallel=True, normalization='LayerNorm', use_cpu_initialization=True)\n"
+        "try:\n"
+        "    WrappedTorchNorm(cfg, 8)\n"
+        "except AssertionError as e:\n"
+        "    assert 'sequence parallel' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('megatron accepted sequence parallelism unpatched: the patch can go')\n"
+        "megatron_patches.apply_cpu_patches()\n"
+        "norm = WrappedTorchNorm(cfg, 8)\n"
+        "assert isinstance(norm, torch.nn.LayerNorm) and cfg.sequence_parallel\n"
+        "assert [getattr(p, 'sequence_parallel', False) for p in norm.parameters()] == [True, True]\n"
+        "cfg.sequence_parallel = False\n"
+        "assert not any(hasattr(p, 'sequence_parallel') for p in WrappedTorchNorm(cfg, 8).parameters())\n"
+    )
+    if __import__("torch").cuda.is_available():
+        pytest.skip("CPU-only")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
