@@ -288,6 +288,7 @@ def test_save_failing_on_one_rank_warns_counts_and_trains_on_unchanged(demo, uni
     assert_same_metrics(uninterrupted, metrics, steps=[1, 2, 3, 4])
 
 
+@pytest.mark.slow  # two 4-rank runs; the default suite fails saves in the test above and the unit tests
 def test_save_failure_with_stop_exits_74_keeps_latest_and_resume_is_exact(demo, uninterrupted):
     run_dir = demo / "ft_save_stops"
     env = dict(os.environ, OMP_NUM_THREADS="1", HPA_INJECT_FAULT="save_fail@3")
