@@ -56,16 +56,17 @@ class StepProgress:
     Args:
         rank, world_size: this process and the job size (nothing is published for one process).
         timeout_minutes: ``parallel.timeout_minutes``, quoted in the failure message.
+        store: where positions are published; default the default process group's store.
     """
 
-    def __init__(self, rank: int, world_size: int, timeout_minutes: float):
+    def __init__(self, rank: int, world_size: int, timeout_minutes: float, store=None):
         self.rank, self.world_size, self.timeout_minutes = rank, world_size, timeout_minutes
         self.step = 0
         self.entered = 0
         self._stack: List[str] = []
         self._last: Optional[str] = None
         self._failed_where: Optional[str] = None
-        self._store = _default_store() if world_size > 1 else None
+        self._store = store if store is not None else _default_store() if world_size > 1 else None
 
     def where(self) -> str:
         """``step 3, phase 'step/reference'`` (or ``... (after 'rollout')`` between phases)."""

@@ -28,9 +28,7 @@ class FakeStore:
 
 
 def progress_on(store, rank, world_size):
-    p = StepProgress(rank, 1, 0.5)  # one process: nothing published until the fake store is plugged in
-    p.world_size, p._store = world_size, store
-    return p
+    return StepProgress(rank, world_size, 0.5, store=store)
 
 
 TIMEOUT = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 30000ms for recv operation "

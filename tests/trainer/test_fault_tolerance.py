@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -341,3 +342,72 @@ def test_tmp_directory_of_an_interrupted_save_is_ignored_and_removed_on_start(tm
     with caplog.at_level("WARNING", logger="hpa"):
         assert manager.find_resumable("auto") == good
     assert not partial.exists() and "step_00000002.tmp" in caplog.text
+
+
+def test_save_failing_on_one_rank_warns_counts_and_trains_on_unchanged(demo, uninterrupted):
+    """Rank 1 runs out of space while saving step 2's checkpoint (checkpoint.on_save_failure=continue,
+    the default): every rank learns of it (none waits forever), step 2's checkpoint is not written,
+    ``latest`` moves from step 1 straight to step 3, ``checkpoint/save_failures`` counts it, and the
+    training itself is the uninterrupted run's."""
+    run_dir = demo / "ft_save_fails"
+    proc_env = {"HPA_INJECT_FAULT": "save_fail@2:1"}
+    metrics = launch(demo, run_dir, 4, FOUR_STEPS + ["checkpoint.keep_last=10", "parallel.timeout_minutes=2"],
+                     env=proc_env)
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000001", "step_00000003", "step_00000004"]
+    assert (ckpts / "latest").read_text() == "step_00000004"
+    by_step = {r["step"]: r for r in metrics}
+    assert [by_step[s]["checkpoint/save_failures"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    for record in metrics:
+        record["checkpoint/save_failures"] = 0
+    assert_same_metrics(uninterrupted, metrics, steps=[1, 2, 3, 4])
+
+
+@pytest.mark.slow  # two 4-rank runs; the default suite fails saves in the test above and the unit tests
+def test_save_failure_with_stop_exits_74_keeps_latest_and_resume_is_exact(demo, uninterrupted):
+    run_dir = demo / "ft_save_stops"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPA_INJECT_FAULT="save_fail@3")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}",
+           "-m", "hpa.train", *overrides(demo, run_dir, FOUR_STEPS + ["checkpoint.on_save_failure=stop"])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0
+    assert "exitcode  : 74" in proc.stderr, proc.stderr[-4000:]
+    assert "its checkpoint could not be saved (checkpoint.on_save_failure=stop)" in proc.stderr
+    assert "No space left on device" in proc.stderr
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000002"
+    assert not list(ckpts.glob("*.tmp")) and not (ckpts / "step_00000003").exists()
+    assert json.loads((run_dir / "exit_status.json").read_text())["reason"] == "save_failed"
+    assert read_metrics(run_dir)[-1]["checkpoint/save_failures"] == 1
+    resumed = launch(demo, run_dir, 4, FOUR_STEPS)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert_same_metrics(uninterrupted, resumed, steps=[1, 2, 3, 4])
+
+
+def test_a_hung_rank_makes_the_others_exit_75_naming_phase_and_rank(demo):
+    """Rank 1 stops answering at the start of step 2; rank 0's next collective times out after
+    parallel.timeout_minutes and it exits with status 75 (a launcher restarts on it), naming the step
+    and phase it was in and rank 1, with rank 1's last known position."""
+    run_dir = demo / "ft_hang"
+    port = free_port()
+    args = overrides(demo, run_dir, ["trainer.total_steps=3", "parallel.timeout_minutes=1"])
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, OMP_NUM_THREADS="1", HPA_INJECT_FAULT="hang@2:1", RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpa.train", *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        _, err = procs[0].communicate(timeout=900)
+        assert procs[0].returncode == 75, err[-4000:]
+        assert procs[1].poll() is None  # the hung rank is still hung; a launcher kills it
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert re.search(r"rank 0: a collective in step 2, phase 'step(/\w+)?'( \(after '\w+'\))? failed after "
+                     r"waiting up to parallel.timeout_minutes=1: .*Timed out", err), err[-4000:]
+    assert re.search(r"It waited for rank 1 \(last seen entering step 1, phase 'step/\w+', \d+ s ago\): it never "
+                     r"reached this phase", err), err[-4000:]
+    assert "Exiting with status 75" in err
+    assert json.loads((run_dir / "exit_status.json").read_text())["reason"] == "collective_failure"
