@@ -44,11 +44,13 @@ command -v torchrun >/dev/null || fail "torchrun is not on PATH (install hpa fir
 # ------------------------------------------------------------------------------------------ daemons
 WORK=$(mktemp -d /tmp/hpa-slurm.XXXXXX)
 chmod 755 "$WORK"
-PIDS=()
 cleanup() {
     local rc=$?
     set +e
-    for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
+    if [[ -n "${SLURM_CONF:-}" ]] && squeue -h 2>/dev/null | grep -q .; then  # a failure left jobs behind
+        scancel --full $(squeue -h -o %i) 2>/dev/null
+        for _ in $(seq 60); do squeue -h 2>/dev/null | grep -q . || break; sleep 1; done
+    fi
     for pidfile in "$WORK/slurmd.pid" "$WORK/slurmctld.pid" "$WORK/munge/munged.pid"; do
         [[ -s "$pidfile" ]] && kill "$(cat "$pidfile")" 2>/dev/null
     done
@@ -79,7 +81,7 @@ runuser -u munge -- munged --socket "$MUNGE_SOCKET" --pid-file "$WORK/munge/mung
 
 cat > "$WORK/slurm.conf" <<EOF
 ClusterName=hpaci
-SlurmctldHost=$HOST
+SlurmctldHost=$HOST(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 SlurmUser=root
@@ -100,7 +102,7 @@ SlurmctldPidFile=$WORK/slurmctld.pid
 SlurmdPidFile=$WORK/slurmd.pid
 SlurmctldLogFile=$WORK/slurmctld.log
 SlurmdLogFile=$WORK/slurmd.log
-NodeName=$HOST CPUs=$CPUS State=UNKNOWN
+NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
 PartitionName=ci Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
 export SLURM_CONF=$WORK/slurm.conf
