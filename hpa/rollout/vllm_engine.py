@@ -88,6 +88,22 @@ def _engine_arg_names() -> set:
         return set()
 
 
+def _check_cpu_head_dim(model_cfg) -> None:
+    """vLLM's CPU attention has kernels for a few head dimensions only; say so before vLLM fails mid-generate."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except Exception:  # moved in another vLLM version: let vLLM decide
+        return
+    head_dim = model_cfg.hidden_size // model_cfg.num_attention_heads
+    if head_dim not in supported:
+        raise ValueError(f"rollout.engine=vllm on CPU: head dimension {head_dim} (model.hidden_size="
+                         f"{model_cfg.hidden_size} / model.num_attention_heads={model_cfg.num_attention_heads}) has "
+                         f"no kernel in vLLM's CPU attention (supported: {supported}); change the model or use "
+                         f"rollout.engine=megatron")
+
+
 def _empty_device_cache() -> None:
     """Return freed blocks to the driver, so the other side (megatron or vLLM) can take them."""
     if torch.cuda.is_available():
@@ -169,6 +185,7 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         if on_cpu:
             kwargs["enforce_eager"] = True  # no torch.compile / graph capture: minutes on a small CPU
+            _check_cpu_head_dim(model_cfg)
         if groups.world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             set_launcher_env(groups)
