@@ -234,3 +234,18 @@ def test_synth_preferences_with_vllm_equals_the_native_engine(task):
               *_overrides(task, f"rollout.engine={engine}")], task)
         out[engine] = _read(path)
     assert out["vllm"] and out["vllm"] == out["megatron"]
+
+
+def test_cpu_head_dimension_without_a_kernel_is_refused_with_a_message():
+    from types import SimpleNamespace
+
+    from hpa.config.schema import ModelConfig
+    from hpa.rollout import TokenizerInfo
+    from hpa.rollout.vllm_engine import VLLMRolloutEngine, _vllm_on_cpu
+
+    if not _vllm_on_cpu():
+        pytest.skip("vLLM's CPU build only")
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=32, max_sequence_length=16)
+    groups = SimpleNamespace(world_size=1, rank=0, local_rank=0, tensor_model_parallel_size=1, mp_group=None)
+    with pytest.raises(ValueError, match="head dimension 16.*model.hidden_size=64"):
+        VLLMRolloutEngine(None, groups, TokenizerInfo(vocab_size=32, eos_token_id=1, pad_token_id=0), model_cfg=cfg)
