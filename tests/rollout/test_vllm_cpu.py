@@ -83,7 +83,8 @@ def _overrides(root, *extra):
             "logging.wandb.mode=disabled", "logging.progress_bar=false", f"trainer.total_steps={STEPS}",
             "trainer.global_batch_size=4", "trainer.preference_batch_size=4", "trainer.micro_batch_size=4",
             "rollout.n=2", "rollout.max_new_tokens=8", f"trainer.eval_interval={STEPS}", "checkpoint.save_interval=0",
-            f"model.policy_path={root / 'init'}", "rollout.engine=vllm", *MODEL, *extra]
+            f"model.policy_path={root / 'init'}", "rollout.engine=vllm", "rollout.vllm_tensor_parallel_size=1", *MODEL,
+            *extra]
 
 
 def _train(root, name, nproc, *extra):
