@@ -192,8 +192,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if "logprobs_mode" in names:
             kwargs["logprobs_mode"] = "processed_logprobs"
         if "disable_custom_all_reduce" in names:
-            # vLLM's custom all-reduce registers IPC buffers that sleep mode does not release (verl
-            # turns it off for colocated engines too)
+            # custom all-reduce allocates its IPC buffers outside sleep mode's memory pool, so sleeping
+            # would not free them (verl turns it off for colocated engines too)
             kwargs["disable_custom_all_reduce"] = True
         kwargs.update(llm_kwargs or {})
         # Keep vLLM's engine core in this process, so that sync_weights reaches the model directly.
