@@ -119,6 +119,12 @@ def test_dp2_hpa_run_under_torchrun(task):
     _check_run(_train(task, "dp2", 2, "rollout.vllm_tensor_parallel_size=1"))
 
 
+def test_pp2_hpa_run_stages_share_the_rollout(task):
+    """PP2 with vLLM TP1: one vLLM instance per stage, each sampling half of the replica's rows; a row
+    paired with another row's prompt would not match the training forward."""
+    _check_run(_train(task, "pp2", 2, "parallel.pipeline_model_parallel_size=2", "rollout.vllm_tensor_parallel_size=1"))
+
+
 def eos_oov_worker(groups, root):
     """The policy's LM head is rigged so that ids beyond the tokenizer (96..127 of model.vocab_size 128)
     dominate every step; EOS is set to the first new token greedy decoding reaches after position 0."""
