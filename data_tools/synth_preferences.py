@@ -254,7 +254,9 @@ def run_synth(cfg, groups, *, strong_path: str, weak_path: str, prompts_path: st
         policies.append(unwrap(policy))
     engines = [build_rollout_engine(cfg.rollout, policies[0], g, TokenizerInfo.from_tokenizer(tokenizer),
                                     model_cfg=cfg.model, checkpoint_path=strong_path)]
-    if engines[0].copies_weights:  # one engine (vLLM), synced from each policy in turn: one copy in memory
+    # one weight-copying engine (vLLM), synced from each policy in turn: one copy of the weights in memory
+    # (and vLLM's sleep-mode allocator takes one engine per process)
+    if engines[0].copies_weights:
         engines = [WeightsFrom(engines[0], policy) for policy in policies]
     else:
         engines.append(build_rollout_engine(cfg.rollout, policies[1], g, TokenizerInfo.from_tokenizer(tokenizer),

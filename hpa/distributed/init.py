@@ -226,9 +226,21 @@ def set_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+_BEFORE_DESTROY: list = []
+
+
+def on_destroy(fn) -> None:
+    """Call ``fn()`` at the start of ``destroy``, while the process groups still exist: for what shares
+    them (a vLLM engine under the external launcher, whose own exit handler would otherwise tear its
+    groups down after they are gone, and fail)."""
+    _BEFORE_DESTROY.append(fn)
+
+
 def destroy() -> None:
     from megatron.core import parallel_state
 
+    while _BEFORE_DESTROY:
+        _BEFORE_DESTROY.pop()()
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

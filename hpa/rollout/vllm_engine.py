@@ -88,6 +88,22 @@ def _engine_arg_names() -> set:
         return set()
 
 
+def _check_cpu_head_dim(model_cfg) -> None:
+    """vLLM's CPU attention has kernels for a few head dimensions only; say so before vLLM fails mid-generate."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except Exception:  # moved in another vLLM version: let vLLM decide
+        return
+    head_dim = model_cfg.hidden_size // model_cfg.num_attention_heads
+    if head_dim not in supported:
+        raise ValueError(f"rollout.engine=vllm on CPU: head dimension {head_dim} (model.hidden_size="
+                         f"{model_cfg.hidden_size} / model.num_attention_heads={model_cfg.num_attention_heads}) has "
+                         f"no kernel in vLLM's CPU attention (supported: {supported}); change the model or use "
+                         f"rollout.engine=megatron")
+
+
 def _empty_device_cache() -> None:
     """Return freed blocks to the driver, so the other side (megatron or vLLM) can take them."""
     if torch.cuda.is_available():
@@ -169,19 +185,25 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         if on_cpu:
             kwargs["enforce_eager"] = True  # no torch.compile / graph capture: minutes on a small CPU
+            _check_cpu_head_dim(model_cfg)
         if groups.world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             set_launcher_env(groups)
         if "logprobs_mode" in names:
             kwargs["logprobs_mode"] = "processed_logprobs"
         if "disable_custom_all_reduce" in names:
-            # vLLM's custom all-reduce registers IPC buffers that sleep mode does not release (verl
-            # turns it off for colocated engines too)
+            # custom all-reduce allocates its IPC buffers outside sleep mode's memory pool, so sleeping
+            # would not free them (verl turns it off for colocated engines too)
             kwargs["disable_custom_all_reduce"] = True
         kwargs.update(llm_kwargs or {})
         # Keep vLLM's engine core in this process, so that sync_weights reaches the model directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.llm = vllm.LLM(**kwargs)
+        from hpa.distributed.init import on_destroy
+
+        # vLLM shuts down when its LLM is garbage collected, and its shutdown destroys the default process
+        # group: keep the engine alive until hpa's own teardown, and shut it down there, first.
+        on_destroy(self.close)
         self._synced = load_format != "dummy"
         self.synced_from = None  # the model whose weights vLLM holds (None: none, or not known)
         self._sleeping = False
@@ -255,6 +277,12 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._sleeping:
             self._wake_up()
             self._sleeping = False
+
+    def close(self) -> None:
+        """Shut vLLM down (called by ``hpa.distributed.destroy``; vLLM also destroys the default process group)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     # ----------------------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:

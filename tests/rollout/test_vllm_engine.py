@@ -238,3 +238,29 @@ def test_vllm_log_probs_match_megatron_forward(tmp_path):
     diffs = run_ranks(vllm_consistency_worker, args=(str(tmp_path / "hf"),),
                       parallel_kwargs={"backend": "nccl"})[0]
     assert diffs["greedy"] < 2e-3 and diffs["sampled"] < 2e-3, diffs
+
+
+def test_hf_config_dir_family_vocabulary_and_imported_config(tmp_path):
+    """The config vLLM builds from: llama (qwen2 with q/k/v biases), the tokenizer's vocabulary, the
+    tokenizer's EOS, and the original HF config of an ``hpa convert`` import (its family and extra keys)."""
+    import json
+
+    from hpa.models.convert import META_FILE
+    from hpa.models.hf_config_dir import write_hf_config_dir
+
+    cfg = _model_cfg(num_query_groups=1)
+    written = json.loads((write_hf_config_dir(cfg, tmp_path / "a", vocab_size=20, eos_token_id=7) / "config.json")
+                         .read_text())
+    assert written["model_type"] == "llama" and written["vocab_size"] == 20 and written["eos_token_id"] == 7
+    assert written["num_key_value_heads"] == 1 and written["hidden_size"] == 16
+    qwen = json.loads((write_hf_config_dir(_model_cfg(add_qkv_bias=True), tmp_path / "b") / "config.json").read_text())
+    assert qwen["model_type"] == "qwen2" and qwen["vocab_size"] == 32
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / META_FILE).write_text(json.dumps({"family": "mistral", "hf_config": {"sliding_window": 4096,
+                                                                                   "bos_token_id": 5}}))
+    mistral = json.loads((write_hf_config_dir(cfg, tmp_path / "c", checkpoint_path=str(ckpt)) / "config.json")
+                         .read_text())
+    assert mistral["model_type"] == "mistral" and mistral["sliding_window"] == 4096 and mistral["bos_token_id"] == 5
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        write_hf_config_dir(cfg, tmp_path / "d", vocab_size=33)
