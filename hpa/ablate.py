@@ -345,7 +345,8 @@ def read_metrics(run_dir: Path) -> List[dict]:
 
 
 def run_summary(run: Run, metric: str, collapse_margin: float) -> Dict[str, float]:
-    """The numbers of one finished (or failed) run, read from its metrics and its ablate record.
+    """The numbers of one run, read from its metrics and its ablate record (all NaN for a failed run, which
+    counts as collapsed).
 
     ``gold_final``/``gold_best``: the held-out gold score at the last evaluation / the best one after the
     start; ``learned_reward``: the reward models' score of the held-out responses at the last
@@ -354,9 +355,9 @@ def run_summary(run: Run, metric: str, collapse_margin: float) -> Dict[str, floa
     evaluation of the adversarial set; ``hacked``: 1 when the learned reward rose from the start while
     the gold score fell.
     """
-    records = read_metrics(run.run_dir)
-    evals = [r for r in records if metric in r]
     record = read_record(run)
+    records = read_metrics(run.run_dir) if record is not None else []  # a failed run has no numbers
+    evals = [r for r in records if metric in r]
     nan = math.nan
     out = {"gold_start": nan, "gold_final": nan, "gold_best": nan, "learned_reward": nan, "token_kl": nan,
            "gap_growth": nan, "rollbacks": nan, "skipped_steps": nan, "hacked": nan,
@@ -436,11 +437,12 @@ def write_report(cfg: AblateConfig, runs: Sequence[Run], command: str = "") -> P
               "(`hacking/gap_growth`); totals of rollbacks and skipped steps; hacked seeds: the learned reward "
               "rose while the gold score fell; collapsed seeds: failed, or ended more than "
               f"{cfg.collapse_margin} below the starting gold score.", "",
-              "| variant | n | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+              "| variant | finished runs | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
               "| --- | --- | " + " | ".join("---" for _ in COLUMNS) + " |"]
     for variant, v in summary.items():
         stats = v["stats"]
-        lines.append(f"| {variant} | {len(v['seeds'])} | " +
+        finished = sum(s["finished"] for s in v["seeds"].values())
+        lines.append(f"| {variant} | {finished:.0f}/{len(v['seeds'])} | " +
                      " | ".join(_cell(stats[k], how, 0 if k == "wall_s" else 3) for k, _, how in COLUMNS) + " |")
     lines += ["", "Start (the SFT policy): " + ", ".join(
         f"{variant} {Interval.of([s['gold_start'] for s in v['seeds'].values()]).fmt()}"

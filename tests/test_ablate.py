@@ -143,7 +143,7 @@ def test_runs_resume_and_report_by_hand(tmp_path, fake_train):
     assert rows["ppo"][9] == "2/3" and rows["ppo"][10] == "2/3"  # hacked seeds, collapsed seeds
     assert rows["hpa"][9] == "0/3" and rows["hpa"][10] == "0/3"
     # the failed seed counts as collapsed and is left out of the means
-    assert rows["broken"][1] == "3" and rows["broken"][10] == "1/3" and rows["broken"][2] == "0.600 [0.600, 0.600]"
+    assert rows["broken"][1] == "2/3" and rows["broken"][10] == "1/3" and rows["broken"][2] == "0.600 [0.600, 0.600]"
     assert "hpa vs ppo: overlap" in md and "**hpa beats broken**" in md
     assert re.search(r"\| ppo \| 2 \| 0\.500 \| 0\.300 \| 0\.550 \| 0\.800 \|", md)  # a per-seed row
     assert (tmp_path / "curves_eval_score.png").stat().st_size > 0
