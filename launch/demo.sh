@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
 # The main job on CPU, from nothing: demo task data -> SentencePiece tokenizer -> SFT policy ->
 # reward-model ensemble -> HPA (PPO + DPO + hierarchical KL) -> report.
-# Usage: bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
+# Usage: [DEMO_FAMILY=standard|hackable] bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
+# DEMO_FAMILY=hackable (launch/demo_hackable.sh): the preference pairs carry a spurious length feature and leave
+# the reverse prompts uncovered, and the PPO reward is the learned ensemble alone (no rule reward), so the
+# policy can exploit it; the gold score (exact match) is only evaluated.
 set -euo pipefail
-OUT=${1:-runs/demo}
+FAMILY=${DEMO_FAMILY:-standard}
+case "$FAMILY" in
+  standard) DEFAULT_OUT=runs/demo
+            # the tiny ensemble is weak on this task, so the verifiable rule reward carries 4x its weight
+            REWARD=(reward.rule_weight=4.0) ;;
+  hackable) DEFAULT_OUT=runs/demo_hackable
+            # the learned reward ensemble alone is the PPO reward (the gold rule is still evaluated)
+            REWARD=("reward.rules=[]") ;;
+  *) echo "DEMO_FAMILY must be standard or hackable, got '$FAMILY'" >&2; exit 2 ;;
+esac
+OUT=${1:-$DEFAULT_OUT}
 shift || true
 CONFIG=${HPA_CONFIG:-configs/tiny_cpu.yaml}
 COMMON=(trainer.run_dir="$OUT" data.tokenizer_path="$OUT/data/tok.model" data.prompt_path="$OUT/data/prompts.jsonl"
@@ -12,7 +25,7 @@ COMMON=(trainer.run_dir="$OUT" data.tokenizer_path="$OUT/data/tok.model" data.pr
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 start=$(date +%s)
 
-python -m data_tools.make_demo_task --out-dir "$OUT/data" --num-prompts 4096 --num-eval-prompts 128 \
+python -m data_tools.make_demo_task --out-dir "$OUT/data" --family "$FAMILY" --num-prompts 4096 --num-eval-prompts 128 \
     --num-sft 1024 --flip-fraction 0.12 --seed 0
 python -m data_tools.train_tokenizer --input "$OUT/data/corpus.txt" --model-prefix "$OUT/data/tok" --vocab-size 128
 hpa sft --config "$CONFIG" "${COMMON[@]}"
@@ -21,9 +34,7 @@ hpa train-rm --config "$CONFIG" "${COMMON[@]}" trainer.run_dir="$OUT/rm" trainer
     trainer.preference_batch_size=32 trainer.micro_batch_size=32 trainer.eval_interval=100 optim.lr=1e-3 \
     optim.lr_decay_style=cosine optim.lr_warmup_fraction=0.05 reward.num_heads=3 model.policy_path=null \
     reward.training.backbone_path="$OUT/sft"
-# HPA with the rule reward (exact match) plus the ensemble; the tiny ensemble is weak on this task, so the
-# verifiable rule reward carries 4x its weight
 hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" trainer.total_steps=300 \
-    reward.model_paths="[$OUT/rm/reward_model]" reward.num_heads=3 reward.rule_weight=4.0 "$@"
+    reward.model_paths="[$OUT/rm/reward_model]" reward.num_heads=3 "${REWARD[@]}" "$@"
 hpa report "$OUT" || true
 echo "main job finished in $(( $(date +%s) - start )) s; metrics in $OUT/metrics.jsonl"

@@ -1,29 +1,4 @@
 #!/usr/bin/env bash
-# The main job on the hackable demo task (make_demo_task --family hackable): the preference pairs carry a
-# spurious length feature and leave the reverse prompts uncovered, and the PPO reward is the learned reward
-# ensemble alone (no rule reward), so the policy can exploit it. The gold score (exact match) is only
-# evaluated, on held-out prompts and on the adversarial set.
+# The main job on the hackable demo task: launch/demo.sh with DEMO_FAMILY=hackable (see there).
 # Usage: bash launch/demo_hackable.sh [OUT_DIR] [extra overrides for hpa train...]
-set -euo pipefail
-OUT=${1:-runs/demo_hackable}
-shift || true
-CONFIG=${HPA_CONFIG:-configs/tiny_cpu.yaml}
-COMMON=(trainer.run_dir="$OUT" data.tokenizer_path="$OUT/data/tok.model" data.prompt_path="$OUT/data/prompts.jsonl"
-        data.preference_path="$OUT/data/preferences.jsonl" data.eval_prompt_path="$OUT/data/eval_prompts.jsonl"
-        data.sft_path="$OUT/data/sft.jsonl" data.adversarial_prompt_path="$OUT/data/adversarial_prompts.jsonl")
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-start=$(date +%s)
-
-python -m data_tools.make_demo_task --out-dir "$OUT/data" --family hackable --num-prompts 4096 \
-    --num-eval-prompts 128 --num-sft 1024 --flip-fraction 0.12 --seed 0
-python -m data_tools.train_tokenizer --input "$OUT/data/corpus.txt" --model-prefix "$OUT/data/tok" --vocab-size 128
-hpa sft --config "$CONFIG" "${COMMON[@]}"
-hpa train-rm --config "$CONFIG" "${COMMON[@]}" trainer.run_dir="$OUT/rm" trainer.total_steps=400 \
-    trainer.preference_batch_size=32 trainer.micro_batch_size=32 trainer.eval_interval=100 optim.lr=1e-3 \
-    optim.lr_decay_style=cosine optim.lr_warmup_fraction=0.05 reward.num_heads=3 model.policy_path=null \
-    reward.training.backbone_path="$OUT/sft"
-# the learned reward ensemble alone is the PPO reward: reward.rules=[] (the gold rule is still evaluated)
-hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" trainer.total_steps=300 \
-    reward.model_paths="[$OUT/rm/reward_model]" reward.num_heads=3 reward.rules=[] "$@"
-hpa report "$OUT" || true
-echo "main job finished in $(( $(date +%s) - start )) s; metrics in $OUT/metrics.jsonl"
+DEMO_FAMILY=hackable exec bash "$(dirname "$0")/demo.sh" "$@"
