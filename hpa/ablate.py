@@ -31,7 +31,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 

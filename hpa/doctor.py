@@ -202,8 +202,8 @@ def _nccl(inst: Installed) -> Check:
 
 def _vllm(inst: Installed) -> List[Check]:
     if inst.vllm is None:
-        return [Check("vLLM / torch", "skip", f"vLLM is not installed (rollout.engine=megatron only); for "
-                                              f"rollout.engine=vllm: pip install -e \".[gpu]\"")]
+        return [Check("vLLM / torch", "skip", "vLLM is not installed (rollout.engine=megatron only); for "
+                                              "rollout.engine=vllm: pip install -e \".[gpu]\"")]
     out = []
     torch_pin = _requirement(inst.vllm_requires, "torch")
     if not _satisfies(inst.vllm, VLLM):

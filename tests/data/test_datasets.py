@@ -183,7 +183,7 @@ def test_invalid_utf8_raises_naming_file_and_line(tok, tmp_path):
         PromptDataset.load(path, tok, max_prompt_length=8)
     assert str(err.value).startswith(f"{path}:2: is not valid UTF-8 (byte 0xff at column 17)")
     path = write_bytes(tmp_path / "q.jsonl", [BAD_BYTES[0], BAD_BYTES[4]])
-    with pytest.raises(RecordError, match=rf"q\.jsonl:2: has a NUL byte at column 1 \(fix the record"):
+    with pytest.raises(RecordError, match=r"q\.jsonl:2: has a NUL byte at column 1 \(fix the record"):
         PromptDataset.load(path, tok, max_prompt_length=8)
 
 

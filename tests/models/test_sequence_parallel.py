@@ -42,10 +42,10 @@ def sp_worker(groups):
     from hpa.algorithms.kl import semantic_mse
     from hpa.config.schema import OptimConfig, ParallelConfig
     from hpa.models import build_policy, build_reference, build_value
-    from hpa.ops.masked import mean_pool
+    from hpa.algorithms.masked import mean_pool
     from hpa.ops.vocab_parallel import vocab_parallel_log_probs
-    from hpa.trainer.optimizer import build_optimizer, wrap_ddp
-    from hpa.trainer.step import forward_backward, optimizer_step, zero_grad
+    from hpa.engine.optimizer import build_optimizer, wrap_ddp
+    from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
     cfg = _model_config()
     mbs = _micro_batches()
@@ -103,7 +103,7 @@ def sp_worker(groups):
 
 
 def test_pad_sequence_to_a_multiple_of_tp():
-    from hpa.trainer.step import pad_sequence
+    from hpa.engine.step import pad_sequence
 
     ids, pos = torch.tensor([[5, 6, 7], [8, 9, 4]]), torch.arange(3).expand(2, 3)
     padded_ids, padded_pos = pad_sequence(ids, pos, 4)

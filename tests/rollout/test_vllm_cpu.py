@@ -53,7 +53,7 @@ def save_policy(groups, root, name, seed):
 
     from hpa.config import load_config
     from hpa.models import build_policy
-    from hpa.trainer.checkpoint import save_model_weights
+    from hpa.models.weights import save_model_weights
 
     cfg = load_config(None, MODEL)
     torch.manual_seed(seed)
@@ -134,8 +134,8 @@ def eos_oov_worker(groups, root):
     from hpa.models import build_policy
     from hpa.ops.vocab_parallel import vocab_parallel_log_probs
     from hpa.rollout import SamplingParams, TokenizerInfo, build_rollout_engine
-    from hpa.trainer.checkpoint import load_model_weights
-    from hpa.trainer.step import forward_backward
+    from hpa.models.weights import load_model_weights
+    from hpa.engine.step import forward_backward
 
     cfg = load_config(None, _overrides(root))
     vocab = 96
