@@ -122,7 +122,8 @@ def test_launcher_env_is_set_from_the_world(monkeypatch):
     from hpa.rollout.vllm_engine import set_launcher_env
 
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "unset")  # recorded, so whatever set_launcher_env writes is undone after the test
+        monkeypatch.delenv(key)
     g = SimpleNamespace(rank=5, local_rank=1, world_size=8)
     set_launcher_env(g)
     assert [os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")] == ["5", "1", "8"]
