@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from demo_data import make_task, write_prompt_file
 from multirank import run_ranks
 
 NUM_PROMPTS = 7  # odd: DP ranks get 4 and 3 prompts; batch_size 2 gives uneven chunks
@@ -21,15 +22,8 @@ NUM_PROMPTS = 7  # odd: DP ranks get 4 and 3 prompts; batch_size 2 gives uneven 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from data_tools.make_demo_task import make_demo_task
-
-    root = tmp_path_factory.mktemp("gen")
-    make_demo_task(str(root / "data"), 64, seed=0, num_eval_prompts=4)
-    subprocess.run([sys.executable, "-m", "data_tools.train_tokenizer", "--input", str(root / "data" / "corpus.txt"),
-                    "--model-prefix", str(root / "data" / "tok"), "--vocab-size", "96"], check=True,
-                   capture_output=True)
-    lines = (root / "data" / "prompts.jsonl").read_text().splitlines()[:NUM_PROMPTS]
-    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    root = make_task(tmp_path_factory.mktemp("gen"), 64, 4)
+    write_prompt_file(root, NUM_PROMPTS)
     return root
 
 

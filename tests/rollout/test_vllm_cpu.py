@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from demo_data import make_task, write_prompt_file
 from multirank import free_port, run_ranks
 
 pytestmark = pytest.mark.vllm
@@ -62,15 +63,8 @@ def save_policy(groups, root, name, seed):
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    from data_tools.make_demo_task import make_demo_task
-
-    root = tmp_path_factory.mktemp("vllm_cpu")
-    make_demo_task(str(root / "data"), 64, seed=0, num_eval_prompts=8)
-    subprocess.run([sys.executable, "-m", "data_tools.train_tokenizer", "--input", str(root / "data" / "corpus.txt"),
-                    "--model-prefix", str(root / "data" / "tok"), "--vocab-size", "96"], check=True,
-                   capture_output=True)
-    lines = (root / "data" / "prompts.jsonl").read_text().splitlines()[:6]
-    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    root = make_task(tmp_path_factory.mktemp("vllm_cpu"), 64, 8)
+    write_prompt_file(root, 6)
     run_ranks(save_policy, args=(root, "init", 0))
     run_ranks(save_policy, args=(root, "weak", 1))
     return root

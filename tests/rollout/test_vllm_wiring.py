@@ -3,12 +3,11 @@ against the recording stand-in of ``fake_vllm`` (no vLLM needed): the engine is 
 model section with the tokenizer's vocabulary, the policy's current weights are synced before every
 rollout (training and evaluation), vLLM sleeps after each, and every request stops on EOS."""
 
-import subprocess
-import sys
 
 import pytest
 
 import fake_vllm
+from demo_data import make_task, write_prompt_file
 from multirank import run_ranks
 
 PROMPTS = 6
@@ -16,15 +15,8 @@ PROMPTS = 6
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    from data_tools.make_demo_task import make_demo_task
-
-    root = tmp_path_factory.mktemp("vllm_wiring")
-    make_demo_task(str(root / "data"), 32, seed=0, num_eval_prompts=4)
-    subprocess.run([sys.executable, "-m", "data_tools.train_tokenizer", "--input", str(root / "data" / "corpus.txt"),
-                    "--model-prefix", str(root / "data" / "tok"), "--vocab-size", "96"], check=True,
-                   capture_output=True)
-    lines = (root / "data" / "prompts.jsonl").read_text().splitlines()[:PROMPTS]
-    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    root = make_task(tmp_path_factory.mktemp("vllm_wiring"), 32, 4)
+    write_prompt_file(root, PROMPTS)
     return root
 
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+from demo_data import make_task  # noqa: F401  (the trainer tests import it from here)
 from multirank import free_port, run_ranks
 
 def overrides(root, run_dir, extra=()):
@@ -59,17 +60,6 @@ def sft(root, run_dir, extra=()):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return run_dir / "sft"
-
-
-def make_task(root, num_prompts, num_eval_prompts, **task):
-    """Demo task files (``make_demo_task``, seed 0, ``task`` options) and their tokenizer under ``root/data``."""
-    from data_tools.make_demo_task import make_demo_task
-
-    make_demo_task(str(root / "data"), num_prompts, seed=0, num_eval_prompts=num_eval_prompts, **task)
-    subprocess.run([sys.executable, "-m", "data_tools.train_tokenizer", "--input", str(root / "data" / "corpus.txt"),
-                    "--model-prefix", str(root / "data" / "tok"), "--vocab-size", "96"], check=True,
-                   capture_output=True)
-    return root
 
 
 def make_demo(root):
