@@ -13,10 +13,10 @@ beta 0.1, Adam lr 1e-6, gradient clipping at 1.0, and a reference forward every 
 
 - hpa: ``hpa.distributed.initialize`` (TP1/PP1/DP1, gloo, one process), ``build_policy`` /
   ``build_reference`` from the ``ModelConfig``, megatron DDP + optimizer; one step is what
-  ``HPATrainer.preference_micro_batches`` + ``update_policy`` do with ``w_ppo = w_kl = 0``:
-  ``forward.pair_sequence_log_probs`` (reference), ``phases.make_policy_loss`` through
+  ``phases.preference_micro_batches`` + ``phases.update_policy`` do with ``w_ppo = w_kl = 0``:
+  ``forward.pair_sequence_log_probs`` (reference), ``objective.make_policy_loss`` through
   ``forward_backward`` (``capture_hidden=True`` as in the trainer), ``optimizer_step``,
-  ``phases.step_metrics``.
+  ``objective.step_metrics``.
 - TRL: ``DPOTrainer`` with a ``LlamaForCausalLM`` of the same sizes and a local word-level tokenizer
   (one word per token id, so TRL's tokenisation gives exactly the ids hpa trains on; checked).
 
@@ -131,7 +131,7 @@ def run_hpa(args, turn: "Turn") -> Dict:
     from hpa.distributed import LaunchEnv, destroy, initialize
     from hpa.models import build_policy, build_reference
     from hpa.engine import forward
-    from hpa.trainer import micro_batches, phases
+    from hpa.trainer import micro_batches, objective
     from hpa.engine.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
     from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
@@ -142,7 +142,7 @@ def run_hpa(args, turn: "Turn") -> Dict:
     optim = OptimConfig(lr=LR, clip_grad=CLIP)
     algo = AlgorithmConfig()
     assert algo.dpo.loss == "sigmoid" and algo.dpo.beta == BETA
-    weights = phases.StepWeights(w_ppo=0.0, w_dpo=1.0, w_kl=0.0, lambda_token=0.0, lambda_semantic=0.0,
+    weights = objective.StepWeights(w_ppo=0.0, w_dpo=1.0, w_kl=0.0, lambda_token=0.0, lambda_semantic=0.0,
                                  entropy_coef=0.0, reward_kl_coef=0.0)
     groups = initialize(parallel, seed=args.seed, launch=LaunchEnv(
         rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=_free_port(), launcher="single"))
@@ -162,13 +162,13 @@ def run_hpa(args, turn: "Turn") -> Dict:
             start = time.perf_counter()
             ref = forward.pair_sequence_log_probs(reference, mbs, groups, vocab_size=model_cfg.vocab_size)
             micro_batches.attach_ref_pair_logps(mbs, ref)
-            counts = phases.global_counts([], mbs, groups)
-            loss_fn = phases.make_policy_loss(algo, weights, counts, groups, vocab_size=model_cfg.vocab_size,
+            counts = objective.global_counts([], mbs, groups)
+            loss_fn = objective.make_policy_loss(algo, weights, counts, groups, vocab_size=model_cfg.vocab_size,
                                               temperature=1.0)
             zero_grad(policy, opt)
             records = forward_backward(policy, mbs, loss_fn, groups, capture_hidden=True)
             optimizer_step(opt, sched)
-            metrics = phases.step_metrics(records, groups)
+            metrics = objective.step_metrics(records, groups)
             times.append(time.perf_counter() - start)
             # non-pad tokens of prompt+chosen and prompt+rejected, as TRL's attention_mask counts them
             tokens.append(sum(len(e.chosen_input_ids) + len(e.rejected_input_ids) for e in batch))

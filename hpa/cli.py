@@ -74,14 +74,14 @@ def train(argv: List[str]) -> int:
     if trainer.exit_reason == "save_failed":
         from hpa.trainer.checkpoint import EXIT_SAVE_FAILED
 
-        print(f"hpa train: stopped at step {trainer.step}: its checkpoint could not be saved "
+        print(f"hpa train: stopped at step {trainer.state.step}: its checkpoint could not be saved "
               f"(checkpoint.on_save_failure=stop); the previous checkpoint and 'latest' are intact, "
               f"free space or fix the disk and run the same command again to resume", file=sys.stderr)
         return EXIT_SAVE_FAILED
     if trainer.exit_reason in ("signal", "max_steps_per_run"):
-        saved = "after saving a checkpoint" if trainer.last_save_ok else \
+        saved = "after saving a checkpoint" if trainer.state.last_save_ok else \
             "but its checkpoint could not be saved (the previous one is kept)"
-        print(f"hpa train: stopped at step {trainer.step} ({trainer.exit_reason}) {saved}; "
+        print(f"hpa train: stopped at step {trainer.state.step} ({trainer.exit_reason}) {saved}; "
               f"run the same command again to resume", file=sys.stderr)
     return 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Optional
 
 from .algorithm import AlgorithmConfig
 from .data import DataConfig

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from hpa.registry import Registry
+from hpa.rollout.base import decode_responses
 
 EMBEDDING_SOURCES: Tuple[str, ...] = ("policy", "reward_model")
 
@@ -57,6 +58,13 @@ class RewardInputs:
     prompt_mask: Optional[torch.Tensor] = None
     response_texts: Optional[Sequence[str]] = None
     ground_truths: Optional[Sequence[str]] = None
+
+    @classmethod
+    def from_batch(cls, batch, tokenizer, ground_truths: Optional[Sequence[str]]) -> "RewardInputs":
+        """The inputs of a ``RolloutBatch``'s responses (decoded with ``tokenizer``, EOS left out)."""
+        return cls(response_ids=batch.response_ids, response_mask=batch.response_mask, prompt_ids=batch.prompt_ids,
+                   prompt_mask=batch.prompt_mask, response_texts=decode_responses(tokenizer, batch),
+                   ground_truths=ground_truths)
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ from hpa.engine.forward import response_kl
 from hpa.reward import RewardHackingMonitor, RewardInputs
 from hpa.reward.rules import RuleReward
 from hpa.reward.shaping import ngram_copy_rate
-from hpa.rollout.base import SamplingParams, decode_responses
+from hpa.rollout.base import SamplingParams
 
 logger = logging.getLogger("hpa")
 
@@ -88,10 +88,7 @@ class Evaluator:
         batch = generate([e.prompt_ids for e in examples], params)
         policy.eval()
         with torch.no_grad():
-            inputs = RewardInputs(response_ids=batch.response_ids, response_mask=batch.response_mask,
-                                  prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
-                                  response_texts=decode_responses(self.tokenizer, batch),
-                                  ground_truths=[e.ground_truth for e in examples])
+            inputs = RewardInputs.from_batch(batch, self.tokenizer, [e.ground_truth for e in examples])
             gold = self.gold(inputs).rewards[:, 0]
             reward = self.reward.base(inputs).rewards.float().mean(dim=1)  # [b]
             learned = (self.model_reward(inputs).rewards.float().mean(dim=1) if self.model_reward is not None

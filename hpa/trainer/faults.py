@@ -107,3 +107,16 @@ def nan_first_reward(shaped_reward):
     clone = copy.copy(shaped_reward)
     clone.base = poisoned
     return clone
+
+
+def maybe_nan_loss(loss_fn, step: int, rank: int):
+    """``loss_fn`` with a NaN loss when ``nan_loss`` fires at ``step`` (the first update of the step), else
+    ``loss_fn`` itself."""
+    if not active("nan_loss", step, rank):
+        return loss_fn
+
+    def poisoned(batch, output, hidden):
+        loss, metrics = loss_fn(batch, output, hidden)
+        return loss * float("nan"), metrics
+
+    return poisoned

@@ -1,78 +1,102 @@
-"""The phases of one HPA step, each a function with explicit inputs (the loop in ``loop.py`` calls them).
-
-Loss normalisation (what the weights mean): every loss term is normalised by a *global* count of
-the current mini-batch, taken over all DP ranks and all micro-batches: PPO, entropy and the token
-KL by response tokens, the semantic distance by response sequences, DPO by preference pairs. Each
-micro-batch contributes ``w · (its share of the term)``, so the gradient of the optimizer step is
-exactly ``w_ppo·∇L_ppo + w_dpo·∇L_dpo + w_kl·∇L_hier_kl`` whatever the number of micro-batches of
-each kind or the DP size; with ``w_dpo = 0`` the step is plain PPO, with ``w_ppo = w_kl = 0`` it
-is plain DPO.
+"""The phases of one HPA step, each a function of what it reads: the step's ``RolloutBatch`` (where it
+writes its per-row results), the models it runs, and the ``StepContext``. ``loop.HPATrainer.train_step``
+calls them in order; the loss closures they hand the pipeline schedule are ``hpa.trainer.objective``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+import math
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from hpa.algorithms import advantages as adv_lib
-from hpa.algorithms.dpo import dpo_loss
-from hpa.algorithms.hybrid import hpa_objective
-from hpa.algorithms.kl import apply_kl_penalty, hierarchical_kl, kl_warmup_scale
-from hpa.algorithms.losses import Aggregation
-from hpa.algorithms.ppo import entropy_bonus, policy_loss, value_loss
-from hpa.algorithms.schedules import make_schedule
-from hpa.config.algorithm import AlgorithmConfig
+from hpa.algorithms.kl import apply_kl_penalty, kl_penalty
+from hpa.algorithms.masked import masked_mean
+from hpa.algorithms.ppo import truncated_importance_weights
+from hpa.config.schema import Config
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
-from hpa.algorithms.masked import mean_pool
-from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
-from hpa.rollout.base import RolloutBatch
+from hpa.engine import forward
+from hpa.engine.optimizer import Trainable
+from hpa.engine.step import forward_backward, guarded_optimizer_step, optimizer_step, zero_grad
+from hpa.reward import RewardInputs
+from hpa.rollout.base import RolloutBatch, logprob_consistency
+from hpa.trainer import micro_batches, objective
+from hpa.trainer.objective import StepWeights
 
 
 @dataclasses.dataclass(frozen=True)
-class StepWeights:
-    """The scheduled coefficients of one step (progress p = step / total_steps)."""
+class StepContext:
+    """What every phase reads besides its models.
 
-    w_ppo: float
-    w_dpo: float
-    w_kl: float
-    lambda_token: float
-    lambda_semantic: float
-    entropy_coef: float
-    reward_kl_coef: float
+    Args:
+        vocab_size: the tokenizer's vocabulary; the embedding rows beyond it (``model.vocab_size`` and
+            megatron's padding) are never sampled and never normalised over, in rollout and training alike.
+        temperature: the rollout temperature (1 for greedy), which the training log-probs use too.
+        timer: ``timer(name)`` is a context manager adding the block's wall time to ``timing_s/<name>``.
+    """
 
-
-class WeightSchedules:
-    """The schedules of the step weights (``algorithm.hpa`` and the entropy coefficient)."""
-
-    NAMES = ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic")
-
-    def __init__(self, algo: AlgorithmConfig):
-        self.algo = algo
-        self.schedules = {name: make_schedule(**dataclasses.asdict(getattr(algo.hpa, name))) for name in self.NAMES}
-        self.schedules["entropy_coef"] = make_schedule(**dataclasses.asdict(algo.ppo.entropy_coef))
-
-    def at(self, p: float, kl_coef: float) -> StepWeights:
-        """The weights at progress ``p``; the in-reward KL coefficient is the controller's ``kl_coef``
-        times the KL warm-up scale."""
-        values = {name: schedule(p) for name, schedule in self.schedules.items()}
-        return StepWeights(**values, reward_kl_coef=kl_coef * kl_warmup_scale(p, self.algo.kl.warmup_fraction))
-
-    def metrics(self, w: StepWeights) -> Dict[str, float]:
-        return {"hpa/w_ppo": w.w_ppo, "hpa/w_dpo": w.w_dpo, "hpa/w_kl": w.w_kl,
-                "hpa/lambda_token": w.lambda_token, "hpa/lambda_semantic": w.lambda_semantic}
+    cfg: Config
+    groups: ParallelGroups
+    micro_batch_size: int
+    vocab_size: int
+    temperature: float
+    pad_id: int
+    timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
 
 
-# ---------------------------------------------------------------------------------------------
-# advantages
+def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepContext) -> Dict[str, float]:
+    """Reference and rollout-policy log-probs ``[b, r]`` and response-pooled hidden states ``[b, h]``
+    (``ref_*``, ``old_*``), and the truncated importance weights when configured (``is_weights``)."""
+    kw = dict(micro_batch_size=ctx.micro_batch_size, vocab_size=ctx.vocab_size, temperature=ctx.temperature,
+              hidden_size=ctx.cfg.model.hidden_size)
+    with ctx.timer("reference"):
+        ref = forward.sequence_log_probs(reference, batch.sequences, batch.response_mask, ctx.groups, **kw)
+    with ctx.timer("old_logprob"):
+        old = forward.sequence_log_probs(policy, batch.sequences, batch.response_mask, ctx.groups, **kw)
+    batch.set("ref_log_probs", ref["log_probs"]).set("ref_pooled", ref["pooled"])
+    batch.set("old_log_probs", old["log_probs"]).set("old_pooled", old["pooled"])
+    metrics = dict(logprob_consistency(batch.log_probs, old["log_probs"], batch.response_mask))
+    threshold = ctx.cfg.algorithm.ppo.rollout_is_threshold
+    if threshold is not None:
+        weights, is_m = truncated_importance_weights(old["log_probs"], batch.log_probs, batch.response_mask,
+                                                     threshold)
+        batch.set("is_weights", weights)
+        metrics.update({f"rollout/{k}": v for k, v in is_m.items()})
+    return comm.reduce_metrics({k: float(v) for k, v in metrics.items()}, ctx.groups.dp_group)
 
 
-def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig,
-                       reward_kl_coef: float) -> Tuple[torch.Tensor, torch.Tensor, Dict]:
+def score(batch: RolloutBatch, ground_truths, reward, tokenizer, ctx: StepContext) -> Dict[str, float]:
+    """Shaped reward at each response's last token (``token_scores``) and the loss ``mask``: rows with
+    a non-finite reward (and rows the filter drops) get an all-zero mask, so they reach no loss and
+    move no baseline."""
+    shaped = reward(RewardInputs.from_batch(batch, tokenizer, ground_truths), policy_embeddings=batch.get("old_pooled"),
+                    all_gather=lambda t: comm.all_gather_cat(t, ctx.groups.dp_group))
+    keep = shaped.valid.clone()
+    f = ctx.cfg.reward.filter
+    if f.mode != "none":
+        from hpa.reward.shaping import filter_responses
+
+        keep &= filter_responses(shaped.rewards, shaped.valid, f.mode, f.k)
+    batch.set("mask", batch.response_mask * keep[:, None].float()).set("token_scores", shaped.token_level_scores)
+    metrics = {k: float(v) for k, v in shaped.metrics.items()}
+    metrics["reward/kept_fraction"] = float(keep.float().mean())
+    return comm.reduce_metrics(metrics, ctx.groups.dp_group)
+
+
+def critic_values(batch: RolloutBatch, critic, ctx: StepContext) -> None:
+    """The critic's values ``[b, r]`` of the rollout (``values``)."""
+    batch.set("values", forward.sequence_values(critic, batch.sequences, ctx.groups,
+                                                micro_batch_size=ctx.micro_batch_size))
+
+
+def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: float) -> Dict[str, float]:
     """Token rewards (the batch's ``token_scores``, minus the in-reward KL when configured) ->
-    (advantages, returns) ``[b, r]``, under the batch's loss ``mask``."""
+    ``advantages`` and ``returns`` ``[b, r]``, under the batch's loss ``mask``."""
+    algo = ctx.cfg.algorithm
     metrics: Dict[str, float] = {}
     mask, token_scores = batch.get("mask"), batch.get("token_scores")
     rewards = token_scores
@@ -84,141 +108,92 @@ def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig,
     # a row masked out (non-finite reward, filtered) is its own group, so it cannot move a group baseline
     valid = mask.sum(dim=1) > 0
     group_ids = torch.where(valid, batch.group_ids, -1 - torch.arange(batch.batch_size))
-    values = batch.extras.get("values")
     a = algo.advantage
-    advantages, returns = adv_lib.compute_advantages(a.estimator, rewards, mask, values=values,
+    advantages, returns = adv_lib.compute_advantages(a.estimator, rewards, mask, values=batch.extras.get("values"),
                                                      group_ids=group_ids, gamma=a.gamma, lam=a.lam,
                                                      norm_by_std=a.norm_by_std, epsilon=a.epsilon)
-    return advantages * mask, returns, metrics
+    batch.set("advantages", advantages * mask).set("returns", returns)
+    return metrics
 
 
-# ---------------------------------------------------------------------------------------------
-# the mixed update
+def preference_micro_batches(examples, reference, ctx: StepContext) -> List[dict]:
+    """This step's preference pairs as pair micro-batches, with the reference's summed log-probs."""
+    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id)
+    ref = forward.pair_sequence_log_probs(reference, mbs, ctx.groups, vocab_size=ctx.vocab_size)
+    micro_batches.attach_ref_pair_logps(mbs, ref)
+    return mbs
 
 
-@dataclasses.dataclass(frozen=True)
-class GlobalCounts:
-    """Counts over all DP ranks of one mini-batch (what makes every loss term's weight exact)."""
-
-    tokens: float
-    sequences: float
-    pairs: float
-
-
-def global_counts(rollout_mbs: Sequence[dict], pair_mbs: Sequence[dict], groups: ParallelGroups) -> GlobalCounts:
-    local = torch.tensor([
-        sum(float(mb["mask"].sum()) for mb in rollout_mbs),
-        sum(float((mb["mask"].sum(dim=1) > 0).sum()) for mb in rollout_mbs),
-        sum(mb["input_ids"].shape[0] / 2 for mb in pair_mbs),
-    ], dtype=torch.float64)
-    comm.all_reduce_sum(local, groups.dp_group)
-    tokens, seqs, pairs = local.tolist()
-    return GlobalCounts(tokens=max(tokens, 1.0), sequences=max(seqs, 1.0), pairs=max(pairs, 1.0))
+def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[Tuple[int, int, List[dict]]]:
+    """Per PPO epoch and mini-batch: its index, the number of mini-batches and the rollout micro-batches
+    of its rows (none when ``batch`` is None: a pairs-only step)."""
+    t = ctx.cfg.trainer
+    minis = micro_batches.mini_batches(batch.batch_size if batch is not None else 0,
+                                       t.global_batch_size // t.ppo_mini_batch_size if t.ppo_mini_batch_size else 1)
+    for _ in range(t.ppo_epochs):
+        for index, rows in enumerate(minis):
+            yield index, len(minis), micro_batches.rollout_micro_batches(
+                batch, rows, micro_batch_size=ctx.micro_batch_size, token_budget=t.ppo_max_token_len_per_rank,
+                dp_group=ctx.groups.dp_group) if rows else []
 
 
-def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: GlobalCounts, groups: ParallelGroups,
-                     *, vocab_size: int, temperature: float):
-    """The loss closure of the mixed step; dispatches on ``batch["kind"]`` (``rollout`` or ``pairs``)."""
-    aggregation = Aggregation(mode=algo.ppo.loss_agg_mode, num_global_tokens=counts.tokens,
-                              num_global_seqs=counts.sequences, dp_size=1,
-                              loss_scale_factor=algo.ppo.loss_scale_factor)
-    ppo, dpo = algo.ppo, algo.dpo
+def update_policy(batch: Optional[RolloutBatch], pairs: List[dict], weights: StepWeights, policy: Trainable, guard,
+                  ctx: StepContext, *, wrap_loss=lambda loss_fn: loss_fn) -> Dict[str, float]:
+    """``ppo_epochs`` x mini-batches of optimizer updates at this step's LR, the preference micro-batches
+    dealt round-robin over the mini-batches; the LR schedule then advances once per HPA step (as verl's),
+    whatever the number of updates in it. ``guard`` decides what a non-finite or spiking gradient does.
 
-    def rollout_loss(batch, logits, hidden):
-        logp_s = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size,
-                                          temperature=temperature)  # [b, s]
-        logp = logp_s.gather(1, batch["response_index"])  # [b, r]
-        mask = batch["mask"]
-        pg, pg_m = policy_loss(batch["old_log_probs"], logp, batch["advantages"], mask, name=ppo.policy_loss,
-                               clip_ratio=ppo.clip_ratio, clip_ratio_low=ppo.clip_ratio_low,
-                               clip_ratio_high=ppo.clip_ratio_high, clip_ratio_c=ppo.clip_ratio_c,
-                               aggregation=aggregation, importance_weights=batch.get("is_weights"))
-        ent_s = vocab_parallel_entropy(logits, groups.tp_group, vocab_size=vocab_size, temperature=temperature)
-        ent, ent_m = entropy_bonus(ent_s.gather(1, batch["response_index"]), mask, weights.entropy_coef,
-                                   aggregation=aggregation)
-        pooled = mean_pool(hidden.float(), batch["pool_mask"])  # [b, h]
-        hier, hier_m = hierarchical_kl(logp, batch["ref_log_probs"], mask, pooled, batch["ref_pooled"],
-                                       lambda_token=weights.lambda_token,
-                                       lambda_semantic=weights.lambda_semantic, kind=algo.kl.estimator,
-                                       distance=algo.hpa.semantic_distance, aggregation=aggregation)
-        if not algo.kl.use_kl_loss:
-            hier = hier * 0.0
-        total, _ = hpa_objective(pg, None, hier, w_ppo=weights.w_ppo, w_dpo=weights.w_dpo, w_kl=weights.w_kl,
-                                 entropy_term=ent)
-        metrics = {f"actor/{k}": v for k, v in pg_m.items()}
-        metrics.update({"actor/entropy": ent_m["entropy"], "kl/token": hier_m["token_kl"],
-                        "kl/semantic": hier_m["semantic_distance"], "kl/hier": hier_m["hier_kl"],
-                        # the KL term as it enters the loss (before w_kl): kl/hier, or 0 without the KL loss
-                        "actor/kl_loss": hier.detach()})
-        return total, metrics
-
-    def pair_loss(batch, logits, hidden):
-        logp_s = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size)
-        seq = (logp_s * batch["label_mask"]).sum(dim=1)  # [2m]
-        m = seq.shape[0] // 2
-        lengths = batch["label_mask"].sum(dim=1)
-        loss, d_m = dpo_loss(seq[:m], seq[m:], batch["ref_seq_logp"][:m], batch["ref_seq_logp"][m:],
-                             beta=dpo.beta, variant=dpo.loss, label_smoothing=dpo.label_smoothing,
-                             chosen_lengths=lengths[:m], rejected_lengths=lengths[m:],
-                             num_global_pairs=counts.pairs, dp_size=1)
-        metrics = {"dpo/loss": d_m["dpo_loss"], "dpo/reward_acc": d_m["dpo_reward_accuracy"],
-                   "dpo/margin": d_m["dpo_reward_margin"], "dpo/chosen_reward": d_m["dpo_chosen_reward"],
-                   "dpo/rejected_reward": d_m["dpo_rejected_reward"]}
-        total, _ = hpa_objective(None, loss, None, w_ppo=weights.w_ppo, w_dpo=weights.w_dpo, w_kl=weights.w_kl)
-        return total, metrics
-
-    def loss_fn(batch, logits, hidden):
-        return rollout_loss(batch, logits, hidden) if batch["kind"] == "rollout" else pair_loss(batch, logits, hidden)
-
-    return loss_fn
-
-
-def make_critic_loss(algo: AlgorithmConfig, counts: GlobalCounts):
-    aggregation = Aggregation(mode=algo.ppo.loss_agg_mode, num_global_tokens=counts.tokens,
-                              num_global_seqs=counts.sequences, dp_size=1,
-                              loss_scale_factor=algo.ppo.loss_scale_factor)
-
-    def loss_fn(batch, values, hidden):
-        vpreds = values[..., 0].gather(1, batch["response_index"])  # [b, r]
-        loss, m = value_loss(vpreds, batch["returns"], batch["values"], batch["mask"],
-                             clip_range_value=algo.ppo.value_clip, aggregation=aggregation)
-        return loss, {f"critic/{k}": v for k, v in m.items()}
-
-    return loss_fn
-
-
-# metrics that are a micro-batch's share of a globally normalised loss: summed, not averaged
-SHARE_KEYS = frozenset({"actor/pg_loss", "actor/entropy", "kl/token", "kl/semantic", "kl/hier", "actor/kl_loss",
-                        "dpo/loss", "critic/vf_loss"})
-
-
-def step_metrics(records: Sequence[Dict], groups: ParallelGroups,
-                 share_keys: frozenset = SHARE_KEYS) -> Dict[str, float]:
-    """Metrics of one optimizer step from its per-micro-batch records (only the last stage has them).
-
-    Loss shares (``SHARE_KEYS``) are summed over micro-batches and DP ranks, which gives the loss of
-    the whole mini-batch; every other metric is a micro-batch mean, averaged over micro-batches and
-    then over DP ranks.
+    Args:
+        wrap_loss: applied to each update's loss closure (fault injection).
     """
-    values: Dict[str, List[float]] = {}
-    for record in records:
-        for k, v in record.items():
-            values.setdefault(k, []).append(float(v))
-    local = {k: (sum(v) if k in share_keys else sum(v) / len(v)) for k, v in values.items()}
-    last = groups.last_stage_global_rank()
-    keys = sorted(local)
-    if groups.pipeline_model_parallel_size > 1:
-        keys = comm.broadcast_object(keys, src=last, group=groups.pp_group)
-    vec = torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64)
-    if groups.pipeline_model_parallel_size > 1:
-        comm.broadcast_tensor(vec, src=last, group=groups.pp_group)
-    share = torch.tensor([k in share_keys for k in keys])
-    summed = comm.all_reduce_sum(vec.clone(), groups.dp_group)
-    out = torch.where(share, summed, summed / groups.data_parallel_size)
-    return dict(zip(keys, out.tolist()))
+    steps, grad_norms = [], []
+    lr = policy.optimizer.param_groups[0]["lr"]
+    for index, num_minis, rollout_mbs in _mini_batches(batch, ctx):
+        pair_mbs = pairs[index::num_minis]
+        counts = objective.global_counts(rollout_mbs, pair_mbs, ctx.groups)
+        loss_fn = objective.make_policy_loss(ctx.cfg.algorithm, weights, counts, ctx.groups,
+                                             vocab_size=ctx.vocab_size, temperature=ctx.temperature)
+        zero_grad(policy.model, policy.optimizer)
+        records = forward_backward(policy.model, rollout_mbs + pair_mbs, wrap_loss(loss_fn), ctx.groups,
+                                   capture_hidden=True)
+        updated, grad_norm = guarded_optimizer_step(policy.optimizer, None, guard.grad_norm_action,
+                                                    guard.spike_clip_value)
+        guard.record(updated)
+        steps.append(objective.step_metrics(records, ctx.groups))
+        grad_norms.append(grad_norm)
+    metrics = objective.average(steps)
+    finite = [g for g in grad_norms if math.isfinite(g)]
+    metrics["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+    metrics["actor/lr"] = lr
+    policy.scheduler.step(increment=1)
+    return metrics
 
 
-def average(dicts: Sequence[Dict[str, float]]) -> Dict[str, float]:
-    """Mean over optimizer steps (ppo_epochs × mini-batches)."""
-    keys = sorted({k for d in dicts for k in d})
-    return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
+def update_critic(batch: RolloutBatch, critic: Trainable, ctx: StepContext) -> Dict[str, float]:
+    """The clipped value loss over the same epochs and mini-batches as the policy's update."""
+    steps = []
+    for _, _, mbs in _mini_batches(batch, ctx):
+        counts = objective.global_counts(mbs, [], ctx.groups)
+        zero_grad(critic.model, critic.optimizer)
+        records = forward_backward(critic.model, mbs, objective.make_critic_loss(ctx.cfg.algorithm, counts),
+                                   ctx.groups)
+        optimizer_step(critic.optimizer)
+        steps.append(objective.step_metrics(records, ctx.groups))
+    critic.scheduler.step(increment=1)  # once per HPA step, as the policy's
+    return objective.average(steps)
+
+
+def update_kl_controller(batch: RolloutBatch, kl_ctrl, weights: StepWeights, ctx: StepContext) -> Dict[str, float]:
+    """The controller follows the DP-mean KL between the rollout policy and the reference."""
+    kl = masked_mean(kl_penalty(batch.get("old_log_probs"), batch.get("ref_log_probs"),
+                                ctx.cfg.algorithm.kl.reward_estimator), batch.get("mask"))
+    current = comm.all_reduce_mean(kl.reshape(1).double(), ctx.groups.dp_group).item()
+    kl_ctrl.update(current, batch.batch_size * ctx.groups.data_parallel_size)
+    return {"actor/kl_coef": weights.reward_kl_coef, "actor/reward_kl": current}
+
+
+def tokens_trained(batch: Optional[RolloutBatch], pairs: List[dict], ctx: StepContext) -> float:
+    """Tokens this rank trained on this step (for ``perf/throughput``)."""
+    tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum()) if batch is not None else 0.0
+    tokens += sum(float((mb["input_ids"] != ctx.pad_id).sum()) for mb in pairs)
+    return tokens * ctx.cfg.trainer.ppo_epochs

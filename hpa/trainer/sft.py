@@ -15,7 +15,7 @@ from hpa.data.tokenizer import build_tokenizer
 from hpa.distributed.groups import ParallelGroups
 from hpa.models import build_policy
 from hpa.ops.vocab_parallel import vocab_parallel_log_probs
-from hpa.trainer import phases
+from hpa.trainer import objective
 from hpa.trainer.micro_batches import sft_micro_batches
 from hpa.models.weights import load_model_weights, save_model_weights
 from hpa.trainer.metrics import MetricsWriter
@@ -49,7 +49,7 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     for step in range(1, cfg.sft.total_steps + 1):
         examples = [data[i] for i in sampler.next_batch()]
         mbs = sft_micro_batches(examples, micro_batch_size=cfg.trainer.micro_batch_size, pad_id=tokenizer.pad_id)
-        counts = phases.global_counts([{"mask": mb["label_mask"]} for mb in mbs], [], groups)
+        counts = objective.global_counts([{"mask": mb["label_mask"]} for mb in mbs], [], groups)
 
         def nll(batch, logits, hidden):
             logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab)
@@ -60,7 +60,7 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
         zero_grad(ddp, opt)
         records = forward_backward(ddp, mbs, nll, groups)
         _, grad_norm = optimizer_step(opt, sched)
-        metrics = phases.step_metrics(records, groups, share_keys=frozenset({"sft/nll"}))
+        metrics = objective.step_metrics(records, groups, share_keys=frozenset({"sft/nll"}))
         metrics["sft/grad_norm"] = grad_norm
         writer.write(step, metrics)
     writer.close()

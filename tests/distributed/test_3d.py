@@ -4,7 +4,7 @@ distributed) train a tiny model; the loss goes down and both optimizers take the
 import pytest
 import torch
 
-from multirank import layout_id, run_ranks
+from multirank import run_ranks
 
 STEPS = 5
 

@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 from multirank import run_ranks
 

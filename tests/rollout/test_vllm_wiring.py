@@ -58,7 +58,7 @@ def wiring_worker(groups, root):
     out = {"vocab": vocab, "eos": eos, "model_vocab": cfg.model.vocab_size}
 
     trainer = HPATrainer(cfg, groups)
-    initial = _embedding(trainer.policy.model, vocab)
+    initial = _embedding(trainer.parts.policy.model, vocab)
     trainer.train()
     llm = fake_vllm.FakeLLM.instances[-1]
     out["trainer"] = dict(kwargs=llm.kwargs, hf_config=llm.hf_config, rollouts=fake_vllm.rollouts(llm.calls),
@@ -66,7 +66,7 @@ def wiring_worker(groups, root):
                           first_sync_is_initial=bool(torch.equal(llm.history[0]["model.embed_tokens.weight"],
                                                                  initial)),
                           last_sync_is_current=bool(torch.equal(llm.history[-1]["model.embed_tokens.weight"],
-                                                                _embedding(trainer.policy.model, vocab))),
+                                                                _embedding(trainer.parts.policy.model, vocab))),
                           syncs_differ=not torch.equal(llm.history[1]["model.embed_tokens.weight"],
                                                        llm.history[2]["model.embed_tokens.weight"]))
 

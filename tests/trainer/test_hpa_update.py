@@ -81,25 +81,25 @@ def _setup(groups):
 
 
 def gradients_worker(groups):
-    from hpa.trainer import phases
+    from hpa.trainer import objective
     from hpa.engine.step import forward_backward
 
     algo, policy, rollout_mbs, pair_mbs = _setup(groups)
 
     def grad(w_ppo, w_dpo, w_kl, rollout_size=4, pair_size=3, with_rollouts=True, with_pairs=True, entropy=0.01,
              is_weight=None):
-        weights = phases.StepWeights(w_ppo=w_ppo, w_dpo=w_dpo, w_kl=w_kl, lambda_token=0.7, lambda_semantic=0.5,
+        weights = objective.StepWeights(w_ppo=w_ppo, w_dpo=w_dpo, w_kl=w_kl, lambda_token=0.7, lambda_semantic=0.5,
                                      entropy_coef=entropy, reward_kl_coef=0.0)
         r = rollout_mbs(rollout_size) if with_rollouts else []
         for mb in r if is_weight is not None else []:
             mb["is_weights"] = torch.full_like(mb["mask"], is_weight) * mb["mask"]
         p = pair_mbs(pair_size) if with_pairs else []
-        counts = phases.global_counts(r, p, groups)
-        loss_fn = phases.make_policy_loss(algo, weights, counts, groups, vocab_size=VOCAB, temperature=1.0)
+        counts = objective.global_counts(r, p, groups)
+        loss_fn = objective.make_policy_loss(algo, weights, counts, groups, vocab_size=VOCAB, temperature=1.0)
         policy.zero_grad_buffer()
         records = forward_backward(policy, r + p, loss_fn, groups, capture_hidden=True)
         flat = torch.cat([prm.main_grad.flatten().clone() for prm in policy.parameters()])
-        return flat.numpy(), phases.step_metrics(records, groups)
+        return flat.numpy(), objective.step_metrics(records, groups)
 
     out = {}
     out["mixed"], out["mixed_metrics"] = grad(0.4, 0.4, 0.2)

@@ -2,9 +2,6 @@
 metrics, the metrics file holds every documented key, and resumable pieces are in place."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 

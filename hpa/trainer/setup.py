@@ -1,0 +1,105 @@
+"""Everything an HPA run builds before its first step, in a fixed order (model initialisation draws from
+the RNG, so the order is part of the run's numerics): tokenizer, data and samplers, policy, reference,
+critic, rollout engine, reward, evaluator."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Optional
+
+from hpa.config.schema import Config
+from hpa.data.preferences import PreferenceDataset
+from hpa.data.prompts import PromptDataset
+from hpa.data.sampler import DistributedBatchSampler
+from hpa.data.tokenizer import build_tokenizer
+from hpa.distributed.groups import ParallelGroups
+from hpa.engine.optimizer import Trainable, make_trainable
+from hpa.models import build_policy, build_reference, build_value, unwrap
+from hpa.models.weights import load_model_weights
+from hpa.reward import build_reward
+from hpa.rollout import build_rollout_engine
+from hpa.rollout.base import TokenizerInfo
+from hpa.trainer.evaluate import Evaluator
+
+logger = logging.getLogger("hpa")
+
+
+@dataclasses.dataclass
+class RunParts:
+    """The built parts of a run.
+
+    Args:
+        policy: the trained policy (DDP model, optimizer, LR schedule).
+        reference: the frozen reference (the initial policy unless ``model.reference_path``).
+        critic: the trained critic, with GAE only (``algorithm.advantage.estimator``), else None.
+        engine: the rollout engine on the policy's weights.
+        reward: the shaped reward (rule rewards and the reward-model ensemble, with uncertainty shaping).
+    """
+
+    tokenizer: object
+    prompts: PromptDataset
+    pairs: PreferenceDataset
+    prompt_sampler: DistributedBatchSampler
+    pair_sampler: DistributedBatchSampler
+    policy: Trainable
+    reference: object
+    critic: Optional[Trainable]
+    engine: object
+    reward: object
+    evaluator: Evaluator
+
+
+def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
+    t = cfg.trainer
+    rejects = cfg.data.rejects_dir or str(Path(t.run_dir) / "rejects")
+    tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path, model_vocab_size=cfg.model.vocab_size)
+    prompts = PromptDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
+    pairs = PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
+    seed = cfg.data.seed if cfg.data.seed is not None else t.seed
+
+    def sampler(n: int, batch_size: int, seed: int) -> DistributedBatchSampler:
+        return DistributedBatchSampler(n, global_batch_size=batch_size, dp_rank=groups.dp_rank,
+                                       dp_size=groups.data_parallel_size, seed=seed, shuffle=cfg.data.shuffle)
+
+    prompt_sampler = sampler(len(prompts), t.global_batch_size, seed)
+    pair_sampler = sampler(len(pairs), t.preference_batch_size, seed + 1)
+    policy, reference, critic = build_models(cfg, groups)
+    engine = build_rollout_engine(cfg.rollout, unwrap(policy.model), groups, TokenizerInfo.from_tokenizer(tokenizer),
+                                  model_cfg=cfg.model, checkpoint_path=cfg.model.policy_path)
+    model_reward = None  # the learned (hackable) part of the reward, watched by the monitor
+    if cfg.reward.model_paths:  # the reward-model ensemble (hpa train-rm), next to the rule rewards
+        from hpa.reward.model import ModelReward
+
+        model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups, pad_id=tokenizer.pad_id,
+                                               micro_batch_size=t.micro_batch_size)
+    reward = build_reward(cfg.reward, model_reward)
+    evaluator = Evaluator(cfg.data, cfg.rollout, cfg.reward, groups, tokenizer, rejects_dir=rejects, reward=reward,
+                          model_reward=model_reward, micro_batch_size=t.micro_batch_size)
+    return RunParts(tokenizer=tokenizer, prompts=prompts, pairs=pairs, prompt_sampler=prompt_sampler,
+                    pair_sampler=pair_sampler, policy=policy, reference=reference, critic=critic, engine=engine,
+                    reward=reward, evaluator=evaluator)
+
+
+def build_models(cfg: Config, groups: ParallelGroups):
+    """``(policy, reference, critic)``: the trained policy, the frozen reference and, with GAE, the critic
+    (which starts from ``model.critic_path``, else from the policy's backbone)."""
+    policy = build_policy(cfg.model, cfg.parallel, groups)
+    if cfg.model.policy_path:
+        load_model_weights(policy, cfg.model.policy_path, groups)
+    reference = build_reference(cfg.model, cfg.parallel, groups)
+    if cfg.model.reference_path:
+        load_model_weights(reference, cfg.model.reference_path, groups)
+    else:  # the frozen reference is the initial policy
+        reference.load_state_dict(policy.state_dict())
+    total = cfg.trainer.total_steps
+    trained = make_trainable(policy, cfg.optim, cfg.parallel, groups, total)
+    critic = None
+    if cfg.algorithm.advantage.estimator == "gae":
+        model = build_value(cfg.model, cfg.parallel, groups)
+        start = cfg.model.critic_path or cfg.model.policy_path
+        if start:
+            load_model_weights(model, start, groups, exclude_prefixes=("output_layer.",))
+        critic = make_trainable(model, cfg.optim, cfg.parallel, groups, total, lr=cfg.optim.critic_lr or cfg.optim.lr)
+    return trained, reference, critic
