@@ -186,8 +186,8 @@ done
 restarts=$(scontrol show job "$pre" | grep -oE 'Restarts=[0-9]+' | cut -d= -f2)
 (( restarts >= 1 )) || fail "job $pre was never requeued (Restarts=$restarts)"
 grep -q "received SIGUSR1" "$WORK"/preempted-"$pre".out || fail "job $pre never got SIGUSR1"
-stopped=$(python -c 'import json, sys; s = json.load(open(sys.argv[1])); assert s["reason"] == "signal", s; print(s["step"])' \
-    "$WORK/preempted/exit_status.json") || fail "job $pre: the trainers did not stop on the signal"
+stopped=$(python -c 'import json, sys; h = [json.loads(x) for x in open(sys.argv[1])]; assert h[0]["reason"] == "signal" and h[-1]["reason"] == "done", h; print(h[0]["step"])' \
+    "$WORK/preempted/exit_history.jsonl") || fail "job $pre: the trainers did not stop on the signal, then finish"
 grep -q "resumed from $WORK/preempted/checkpoints/step_$(printf %08d "$stopped") at step $stopped" \
     "$WORK"/preempted-"$pre".out || fail "job $pre: the requeued run did not resume from the step-$stopped checkpoint"
 grep -q "exitcode: -9" "$WORK"/rankdeath-"$kil".out || fail "job $kil: rank 1 was not killed"

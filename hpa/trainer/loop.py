@@ -92,7 +92,7 @@ class HPATrainer:
     def train(self) -> Dict[str, float]:
         """Run to ``trainer.total_steps`` (or an early stop, a signal, ``max_steps_per_run``).
 
-        Sets ``exit_reason`` to ``done``, ``early_stop``, ``signal`` or ``max_steps_per_run`` (in the
+        Sets ``exit_reason`` (and writes it to ``exit_status.json``) to ``done``, ``early_stop``, ``signal`` or ``max_steps_per_run`` (in the
         last two cases a checkpoint was saved, unless ``state.last_save_ok`` is False, and the next launch
         resumes from the newest one), ``save_failed`` (``checkpoint.on_save_failure=stop``) or
         ``collective_failure`` (a collective timed out or lost a peer; the error names the phase and
@@ -100,16 +100,16 @@ class HPATrainer:
         """
         with self.control.catching_signals():
             try:
-                return self._train()
+                last = self._train()
             except RuntimeError as exc:
                 if not is_collective_failure(exc):
                     raise
                 logger.error("%s", self.progress.collective_failure_message(exc))
-                self.exit_reason = "collective_failure"
-                self.control.write_exit_status(self.exit_reason, self.state.step)
-                return {}
+                self.exit_reason, last = "collective_failure", {}
             finally:
                 self.metrics.close()
+        self.control.write_exit_status(self.exit_reason, self.state.step)
+        return last
 
     def _train(self) -> Dict[str, float]:
         last: Dict[str, float] = {}
@@ -150,7 +150,6 @@ class HPATrainer:
                 continue
             if stop:
                 self.exit_reason = stop
-                self.control.write_exit_status(stop, state.step)
                 break
         return last
 

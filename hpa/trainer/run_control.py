@@ -3,7 +3,8 @@
 A run stops at ``trainer.total_steps``, on a launcher's signal (SIGTERM, SIGUSR1: checkpoint at the end
 of the step, then exit), on an early stop (the guard's patience, or the hacking monitor with
 ``guard.early_stop_on_hacking``), or after ``trainer.max_steps_per_run``. Every rank takes the same
-decision at the same step. ``<run_dir>/exit_status.json`` says why and where.
+decision at the same step. ``<run_dir>/exit_status.json`` says why and where the latest process stopped,
+``exit_history.jsonl`` every process's stop in turn.
 """
 
 from __future__ import annotations
@@ -73,8 +74,11 @@ class RunControl:
         return None
 
     def write_exit_status(self, reason: str, step: int) -> None:
-        """``<run_dir>/exit_status.json``: why this process stopped before ``total_steps`` and where."""
+        """``<run_dir>/exit_status.json``: why this process stopped and where (``done``: at ``total_steps``);
+        every process of the run also appends its line to ``<run_dir>/exit_history.jsonl``."""
         if self.is_main:
-            (self.run_dir / "exit_status.json").write_text(json.dumps(
-                {"reason": reason, "step": step, "resumable": reason != "early_stop",
-                 "best_step": self.guard.best_step}))
+            status = json.dumps({"reason": reason, "step": step, "resumable": reason not in ("done", "early_stop"),
+                                 "best_step": self.guard.best_step})
+            (self.run_dir / "exit_status.json").write_text(status)
+            with open(self.run_dir / "exit_history.jsonl", "a") as f:
+                f.write(status + "\n")

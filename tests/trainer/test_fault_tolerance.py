@@ -101,6 +101,11 @@ def test_max_steps_per_run_exits_resumable_and_resume_is_exact(demo, uninterrupt
     assert status == {"reason": "max_steps_per_run", "step": 2, "resumable": True, "best_step": 0}
     resumed = launch(demo, run_dir, 4, FOUR_STEPS)
     assert_same_metrics(uninterrupted, resumed, steps=[3, 4])
+    # the status is the last process's: the resumed one finished the run
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status == {"reason": "done", "step": 4, "resumable": False, "best_step": 0}
+    history = [json.loads(line) for line in (run_dir / "exit_history.jsonl").read_text().splitlines()]
+    assert [(h["reason"], h["step"]) for h in history] == [("max_steps_per_run", 2), ("done", 4)]
 
 
 def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(demo):
