@@ -89,7 +89,7 @@ def gradients_worker(groups):
     def grad(w_ppo, w_dpo, w_kl, rollout_size=4, pair_size=3, with_rollouts=True, with_pairs=True, entropy=0.01,
              is_weight=None):
         weights = objective.StepWeights(w_ppo=w_ppo, w_dpo=w_dpo, w_kl=w_kl, lambda_token=0.7, lambda_semantic=0.5,
-                                     entropy_coef=entropy, reward_kl_coef=0.0)
+                                        entropy_coef=entropy, reward_kl_coef=0.0)
         r = rollout_mbs(rollout_size) if with_rollouts else []
         for mb in r if is_weight is not None else []:
             mb["is_weights"] = torch.full_like(mb["mask"], is_weight) * mb["mask"]

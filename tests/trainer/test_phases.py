@@ -1,0 +1,87 @@
+"""Phases of an HPA step called alone (one process, no model): each reads the step's RolloutBatch and
+writes its results back to it, against hand-computed values."""
+
+import types
+
+import pytest
+import torch
+
+from hpa.config import load_config
+from hpa.rollout.base import RolloutBatch
+from hpa.trainer import phases
+
+# one process: no DP group, DP size 1
+GROUPS = types.SimpleNamespace(dp_group=None, data_parallel_size=1)
+
+
+def _ctx(*overrides):
+    return phases.StepContext(load_config(None, list(overrides)), GROUPS, micro_batch_size=2, vocab_size=32,
+                              temperature=1.0, pad_id=0)
+
+
+def _batch(response_mask, group_ids):
+    b, r = response_mask.shape
+    return RolloutBatch(prompt_ids=torch.ones(b, 2, dtype=torch.long), prompt_mask=torch.ones(b, 2, dtype=torch.long),
+                        response_ids=torch.ones(b, r, dtype=torch.long), response_mask=response_mask,
+                        log_probs=torch.zeros(b, r), finish_reasons=["stop"] * b, group_ids=torch.tensor(group_ids))
+
+
+def test_a_masked_out_row_moves_no_group_baseline():
+    """GRPO without std: advantage = score - mean of the group's scores, over the rows still in the loss.
+    Row 2 (group 0) is masked out (a non-finite or filtered reward): its large score must not enter
+    group 0's mean, and its advantages are 0."""
+    ctx = _ctx("algorithm.advantage.estimator=grpo", "algorithm.advantage.norm_by_std=false",
+               "algorithm.kl.use_kl_in_reward=false")
+    response_mask = torch.tensor([[1., 1., 0.], [1., 1., 1.], [1., 0., 0.], [1., 1., 0.], [1., 0., 0.]])
+    batch = _batch(response_mask, [0, 0, 0, 0, 1])
+    scores = torch.tensor([1.0, 0.0, 9.0, 0.5, 2.0])
+    last = response_mask.sum(dim=1).long() - 1
+    token_scores = torch.zeros(5, 3)
+    token_scores[torch.arange(5), last] = scores
+    mask = response_mask.clone()
+    mask[2] = 0.0
+    batch.set("mask", mask).set("token_scores", token_scores)
+
+    assert phases.compute_advantages(batch, ctx, reward_kl_coef=0.0) == {}
+    # group 0: minus the mean of 1, 0 and 0.5; group 1 has one row, whose baseline is 0 (as verl's GRPO)
+    expected = torch.tensor([0.5, -0.5, 0.0, 0.0, 2.0])
+    torch.testing.assert_close(batch.get("advantages"), expected[:, None] * mask)
+
+
+def test_the_in_reward_kl_is_subtracted_before_the_advantages():
+    """With ``use_kl_in_reward`` (k1), each token's reward loses coef x (old - ref log-prob) before the
+    advantages: the row that drifted from the reference gets the lower advantage."""
+    ctx = _ctx("algorithm.advantage.estimator=grpo", "algorithm.advantage.norm_by_std=false",
+               "algorithm.kl.use_kl_in_reward=true", "algorithm.kl.reward_estimator=k1")
+    response_mask = torch.ones(2, 2)
+    batch = _batch(response_mask, [0, 0])
+    batch.set("mask", response_mask).set("token_scores", torch.tensor([[0.0, 1.0], [0.0, 1.0]]))
+    # row 0 drifted from the reference by 0.5 nats per token, row 1 not at all
+    batch.set("old_log_probs", torch.tensor([[-1.0, -1.0], [-1.0, -1.0]]))
+    batch.set("ref_log_probs", torch.tensor([[-1.5, -1.5], [-1.0, -1.0]]))
+    phases.compute_advantages(batch, ctx, reward_kl_coef=0.2)
+    # scores (sum of token rewards): row 0: 1 - 0.2 x 0.5 x 2 = 0.8, row 1: 1.0; mean 0.9
+    torch.testing.assert_close(batch.get("advantages"), torch.tensor([[-0.1, -0.1], [0.1, 0.1]]))
+
+
+def test_the_kl_controller_follows_the_masked_mean_k1_kl():
+    ctx = _ctx("algorithm.kl.reward_estimator=k1")
+    batch = _batch(torch.ones(2, 3), [0, 1])
+    batch.set("mask", torch.tensor([[1., 1., 0.], [1., 0., 0.]]))
+    batch.set("old_log_probs", torch.tensor([[-1.0, -2.0, -9.0], [-1.0, -9.0, -9.0]]))
+    batch.set("ref_log_probs", torch.tensor([[-1.5, -1.0, 0.0], [-1.3, 0.0, 0.0]]))
+    seen = []
+    ctrl = types.SimpleNamespace(update=lambda kl, n: seen.append((kl, n)))
+    weights = types.SimpleNamespace(reward_kl_coef=0.05)
+    metrics = phases.update_kl_controller(batch, ctrl, weights, ctx)
+    kl = (0.5 + -1.0 + 0.3) / 3  # masked mean of old - ref over the three tokens in the loss
+    assert seen == [(pytest.approx(kl), 2)]
+    assert metrics == {"actor/kl_coef": 0.05, "actor/reward_kl": pytest.approx(kl)}
+
+
+def test_tokens_trained_counts_prompt_response_and_pair_tokens_per_epoch():
+    ctx = _ctx("trainer.ppo_epochs=2")
+    batch = _batch(torch.tensor([[1., 1., 0.], [1., 0., 0.]]), [0, 1])  # 2 x 2 prompt + 3 response tokens
+    pairs = [{"input_ids": torch.tensor([[5, 6, 0], [7, 0, 0]])}]  # 3 non-pad tokens
+    assert phases.tokens_trained(batch, pairs, ctx) == (4 + 3 + 3) * 2
+    assert phases.tokens_trained(None, pairs, ctx) == 3 * 2
