@@ -42,6 +42,12 @@ Task families (``--family``):
   The main job on it (``launch/demo_hackable.sh``) uses the learned reward ensemble alone as the
   PPO reward; the gold score is the rule (exact match), evaluated on the held-out prompts and on
   the adversarial set (the held-out uncovered ``reverse`` prompts).
+- ``split``: complementary signals, as when verifiable prompts (math, code) and prompts only people
+  can judge are trained together. The training prompts of ``unverified_tasks`` (``add``, ``copy``)
+  have no ground truth, so the rule reward abstains on them (0), but they have preference pairs;
+  ``reverse`` has a ground truth and no pair. The rule reward alone teaches ``reverse``, the pairs
+  alone teach ``add`` and ``copy``; held-out prompts keep every ground truth, so the gold score
+  covers all three. ``DEMO_FAMILY=split bash launch/demo.sh`` runs it.
 
 Usage::
 
@@ -62,8 +68,11 @@ LETTERS = "abcdefgh"
 SPURIOUS_FEATURES = ("length",)
 # the task families: the options each one sets (explicit arguments win)
 FAMILIES = {
-    "standard": {"uncovered_tasks": (), "spurious": None, "spurious_fraction": 0.0},
-    "hackable": {"uncovered_tasks": ("reverse",), "spurious": "length", "spurious_fraction": 0.5},
+    "standard": {"uncovered_tasks": (), "unverified_tasks": (), "spurious": None, "spurious_fraction": 0.0},
+    "hackable": {"uncovered_tasks": ("reverse",), "unverified_tasks": (), "spurious": "length",
+                 "spurious_fraction": 0.5},
+    "split": {"uncovered_tasks": ("reverse",), "unverified_tasks": ("add", "copy"), "spurious": None,
+              "spurious_fraction": 0.0},
 }
 
 
@@ -131,8 +140,8 @@ def _pool(task: str, min_len: int, max_len: int) -> List[Tuple[str, ...]]:
 def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_eval_prompts: int = 64,
                    tasks: Sequence[str] = TASKS, min_len: int = 2, max_len: int = 3,
                    flip_fraction: float = 0.12, num_sft: Optional[int] = None,
-                   uncovered_tasks: Sequence[str] = (), spurious: Optional[str] = None,
-                   spurious_fraction: float = 0.0) -> Dict[str, int]:
+                   uncovered_tasks: Sequence[str] = (), unverified_tasks: Sequence[str] = (),
+                   spurious: Optional[str] = None, spurious_fraction: float = 0.0) -> Dict[str, int]:
     """Write the demo task files to ``out_dir`` and return counts per file.
 
     Args:
@@ -146,6 +155,8 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
         num_sft: SFT examples (the first ones of the training prompts); default all of them. A small
             SFT set leaves the policy room to improve during HPA.
         uncovered_tasks: tasks with training prompts but no preference pair (the ``hackable`` family).
+        unverified_tasks: tasks whose training prompts carry no ground truth (the ``split`` family);
+            their SFT examples, pairs and held-out prompts keep the answer.
         spurious: a feature of the pairs that correlates with "chosen" but not with the gold rule:
             ``length`` (the rejected response is the correct answer cut short), or None.
         spurious_fraction: share of the pairs (of answers with at least two symbols) that carry it.
@@ -159,6 +170,8 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
         raise ValueError(f"need 1 <= min_len <= max_len <= 8, got {min_len}, {max_len}")
     if any(t not in tasks for t in uncovered_tasks) or set(uncovered_tasks) == set(tasks):
         raise ValueError(f"uncovered_tasks must be a proper subset of tasks {list(tasks)}, got {list(uncovered_tasks)}")
+    if any(t not in tasks for t in unverified_tasks):
+        raise ValueError(f"unverified_tasks must be a subset of tasks {list(tasks)}, got {list(unverified_tasks)}")
     if spurious is not None and spurious not in SPURIOUS_FEATURES:
         raise ValueError(f"spurious must be one of {SPURIOUS_FEATURES} or None, got {spurious!r}")
     if not 0.0 <= spurious_fraction <= 1.0 or (spurious_fraction > 0 and spurious is None):
@@ -194,7 +207,8 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
             files["adversarial_prompts.jsonl"].append(record)
     for i, (task, args) in enumerate(train_items):
         prompt, answer = _prompt(task, args), _answer(task, args)
-        files["prompts.jsonl"].append({"prompt": prompt, "ground_truth": answer})
+        files["prompts.jsonl"].append({"prompt": prompt} if task in unverified_tasks else
+                                      {"prompt": prompt, "ground_truth": answer})
         if num_sft is None or i < num_sft:
             files["sft.jsonl"].append({"prompt": prompt, "response": answer})
         if task in uncovered_tasks:
@@ -217,7 +231,7 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
             for record in records:
                 f.write(json.dumps(record) + "\n")
         counts[name] = len(records)
-    corpus = [f"{r['prompt']} {r['ground_truth']}" for r in files["prompts.jsonl"] + files["eval_prompts.jsonl"]]
+    corpus = [f"{_prompt(task, args)} {_answer(task, args)}" for task, args in train_items + eval_items]
     corpus.append(" ".join(LETTERS) + " " + " ".join("0123456789") + " " + " ".join(TASKS) + " =")
     with open(os.path.join(out_dir, "corpus.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(corpus) + "\n")
@@ -238,15 +252,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--num-sft", type=int, default=None)
     parser.add_argument("--family", choices=sorted(FAMILIES), default="standard",
                         help="standard: nothing to hack; hackable: spurious length feature in the pairs and "
-                             "prompt kinds without pairs (see above)")
+                             "prompt kinds without pairs; split: the rule reward and the pairs cover different "
+                             "prompt kinds (see above)")
     parser.add_argument("--uncovered-tasks", nargs="*", choices=TASKS, default=None,
                         help="tasks without preference pairs (default: the family's)")
+    parser.add_argument("--unverified-tasks", nargs="*", choices=TASKS, default=None,
+                        help="tasks whose training prompts have no ground truth (default: the family's)")
     parser.add_argument("--spurious", choices=SPURIOUS_FEATURES, default=None,
                         help="spurious feature of the pairs (default: the family's)")
     parser.add_argument("--spurious-fraction", type=float, default=None, help="default: the family's")
     args = parser.parse_args(argv)
     family = dict(FAMILIES[args.family])
-    for key in ("uncovered_tasks", "spurious", "spurious_fraction"):
+    for key in ("uncovered_tasks", "unverified_tasks", "spurious", "spurious_fraction"):
         if getattr(args, key) is not None:
             family[key] = getattr(args, key)
     counts = make_demo_task(args.out_dir, args.num_prompts, args.seed, num_eval_prompts=args.num_eval_prompts,

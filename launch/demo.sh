@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The main job on CPU, from nothing: demo task data -> SentencePiece tokenizer -> SFT policy ->
 # reward-model ensemble -> HPA (PPO + DPO + hierarchical KL) -> report.
-# Usage: [DEMO_FAMILY=standard|hackable] bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
+# Usage: [DEMO_FAMILY=standard|hackable|split] bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
 # DEMO_FAMILY=hackable (launch/demo_hackable.sh): the preference pairs carry a spurious length feature and leave
 # the reverse prompts uncovered, and the PPO reward is the learned ensemble alone (no rule reward), so the
 # policy can exploit it; the gold score (exact match) is only evaluated.
+# DEMO_FAMILY=split: the rule reward judges only the reverse prompts (the others have no ground truth) and the
+# preference pairs cover only add and copy, so each signal alone teaches part of the task.
 set -euo pipefail
 FAMILY=${DEMO_FAMILY:-standard}
 case "$FAMILY" in
@@ -14,7 +16,10 @@ case "$FAMILY" in
   hackable) DEFAULT_OUT=runs/demo_hackable
             # the learned reward ensemble alone is the PPO reward (the gold rule is still evaluated)
             REWARD=("reward.rules=[]") ;;
-  *) echo "DEMO_FAMILY must be standard or hackable, got '$FAMILY'" >&2; exit 2 ;;
+  split)    DEFAULT_OUT=runs/demo_split
+            # the rule reward judges only the prompts with a ground truth (reverse); the pairs cover the rest
+            REWARD=(reward.rule_weight=4.0) ;;
+  *) echo "DEMO_FAMILY must be standard, hackable or split, got '$FAMILY'" >&2; exit 2 ;;
 esac
 OUT=${1:-$DEFAULT_OUT}
 shift || true

@@ -114,7 +114,9 @@ def load_custom_function(spec: str, *, allow_custom_code: bool, key: str = "rewa
 
 
 class RuleReward:
-    """Base reward from rule functions: ``[b, 1] = weight · Σ_fn fn(text, ground_truth)``.
+    """Base reward from rule functions: ``[b, 1] = weight · Σ_fn fn(text, ground_truth)``, and 0 for a row
+    whose ground truth is None (a prompt file may mix verifiable prompts with ones only the learned
+    reward can judge).
 
     Args:
         fns: rule functions (from ``RULE_REWARDS`` or ``load_custom_function``).
@@ -139,7 +141,8 @@ class RuleReward:
         if len(inputs.response_texts) != len(inputs.ground_truths):
             raise ValueError(f"{len(inputs.response_texts)} responses but {len(inputs.ground_truths)} "
                              "ground truths")
-        scores = [self.weight * sum(float(fn(text, truth)) for fn in self.fns)
+        # a prompt without a ground truth (one only the learned reward can judge): every rule abstains, 0
+        scores = [self.weight * sum(float(fn(text, truth)) for fn in self.fns) if truth is not None else 0.0
                   for text, truth in zip(inputs.response_texts, inputs.ground_truths)]
         return BaseRewardOutput(rewards=torch.tensor(scores, dtype=torch.float32,
                                                      device=inputs.response_mask.device).unsqueeze(1))

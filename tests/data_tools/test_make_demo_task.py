@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from data_tools.make_demo_task import demo_exact_match, main, make_demo_task
 from data_tools.train_tokenizer import read_corpus, train_sentencepiece
 from hpa.data.preferences import PreferenceDataset
@@ -115,6 +117,25 @@ def test_hackable_family(tmp_path):
     # the adversarial set: held-out prompts of the uncovered kind
     adversarial = read(tmp_path / "adversarial_prompts.jsonl")
     assert adversarial and all(a["prompt"].startswith("reverse") for a in adversarial)
+
+
+def test_split_family(tmp_path):
+    """Complementary signals: the training prompts of ``add`` and ``copy`` have no ground truth (the rule
+    reward cannot judge them) but have preference pairs; ``reverse`` has a ground truth and no pair.
+    Held-out prompts keep every ground truth (the gold score covers all three kinds)."""
+    main(["--out-dir", str(tmp_path), "--num-prompts", "600", "--seed", "2", "--family", "split"])
+    prompts, prefs = read(tmp_path / "prompts.jsonl"), read(tmp_path / "preferences.jsonl")
+    for p in prompts:
+        assert ("ground_truth" in p) == p["prompt"].startswith("reverse"), p
+    assert {q["prompt"].split()[0] for q in prefs} == {"add", "copy"}
+    assert len(prefs) == sum(not p["prompt"].startswith("reverse") for p in prompts)
+    assert all("spurious" not in q for q in prefs)
+    evals = read(tmp_path / "eval_prompts.jsonl")
+    assert {e["prompt"].split()[0] for e in evals} == {"add", "copy", "reverse"}
+    assert all(e["ground_truth"] for e in evals)
+    assert all(s["response"] for s in read(tmp_path / "sft.jsonl"))
+    with pytest.raises(ValueError, match="unverified_tasks"):
+        make_demo_task(str(tmp_path), 10, tasks=("add", "copy"), unverified_tasks=("reverse",))
 
 
 def test_family_options_are_checked(tmp_path):

@@ -125,3 +125,12 @@ def test_build_reward_errors():
     assert err.value.key == "reward.shaping.diversity_source"
     with pytest.raises(ValueError, match="no reward model"):
         build_reward(RewardConfig(model_paths=("ckpt/rm",)))
+
+
+def test_rules_abstain_on_a_prompt_without_ground_truth():
+    """A prompt file may mix verifiable prompts with prompts only the learned reward can judge: a row whose
+    ground truth is None gets 0 from the rules (every rule abstains) instead of crashing the step."""
+    rule = RuleReward.from_names(["exact_match", "gsm8k_flexible"], weight=2.0)
+    inputs = RewardInputs(response_ids=torch.zeros(3, 2, dtype=torch.long), response_mask=torch.ones(3, 2),
+                          response_texts=["4", "4", "#### 7"], ground_truths=["4", None, "7"])
+    assert rule(inputs).rewards[:, 0].tolist() == [2.0 * (1 + 1), 0.0, 2.0 * (0 + 1)]
