@@ -15,7 +15,8 @@ training (they test memorisation).
 
 Files written to ``out_dir`` (deterministic given the seed):
     prompts.jsonl        {"prompt": str, "ground_truth": str}
-    eval_prompts.jsonl   same format, held out as above
+    eval_prompts.jsonl   same format plus "category" (the task), held out as above; evaluation reports
+                         the gold score per category (``eval/score/<task>``)
     adversarial_prompts.jsonl  the reward-hacking monitor's set (``data.adversarial_prompt_path``):
                          the held-out ``reverse`` eval prompts whose answer differs from the prompt's
                          symbols, so copying the prompt (the task's cheapest hack) scores 0; only
@@ -201,7 +202,7 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
     if "reverse" in tasks:
         files["adversarial_prompts.jsonl"] = []
     for task, args in eval_items:
-        record = {"prompt": _prompt(task, args), "ground_truth": _answer(task, args)}
+        record = {"prompt": _prompt(task, args), "ground_truth": _answer(task, args), "category": task}
         files["eval_prompts.jsonl"].append(record)
         if task == "reverse" and tuple(reversed(args)) != args:
             files["adversarial_prompts.jsonl"].append(record)

@@ -362,6 +362,7 @@ class PromptExample:
         prompt: the prompt text as written in the file.
         prompt_ids: token ids fed to the policy, ``[p]`` with p <= max_prompt_length.
         ground_truth: reference answer for rule rewards, or None.
+        category: an optional label of the prompt's kind; evaluation reports the gold score per category.
         truncated: whether the prompt was cut on the left.
         source: ``file:line`` of the record.
     """
@@ -369,11 +370,12 @@ class PromptExample:
     prompt: str
     prompt_ids: List[int]
     ground_truth: Optional[str] = None
+    category: Optional[str] = None
     truncated: bool = False
     source: str = ""
 
 
-PROMPT_FIELDS: FieldSpec = {"prompt": ((str,), True), "ground_truth": ((str,), False)}
+PROMPT_FIELDS: FieldSpec = {"prompt": ((str,), True), "ground_truth": ((str,), False), "category": ((str,), False)}
 
 
 class PromptDataset(ExampleDataset):
@@ -383,13 +385,13 @@ class PromptDataset(ExampleDataset):
     def load(cls, path: str, tokenizer: Tokenizer, *, max_prompt_length: int, prompt_truncation: str = "truncate_left",
              on_error: str = "raise", rejects_path: Optional[str] = None,
              apply_chat_template: bool = False) -> "PromptDataset":
-        """Read ``{"prompt": str, "ground_truth"?: str}`` records from JSONL or Parquet."""
+        """Read ``{"prompt": str, "ground_truth"?: str, "category"?: str}`` records from JSONL or Parquet."""
 
         def build(record):
             ids = encode_prompt(tokenizer, record["prompt"], apply_chat_template)
             ids, truncated = fit_prompt(ids, max_prompt_length, prompt_truncation)
             return PromptExample(prompt=record["prompt"], prompt_ids=ids, ground_truth=record.get("ground_truth"),
-                                 truncated=truncated)
+                                 category=record.get("category"), truncated=truncated)
 
         examples, stats = load_examples(path, PROMPT_FIELDS, build, on_error=on_error, rejects_path=rejects_path)
         stats["num_truncated"] = sum(e.truncated for e in examples)

@@ -78,7 +78,8 @@ class Evaluator:
         (``reward.rules``, exact match by default), the configured base ``reward`` (r̂: reward-model
         heads and rules), the ``model_reward`` (the reward models' heads alone, what a policy can
         exploit; r̂ without a reward model), the k1 ``kl`` to the reference per response token at
-        temperature 1, the n-gram ``copy_rate`` and the ``response_length``."""
+        temperature 1, the n-gram ``copy_rate`` and the ``response_length``; with categorised prompts
+        (a ``category`` field) also ``score/<category>``, the gold score of each category's prompts."""
         g = self.groups
         mine = list(range(g.dp_rank, len(dataset), g.data_parallel_size))
         n = comm.all_reduce_max(torch.tensor([len(mine)]), g.dp_group).item()
@@ -100,9 +101,18 @@ class Evaluator:
         policy.train()
         lengths = batch.response_mask.float().sum(dim=1)  # [b]
         counted = len(set(mine))
-        sums = torch.stack([gold.cpu().float(), reward.cpu(), learned.cpu(), copy.cpu().float(), lengths, kl,
-                            torch.ones_like(lengths)])[:, :counted].sum(dim=1).double()
+        gold = gold.cpu().float()
+        # the gold score per prompt category (the same sorted list on every DP rank: the whole set's)
+        categories = sorted({dataset[i].category for i in range(len(dataset))} - {None})
+        in_category = torch.tensor([[float(e.category == c) for e in examples] for c in categories]).reshape(
+            len(categories), len(examples))  # [c, b]
+        sums = torch.cat([torch.stack([gold, reward.cpu(), learned.cpu(), copy.cpu().float(), lengths, kl,
+                                       torch.ones_like(lengths)]), in_category * gold, in_category])
+        sums = sums[:, :counted].sum(dim=1).double()
         comm.all_reduce_sum(sums, g.dp_group)
-        score, reward_sum, learned_sum, copy_sum, tokens, kl_sum, rows = sums.tolist()
-        return {"score": score / rows, "reward": reward_sum / rows, "model_reward": learned_sum / rows,
-                "copy_rate": copy_sum / rows, "response_length": tokens / rows, "kl": kl_sum / max(tokens, 1.0)}
+        score, reward_sum, learned_sum, copy_sum, tokens, kl_sum, rows, *per_category = sums.tolist()
+        out = {"score": score / rows, "reward": reward_sum / rows, "model_reward": learned_sum / rows,
+               "copy_rate": copy_sum / rows, "response_length": tokens / rows, "kl": kl_sum / max(tokens, 1.0)}
+        n = len(categories)
+        out.update({f"score/{c}": s / max(k, 1.0) for c, s, k in zip(categories, per_category[:n], per_category[n:])})
+        return out

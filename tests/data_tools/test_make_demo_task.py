@@ -133,6 +133,7 @@ def test_split_family(tmp_path):
     evals = read(tmp_path / "eval_prompts.jsonl")
     assert {e["prompt"].split()[0] for e in evals} == {"add", "copy", "reverse"}
     assert all(e["ground_truth"] for e in evals)
+    assert all(e["category"] == e["prompt"].split()[0] for e in evals)  # eval/score/<task>
     assert all(s["response"] for s in read(tmp_path / "sft.jsonl"))
     with pytest.raises(ValueError, match="unverified_tasks"):
         make_demo_task(str(tmp_path), 10, tasks=("add", "copy"), unverified_tasks=("reverse",))

@@ -20,7 +20,7 @@ REQUIRED_KEYS = [
 ]
 
 
-EVAL_KEYS = ["eval/score", "eval/reward", "eval/model_reward", "eval/kl", "eval/copy_rate", "eval/response_length", "hacking/gap",
+EVAL_KEYS = ["eval/score", "eval/score/add", "eval/score/copy", "eval/score/reverse", "eval/reward", "eval/model_reward", "eval/kl", "eval/copy_rate", "eval/response_length", "hacking/gap",
              "hacking/gap_growth", "hacking/model_reward", "hacking/gold_score", "hacking/copy_rate",
              "hacking/length_ratio", "hacking/alert_count"]
 
@@ -50,6 +50,10 @@ def test_metrics_file_has_every_key(runs):
     assert dp2[-1]["kl/hier"] > 0  # step 1 starts at the reference; step 2 has moved away
     for key in EVAL_KEYS:
         assert key in dp2[0] and key in dp2[-1], key
+    for record in (dp2[0], dp2[-1]):  # 12 held-out prompts, 4 of each category, over 2 DP ranks
+        per_category = [record[f"eval/score/{c}"] for c in ("add", "copy", "reverse")]
+        assert record["eval/score"] == pytest.approx(sum(per_category) / 3, abs=1e-9)
+        assert all(4 * v == pytest.approx(round(4 * v), abs=1e-9) for v in per_category)
 
 
 def test_evaluation_starts_at_the_reference_and_is_layout_invariant(runs):
