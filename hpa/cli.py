@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import logging
 import sys
 from typing import List, Optional
 
@@ -64,12 +65,16 @@ def train(argv: List[str]) -> int:
     from hpa.distributed import launched
     from hpa.trainer.loop import HPATrainer
 
+    from hpa.distributed.watchdog import EXIT_COLLECTIVE_FAILURE, CollectiveFailure
+
     with launched(load_config(args.config, args.overrides)) as (cfg, groups):
-        trainer = HPATrainer(cfg, groups)
+        try:
+            trainer = HPATrainer(cfg, groups)
+        except CollectiveFailure as exc:  # at start-up: the message names the phase and the ranks waited for
+            logging.getLogger("hpa").error("%s", exc)
+            return EXIT_COLLECTIVE_FAILURE
         trainer.train()
     if trainer.exit_reason == "collective_failure":  # logged with the phase and the ranks waited for
-        from hpa.distributed.watchdog import EXIT_COLLECTIVE_FAILURE
-
         return EXIT_COLLECTIVE_FAILURE
     if trainer.exit_reason == "save_failed":
         from hpa.trainer.checkpoint import EXIT_SAVE_FAILED

@@ -50,6 +50,11 @@ def _default_store():
         return None
 
 
+class CollectiveFailure(RuntimeError):
+    """A collective timed out or lost a peer; the message is ``StepProgress.collective_failure_message``'s
+    (the caller logs it and exits with ``EXIT_COLLECTIVE_FAILURE``)."""
+
+
 class StepProgress:
     """Where this rank is: the step, the stack of phases it is in, and the count of phases entered.
 

@@ -7,13 +7,14 @@
   device" on every rank / on rank 1, after the model shards are written (the previous checkpoint and
   ``latest`` must stay intact);
 - ``hang@3:1``: rank 1 stops answering (sleeps for good) at the start of step 3 (the other ranks'
-  collectives must time out and exit naming the phase and rank 1);
+  collectives must time out and exit naming the phase and rank 1); ``hang@0:1``: during the trainer's
+  start-up (building the models, loading weights and the checkpoint);
 - ``nan_reward@3``: one response's raw reward at step 3 is NaN (it must be dropped and counted);
 - ``kl_spike@3``: the guard sees an infinite token KL after step 3 (it must roll back);
 - ``kill@3:1``: rank 1 kills itself with SIGKILL in the middle of step 3 (after the rollout, the
   reward and the reference forwards, before the policy update).
 
-Steps count from 1. Each fault fires once per run and rank, not once per process: the trainer calls
+Steps count from 1 (0 is the start-up, for ``hang``). Each fault fires once per run and rank, not once per process: the trainer calls
 ``record_in(run_dir)``, and a fault that fires leaves a marker ``<run_dir>/faults_fired/kind@step.rankR``
 (written before the fault acts), so the workers a launcher restarts after ``kill`` (and a rolled-back
 step) do not fault again. Without ``record_in`` (a unit test) a fault fires once per process.

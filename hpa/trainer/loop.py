@@ -24,13 +24,13 @@ from hpa.config import write_resolved
 from hpa.config.schema import Config, to_dict
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
-from hpa.distributed.watchdog import StepProgress, is_collective_failure
+from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
 from hpa.rollout.base import RolloutBatch, SamplingParams
 from hpa.trainer import faults, phases
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter, length_metrics, mfu, peak_memory_gb
 from hpa.trainer.objective import WeightSchedules
-from hpa.trainer.run_control import RunControl
+from hpa.trainer.run_control import RunControl, write_exit_status
 from hpa.trainer.setup import build_run
 from hpa.trainer.state import RunState
 
@@ -42,9 +42,24 @@ class HPATrainer:
     rollback) and the loop. ``exit_reason`` says why ``train`` returned."""
 
     def __init__(self, cfg: Config, groups: ParallelGroups):
+        """Raises ``CollectiveFailure`` (with the watchdog's message) when a collective of the start-up
+        times out or loses a peer."""
         self.cfg, self.groups = cfg, groups
-        run_dir = Path(cfg.trainer.run_dir)
+        self.progress = StepProgress(groups.rank, groups.world_size, cfg.parallel.timeout_minutes)
+        try:
+            with self.progress.phase("start-up"):
+                self._start(Path(cfg.trainer.run_dir))
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            if groups.is_main:
+                write_exit_status(Path(cfg.trainer.run_dir), "collective_failure", 0, best_step=0)
+            raise CollectiveFailure(self.progress.collective_failure_message(exc)) from exc
+
+    def _start(self, run_dir: Path) -> None:
+        cfg, groups = self.cfg, self.groups
         faults.record_in(run_dir)
+        faults.maybe_hang(0, groups.rank)
         if groups.is_main:
             write_resolved(cfg, run_dir)
         self.parts = p = build_run(cfg, groups)
@@ -65,7 +80,6 @@ class HPATrainer:
                  "monitor": p.evaluator, **({"critic_sched": p.critic.scheduler} if p.critic is not None else {})}
         self.state = RunState(cfg, groups, trainables, parts, self.guard)
         self.exit_reason = "done"
-        self.progress = StepProgress(groups.rank, groups.world_size, cfg.parallel.timeout_minutes)
         resumed = self.state.resume()
         self.metrics = MetricsWriter(run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg),
                                      resume_step=self.state.step + 1 if resumed else None,

@@ -74,11 +74,16 @@ class RunControl:
         return None
 
     def write_exit_status(self, reason: str, step: int) -> None:
-        """``<run_dir>/exit_status.json``: why this process stopped and where (``done``: at ``total_steps``);
-        every process of the run also appends its line to ``<run_dir>/exit_history.jsonl``."""
         if self.is_main:
-            status = json.dumps({"reason": reason, "step": step, "resumable": reason not in ("done", "early_stop"),
-                                 "best_step": self.guard.best_step})
-            (self.run_dir / "exit_status.json").write_text(status)
-            with open(self.run_dir / "exit_history.jsonl", "a") as f:
-                f.write(status + "\n")
+            write_exit_status(self.run_dir, reason, step, self.guard.best_step)
+
+
+def write_exit_status(run_dir: Path, reason: str, step: int, best_step: int) -> None:
+    """``<run_dir>/exit_status.json``: why this process stopped and where (``done``: at ``total_steps``);
+    every process of the run also appends its line to ``<run_dir>/exit_history.jsonl``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    status = json.dumps({"reason": reason, "step": step, "resumable": reason not in ("done", "early_stop"),
+                         "best_step": best_step})
+    (run_dir / "exit_status.json").write_text(status)
+    with open(run_dir / "exit_history.jsonl", "a") as f:
+        f.write(status + "\n")

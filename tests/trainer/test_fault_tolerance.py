@@ -388,16 +388,14 @@ def test_save_failure_with_stop_exits_74_keeps_latest_and_resume_is_exact(demo, 
     assert_same_metrics(uninterrupted, resumed, steps=[1, 2, 3, 4])
 
 
-def test_a_hung_rank_makes_the_others_exit_75_naming_phase_and_rank(demo):
-    """Rank 1 stops answering at the start of step 2; rank 0's next collective times out after
-    parallel.timeout_minutes and it exits with status 75 (a launcher restarts on it), naming the step
-    and phase it was in and rank 1, with rank 1's last known position."""
-    run_dir = demo / "ft_hang"
+def _rank_0_of_a_hung_pair(demo, run_dir, fault):
+    """Two ranks of ``hpa train`` with ``HPA_INJECT_FAULT=fault`` (rank 1 hangs) and a 1-minute collective
+    timeout: rank 0 must exit 75 while rank 1 is still hung; returns rank 0's stderr."""
     port = free_port()
     args = overrides(demo, run_dir, ["trainer.total_steps=3", "parallel.timeout_minutes=1"])
     procs = []
     for rank in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", HPA_INJECT_FAULT="hang@2:1", RANK=str(rank), WORLD_SIZE="2",
+        env = dict(os.environ, OMP_NUM_THREADS="1", HPA_INJECT_FAULT=fault, RANK=str(rank), WORLD_SIZE="2",
                    LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, "-m", "hpa.train", *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
@@ -409,6 +407,28 @@ def test_a_hung_rank_makes_the_others_exit_75_naming_phase_and_rank(demo):
         for proc in procs:
             proc.kill()
             proc.communicate()
+    return err
+
+
+def test_a_rank_hung_during_start_up_makes_the_others_exit_75_naming_it(demo):
+    """Rank 1 stops answering while the trainer starts (before step 1: models, weights, checkpoint); rank
+    0 exits 75 with the watchdog's message naming the start-up phase and rank 1, not a traceback."""
+    run_dir = demo / "ft_hang_start"
+    err = _rank_0_of_a_hung_pair(demo, run_dir, "hang@0:1")
+    assert re.search(r"rank 0: a collective in step 0, phase 'start-up' failed after waiting up to "
+                     r"parallel.timeout_minutes=1", err), err[-4000:]
+    assert re.search(r"rank 1 \(last seen entering step 0, phase 'start-up', \d+ s ago\)", err), err[-4000:]
+    assert "Traceback" not in err and "Exiting with status 75" in err
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status["reason"] == "collective_failure" and status["step"] == 0
+
+
+def test_a_hung_rank_makes_the_others_exit_75_naming_phase_and_rank(demo):
+    """Rank 1 stops answering at the start of step 2; rank 0's next collective times out after
+    parallel.timeout_minutes and it exits with status 75 (a launcher restarts on it), naming the step
+    and phase it was in and rank 1, with rank 1's last known position."""
+    run_dir = demo / "ft_hang"
+    err = _rank_0_of_a_hung_pair(demo, run_dir, "hang@2:1")
     assert re.search(r"rank 0: a collective in step 2, phase 'step(/\w+)?'( \(after '\w+'\))? failed after "
                      r"waiting up to parallel.timeout_minutes=1: .*Timed out", err), err[-4000:]
     assert re.search(r"It waited for rank 1 \(last seen entering step 1, phase 'step/\w+', \d+ s ago\): it never "
