@@ -63,9 +63,8 @@ def check_config(argv: List[str]) -> int:
 def train(argv: List[str]) -> int:
     args = config_parser("train").parse_args(argv)
     from hpa.distributed import launched
-    from hpa.trainer.loop import HPATrainer
-
     from hpa.distributed.watchdog import EXIT_COLLECTIVE_FAILURE, CollectiveFailure
+    from hpa.trainer.loop import HPATrainer
 
     with launched(load_config(args.config, args.overrides)) as (cfg, groups):
         try:

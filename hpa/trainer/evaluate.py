@@ -4,7 +4,7 @@ whose numbers feed the reward-hacking monitor (``hacking/*``)."""
 from __future__ import annotations
 
 import logging
-from typing import Dict
+from typing import Dict, Sequence
 
 import torch
 
@@ -42,6 +42,9 @@ class Evaluator:
         self.gold = RuleReward.from_names(reward_cfg.rules or ("exact_match",), 1.0, None)
         self.eval_prompts = (PromptDataset.from_config(data, tokenizer, rejects_dir=rejects_dir, split="eval")
                              if data.eval_prompt_path else None)
+        # the held-out prompts' categories, sorted (the same list on every DP rank: the whole set's)
+        self.categories = (sorted({self.eval_prompts[i].category for i in range(len(self.eval_prompts))} - {None})
+                           if self.eval_prompts is not None else [])
         self.adversarial_prompts = (PromptDataset.from_config(data, tokenizer, rejects_dir=rejects_dir,
                                                               split="adversarial")
                                     if data.adversarial_prompt_path else None)
@@ -61,7 +64,7 @@ class Evaluator:
         """
         metrics: Dict[str, float] = {}
         if self.eval_prompts is not None:
-            held_out = self.evaluate_prompts(self.eval_prompts, policy, reference, generate)
+            held_out = self.evaluate_prompts(self.eval_prompts, policy, reference, generate, self.categories)
             metrics.update({f"eval/{k}": v for k, v in held_out.items()})
         if self.adversarial_prompts is not None:
             adv = self.evaluate_prompts(self.adversarial_prompts, policy, reference, generate)
@@ -73,13 +76,14 @@ class Evaluator:
                 logger.warning("reward-hacking monitor at step %d: %s", step, alert)
         return metrics
 
-    def evaluate_prompts(self, dataset: PromptDataset, policy, reference, generate) -> Dict[str, float]:
+    def evaluate_prompts(self, dataset: PromptDataset, policy, reference, generate,
+                         categories: Sequence[str] = ()) -> Dict[str, float]:
         """Greedy responses to ``dataset`` and their means over the whole set: the gold rule ``score``
         (``reward.rules``, exact match by default), the configured base ``reward`` (r̂: reward-model
         heads and rules), the ``model_reward`` (the reward models' heads alone, what a policy can
         exploit; r̂ without a reward model), the k1 ``kl`` to the reference per response token at
-        temperature 1, the n-gram ``copy_rate`` and the ``response_length``; with categorised prompts
-        (a ``category`` field) also ``score/<category>``, the gold score of each category's prompts."""
+        temperature 1, the n-gram ``copy_rate`` and the ``response_length``; and ``score/<c>``, the gold
+        score of the prompts of each of ``categories`` (their ``category`` field)."""
         g = self.groups
         mine = list(range(g.dp_rank, len(dataset), g.data_parallel_size))
         n = comm.all_reduce_max(torch.tensor([len(mine)]), g.dp_group).item()
@@ -102,8 +106,6 @@ class Evaluator:
         lengths = batch.response_mask.float().sum(dim=1)  # [b]
         counted = len(set(mine))
         gold = gold.cpu().float()
-        # the gold score per prompt category (the same sorted list on every DP rank: the whole set's)
-        categories = sorted({dataset[i].category for i in range(len(dataset))} - {None})
         in_category = torch.tensor([[float(e.category == c) for e in examples] for c in categories]).reshape(
             len(categories), len(examples))  # [c, b]
         sums = torch.cat([torch.stack([gold, reward.cpu(), learned.cpu(), copy.cpu().float(), lengths, kl,

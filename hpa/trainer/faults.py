@@ -14,9 +14,9 @@
 - ``kill@3:1``: rank 1 kills itself with SIGKILL in the middle of step 3 (after the rollout, the
   reward and the reference forwards, before the policy update).
 
-Steps count from 1 (0 is the start-up, for ``hang``). Each fault fires once per run and rank, not once per process: the trainer calls
-``record_in(run_dir)``, and a fault that fires leaves a marker ``<run_dir>/faults_fired/kind@step.rankR``
-(written before the fault acts), so the workers a launcher restarts after ``kill`` (and a rolled-back
+Steps count from 1 (0 is the start-up, for ``hang``). Each fault fires once per run and rank, not once
+per process: the trainer calls ``record_in(run_dir)``, and a fault that fires leaves a marker
+``<run_dir>/faults_fired/kind@step.rankR`` (written before the fault acts), so the workers a launcher restarts after ``kill`` (and a rolled-back
 step) do not fault again. Without ``record_in`` (a unit test) a fault fires once per process.
 Nothing happens when the variable is unset.
 """

@@ -106,9 +106,9 @@ class HPATrainer:
     def train(self) -> Dict[str, float]:
         """Run to ``trainer.total_steps`` (or an early stop, a signal, ``max_steps_per_run``).
 
-        Sets ``exit_reason`` (and writes it to ``exit_status.json``) to ``done``, ``early_stop``, ``signal`` or ``max_steps_per_run`` (in the
-        last two cases a checkpoint was saved, unless ``state.last_save_ok`` is False, and the next launch
-        resumes from the newest one), ``save_failed`` (``checkpoint.on_save_failure=stop``) or
+        Sets ``exit_reason`` (and writes it to ``exit_status.json``) to ``done``, ``early_stop``,
+        ``signal`` or ``max_steps_per_run`` (in the last two cases a checkpoint was saved, unless
+        ``state.last_save_ok`` is False, and the next launch resumes from the newest one), ``save_failed`` (``checkpoint.on_save_failure=stop``) or
         ``collective_failure`` (a collective timed out or lost a peer; the error names the phase and
         the ranks waited for).
         """
@@ -199,7 +199,8 @@ class HPATrainer:
             metrics.update(phases.update_kl_controller(batch, self.kl_ctrl, weights, ctx))
         metrics.update(self.weights.metrics(weights))
         if batch is not None:
-            metrics.update(length_metrics(batch.response_lengths, self.cfg.rollout.max_new_tokens, self.groups.dp_group))
+            metrics.update(length_metrics(batch.response_lengths, self.cfg.rollout.max_new_tokens,
+                                          self.groups.dp_group))
         metrics["_tokens"] = phases.tokens_trained(batch, pairs, ctx)
         metrics["perf/max_memory_gb"] = peak_memory_gb()
         return metrics

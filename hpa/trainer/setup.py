@@ -5,7 +5,6 @@ critic, rollout engine, reward, evaluator."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 from typing import Optional
 
@@ -22,8 +21,6 @@ from hpa.reward import build_reward
 from hpa.rollout import build_rollout_engine
 from hpa.rollout.base import TokenizerInfo
 from hpa.trainer.evaluate import Evaluator
-
-logger = logging.getLogger("hpa")
 
 
 @dataclasses.dataclass
