@@ -142,7 +142,8 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
                    tasks: Sequence[str] = TASKS, min_len: int = 2, max_len: int = 3,
                    flip_fraction: float = 0.12, num_sft: Optional[int] = None,
                    uncovered_tasks: Sequence[str] = (), unverified_tasks: Sequence[str] = (),
-                   spurious: Optional[str] = None, spurious_fraction: float = 0.0) -> Dict[str, int]:
+                   spurious: Optional[str] = None, spurious_fraction: float = 0.0,
+                   num_heldout_pairs: int = 64) -> Dict[str, int]:
     """Write the demo task files to ``out_dir`` and return counts per file.
 
     Args:
@@ -161,6 +162,10 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
         spurious: a feature of the pairs that correlates with "chosen" but not with the gold rule:
             ``length`` (the rejected response is the correct answer cut short), or None.
         spurious_fraction: share of the pairs (of answers with at least two symbols) that carry it.
+        num_heldout_pairs: held-out preference pairs (``heldout_preferences.jsonl``, for the trust gate's
+            ``data.heldout_preference_path``): drawn like the training pairs (same tasks, noise and
+            spurious feature) from the training prompts' pools with their own random stream, so the other
+            files do not depend on it, and never equal to a training pair.
     """
     if not 0.0 <= flip_fraction < 0.5:
         raise ValueError(f"flip_fraction must be in [0, 0.5), got {flip_fraction}")
@@ -206,14 +211,9 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
         files["eval_prompts.jsonl"].append(record)
         if task == "reverse" and tuple(reversed(args)) != args:
             files["adversarial_prompts.jsonl"].append(record)
-    for i, (task, args) in enumerate(train_items):
+
+    def pair(task, args, rng):
         prompt, answer = _prompt(task, args), _answer(task, args)
-        files["prompts.jsonl"].append({"prompt": prompt} if task in unverified_tasks else
-                                      {"prompt": prompt, "ground_truth": answer})
-        if num_sft is None or i < num_sft:
-            files["sft.jsonl"].append({"prompt": prompt, "response": answer})
-        if task in uncovered_tasks:
-            continue
         good, bad = answer, _corrupt(task, args, answer, rng)
         carries = False
         if spurious is not None and rng.random() < spurious_fraction:
@@ -225,7 +225,27 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
         record = {"prompt": prompt, "chosen": good, "rejected": bad, "flipped": flipped}
         if spurious is not None:  # which pairs carry the feature, so its strength is known
             record["spurious"] = carries
-        files["preferences.jsonl"].append(record)
+        return record
+
+    for i, (task, args) in enumerate(train_items):
+        prompt, answer = _prompt(task, args), _answer(task, args)
+        files["prompts.jsonl"].append({"prompt": prompt} if task in unverified_tasks else
+                                      {"prompt": prompt, "ground_truth": answer})
+        if num_sft is None or i < num_sft:
+            files["sft.jsonl"].append({"prompt": prompt, "response": answer})
+        if task not in uncovered_tasks:
+            files["preferences.jsonl"].append(pair(task, args, rng))
+    files["heldout_preferences.jsonl"] = []
+    trained = {(r["prompt"], r["chosen"], r["rejected"]) for r in files["preferences.jsonl"]}
+    heldout_rng = random.Random(f"heldout-{seed}")
+    covered = [t for t in tasks if t not in uncovered_tasks]
+    for _ in range(100 * num_heldout_pairs):
+        if len(files["heldout_preferences.jsonl"]) == num_heldout_pairs:
+            break
+        task = heldout_rng.choice(covered)
+        record = pair(task, heldout_rng.choice(train_pools[task]), heldout_rng)
+        if (record["prompt"], record["chosen"], record["rejected"]) not in trained:
+            files["heldout_preferences.jsonl"].append(record)
     counts = {}
     for name, records in files.items():
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
@@ -251,6 +271,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--max-len", type=int, default=3)
     parser.add_argument("--flip-fraction", type=float, default=0.12)
     parser.add_argument("--num-sft", type=int, default=None)
+    parser.add_argument("--num-heldout-pairs", type=int, default=64,
+                        help="held-out preference pairs for the trust gate (heldout_preferences.jsonl)")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="standard",
                         help="standard: nothing to hack; hackable: spurious length feature in the pairs and "
                              "prompt kinds without pairs; split: the rule reward and the pairs cover different "
@@ -269,7 +291,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             family[key] = getattr(args, key)
     counts = make_demo_task(args.out_dir, args.num_prompts, args.seed, num_eval_prompts=args.num_eval_prompts,
                             tasks=args.tasks, min_len=args.min_len, max_len=args.max_len,
-                            flip_fraction=args.flip_fraction, num_sft=args.num_sft, **family)
+                            flip_fraction=args.flip_fraction, num_sft=args.num_sft,
+                            num_heldout_pairs=args.num_heldout_pairs, **family)
     print(json.dumps(counts, indent=2))
 
 

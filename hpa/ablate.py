@@ -55,6 +55,19 @@ BUILTIN_VARIANTS: Dict[str, Tuple[str, ...]] = {
                           "algorithm.hpa.w_kl={name: constant, value: 0.2}",
                           "algorithm.hpa.lambda_token={name: constant, value: 1.0}",
                           "algorithm.hpa.lambda_semantic={name: constant, value: 0.2}"),
+    # the recipe as published: 0.4 / 0.4 / 0.2, none of the trust parts below
+    "hpa-recipe": ("algorithm.dpo.rpo_alpha=null", "algorithm.advantage.per_component=false",
+                   "algorithm.hpa.gate.enabled=false", "algorithm.hpa.balance.enabled=false"),
+    # DPO alone with the preference anchor (RPO), the fair baseline for the anchor's gain
+    "dpo-rpo": ("algorithm.hpa.w_ppo.name=constant", "algorithm.hpa.w_ppo.value=0.0", "algorithm.dpo.rpo_alpha=1.0"),
+    # each trust part alone, on top of the recipe
+    "hpa-anchor": ("algorithm.dpo.rpo_alpha=1.0",),
+    "hpa-components": ("algorithm.advantage.per_component=true",),
+    "hpa-gate": ("algorithm.advantage.per_component=true", "algorithm.hpa.gate.enabled=true"),
+    "hpa-balance": ("algorithm.hpa.balance.enabled=true",),
+    # all of them: anchor, per-component advantages, trust gate, automatic balance
+    "hpa-trust": ("algorithm.dpo.rpo_alpha=1.0", "algorithm.advantage.per_component=true",
+                  "algorithm.hpa.gate.enabled=true", "algorithm.hpa.balance.enabled=true"),
 }
 LAUNCHER_NAMES = ("sequential", "torchrun")
 RUN_RECORD = "ablate_run.json"

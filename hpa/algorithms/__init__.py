@@ -7,7 +7,7 @@ name from the registries below.
 
 from hpa.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, compute_gae, compute_group_advantages
 from hpa.algorithms.dpo import DPO_LOSSES, dpo_loss
-from hpa.algorithms.hybrid import hpa_objective
+from hpa.algorithms.hybrid import TERMS, hpa_objective
 from hpa.algorithms.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -45,6 +45,7 @@ __all__ = [
     "entropy_bonus",
     "hierarchical_kl",
     "hpa_objective",
+    "TERMS",
     "kl_loss",
     "kl_penalty",
     "make_kl_controller",

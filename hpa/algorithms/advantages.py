@@ -14,7 +14,7 @@ Use ``compute_advantages(name, ...)`` to call one by its YAML name.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -223,3 +223,53 @@ def compute_advantages(
         norm_by_std=norm_by_std,
         epsilon=epsilon,
     )
+
+
+def compute_component_advantages(
+    component_scores: Sequence[torch.Tensor],
+    component_weights: Sequence[float],
+    mask: torch.Tensor,
+    group_ids,
+    *,
+    offset: Optional[torch.Tensor] = None,
+    norm_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GRPO advantages of several reward components, each normalised within its groups on its own:
+    ``A = Σ_c w_c · (s_c - mean_g) / (std_g + epsilon) + (o - mean_g(o))``, broadcast over the valid tokens.
+
+    The sum is not normalised again, so a weight (a trust gate's ``1/(1+λ)`` on the learned part) scales
+    its component's share of the advantage. A component tied within a group (a rule that abstains on a
+    prompt without a ground truth gives every response 0) contributes 0 there.
+
+    Args:
+        component_scores: one ``[b]`` score per component (the rule reward, the learned reward).
+        component_weights: one weight per component.
+        mask: valid response tokens. # [b, r]
+        group_ids: the prompt each response came from. # [b]
+        offset: ``[b]`` a term added centred within its group but not normalised (the in-reward KL
+            penalty ``-coef·Σ_t KL_t``), or None.
+        norm_by_std: divide each component by its group std (False: Dr.GRPO).
+        epsilon: added to the std.
+
+    Returns:
+        ``(advantages, returns)``, equal, as GRPO's. # [b, r], [b, r]
+    """
+    if len(component_scores) != len(component_weights) or not component_scores:
+        raise ValueError(f"{len(component_scores)} components and {len(component_weights)} weights; give one "
+                         "weight per component (at least one)")
+    with torch.no_grad():
+        ones = torch.ones_like(mask[:, :1], dtype=torch.float32)  # [b, 1]
+        total = torch.zeros(mask.shape[0], dtype=torch.float32, device=mask.device)  # [b]
+        for scores, weight in zip(component_scores, component_weights):
+            if weight == 0:
+                continue
+            a, _ = compute_group_advantages(scores.float()[:, None] * ones, ones, group_ids, baseline="mean",
+                                            norm_by_std=norm_by_std, epsilon=epsilon)
+            total = total + weight * a[:, 0]
+        if offset is not None:
+            a, _ = compute_group_advantages(offset.float()[:, None] * ones, ones, group_ids, baseline="mean",
+                                            norm_by_std=False)
+            total = total + a[:, 0]
+        advantages = total[:, None] * mask
+    return advantages, advantages

@@ -147,3 +147,34 @@ def dpo_loss(
             "dpo_reward_margin": (chosen_rewards - rejected_rewards).mean(),
         }
     return loss, metrics
+
+
+def anchor_nll(chosen_token_logps: torch.Tensor, chosen_mask: torch.Tensor, *, alpha: float,
+               num_global_tokens: Optional[Count] = None, dp_size: int = 1) -> Tuple[torch.Tensor, Metrics]:
+    """The preference anchor of RPO (Pang et al., NeurIPS 2024): ``α · NLL`` of the chosen responses per token.
+
+    As TRL's ``rpo_alpha``: the NLL is the mean over all chosen-response tokens of the batch (TRL's
+    ``cross_entropy`` over the flattened chosen half), not a mean of per-response means as the RPO
+    paper writes it (the two agree when the chosen responses have equal lengths). With
+    ``num_global_tokens`` the mean is over the chosen tokens of all DP ranks and micro-batches, so it is
+    exact whatever the micro-batching. The log-probs are at temperature 1 over the true vocabulary (TRL's
+    cross-entropy also covers the embedding's padding rows, which hold no probability after SFT).
+
+    Args:
+        chosen_token_logps: policy log-prob of every label token of the chosen rows. # [m, s]
+        chosen_mask: 1 on the chosen responses' tokens. # [m, s]
+        alpha: α (1.0 in RPO and TRL's recommendation).
+        num_global_tokens: chosen-response tokens in the global batch; None: this micro-batch's.
+        dp_size: the data-parallel size whose gradient average the loss undoes (> 1 needs the count).
+
+    Returns:
+        ``(loss, metrics)`` with ``anchor_nll`` (the NLL per token, before α).
+    """
+    total = -(chosen_token_logps * chosen_mask).sum()
+    if num_global_tokens is None:
+        if dp_size > 1:
+            raise ValueError(f"dp_size={dp_size} > 1 needs the global count: pass num_global_tokens")
+        nll = total / chosen_mask.sum().clamp(min=1)
+    else:
+        nll = total / num_global_tokens * dp_size
+    return alpha * nll, {"anchor_nll": nll.detach()}

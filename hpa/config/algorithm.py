@@ -94,6 +94,10 @@ class AdvantageConfig:
         lam: GAE lambda.
         norm_by_std: GRPO divides by the group std (False: Dr.GRPO).
         epsilon: added to the GRPO group std.
+        per_component: (grpo only) group-normalise the rule reward and the learned part of the shaped
+            reward (reward models, σ, diversity, length and copy terms) separately and add them with
+            their shares of the reward weights, so the trust gate (``algorithm.hpa.gate``) can scale
+            the learned part alone; a rule that abstains on a prompt contributes 0.
     """
 
     estimator: str = "gae"
@@ -101,12 +105,16 @@ class AdvantageConfig:
     lam: float = 0.95
     norm_by_std: bool = True
     epsilon: float = 1e-6
+    per_component: bool = False
 
     def __post_init__(self):
         check_choice("estimator", self.estimator, ADVANTAGE_ESTIMATOR_NAMES)
         check_range("gamma", self.gamma, low=0.0, high=1.0)
         check_range("lam", self.lam, low=0.0, high=1.0)
         check_range("epsilon", self.epsilon, low=0.0, low_open=True)
+        if self.per_component and self.estimator != "grpo":
+            raise ConfigError("per_component", f"needs estimator: grpo (group-normalised components), got "
+                                               f"estimator: {self.estimator}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,16 +174,21 @@ class DPOConfig:
         loss: sigmoid | ipo | hinge | robust.
         beta: β (τ for IPO).
         label_smoothing: assumed label-flip rate ε (sigmoid: conservative DPO; robust: rDPO).
+        rpo_alpha: the preference anchor (RPO, TRL's ``rpo_alpha``): adds α times the chosen responses'
+            NLL per token to the DPO term; None is off, 1.0 is RPO's recommendation.
     """
 
     loss: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
+    rpo_alpha: Optional[float] = None
 
     def __post_init__(self):
         check_choice("loss", self.loss, DPO_LOSS_NAMES)
         check_range("beta", self.beta, low=0.0, low_open=True)
         check_range("label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_open=True)
+        if self.rpo_alpha is not None:
+            check_range("rpo_alpha", self.rpo_alpha, low=0.0)
         if self.label_smoothing != 0.0 and self.loss not in ("sigmoid", "robust"):
             raise ConfigError(
                 "label_smoothing",
@@ -221,6 +234,56 @@ class KLConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TrustGateConfig:
+    """The trust gate on the learned reward: a PI Lagrangian controller (``hpa.algorithms.gate``).
+
+    Every step the policy's per-token NLL of the held-out pairs' chosen responses
+    (``data.heldout_preference_path``) is compared with its best value so far; a relative regression
+    beyond ``slack`` while the learned reward is rising raises λ, a recovery lowers it, and the learned
+    component of the advantage is weighted ``1/(1+λ)``. Needs ``algorithm.advantage.per_component``.
+
+    Attributes:
+        enabled: off by default (the recipe has no gate).
+        slack: relative regression of the held-out NLL over its best that costs nothing (0.02 = 2 %).
+        kp: proportional gain (λ per unit of relative regression beyond the slack).
+        ki: integral gain (λ per unit of accumulated relative regression, one unit per step).
+        reward_ema: smoothing of the learned reward whose rise is watched (EMA factor).
+    """
+
+    enabled: bool = False
+    slack: float = 0.02
+    kp: float = 10.0
+    ki: float = 1.0
+    reward_ema: float = 0.9
+
+    def __post_init__(self):
+        check_range("slack", self.slack, low=0.0)
+        check_range("kp", self.kp, low=0.0)
+        check_range("ki", self.ki, low=0.0)
+        check_range("reward_ema", self.reward_ema, low=0.0, high=1.0, high_open=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BalanceConfig:
+    """Automatic balance of the rollout (PPO, entropy, KL) and pair (DPO, anchor) gradients.
+
+    For the first ``measure_steps`` steps the two groups of micro-batches run as two backward passes;
+    the norms of their gradients (with gradient clipping's reductions) give the factor on the pair
+    term that makes ``w_dpo : w_ppo`` the ratio of the two gradients' norms, then the factor is frozen.
+
+    Attributes:
+        enabled: off by default (the recipe has no balance).
+        measure_steps: steps measured (the factor is the ratio of the summed norms).
+    """
+
+    enabled: bool = False
+    measure_steps: int = 10
+
+    def __post_init__(self):
+        check_range("measure_steps", self.measure_steps, low=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class HPAConfig:
     """Mixing weights and hierarchical-KL weights, each a schedule of training progress.
 
@@ -231,6 +294,8 @@ class HPAConfig:
         lambda_token: weight of the token KL inside the hierarchical KL (1.0 -> 0.2).
         lambda_semantic: weight of the semantic distance (0.2 -> 1.0).
         semantic_distance: mse | cosine, between mean-pooled final hidden states.
+        gate: the trust gate on the learned reward.
+        balance: the automatic balance of the rollout and pair gradients.
     """
 
     w_ppo: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", value=0.4))
@@ -241,6 +306,8 @@ class HPAConfig:
         default_factory=lambda: ScheduleConfig(name="linear", start=0.2, end=1.0)
     )
     semantic_distance: str = "mse"
+    gate: TrustGateConfig = field(default_factory=TrustGateConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
 
     def __post_init__(self):
         for key in ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic"):

@@ -33,6 +33,9 @@ class DataConfig:
             prompts in the prompt format with ground truths (prompts that invite copying or
             padding); None: no monitor.
         sft_path: JSONL or Parquet of ``{"prompt", "response"}`` for ``hpa sft``; None: unused.
+        heldout_preference_path: held-out preference pairs in the preference format, never trained on
+            (keep them out of ``preference_path`` and out of the reward model's training pairs): the
+            trust gate (``algorithm.hpa.gate``) reads the policy's NLL of their chosen responses.
         max_prompt_length: prompt tokens kept; longer prompts follow ``prompt_truncation``.
         max_response_length: response tokens (EOS included) for generation and offline data;
             longer offline responses follow ``response_truncation``.
@@ -57,6 +60,7 @@ class DataConfig:
     eval_prompt_path: Optional[str] = None
     adversarial_prompt_path: Optional[str] = None
     sft_path: Optional[str] = None
+    heldout_preference_path: Optional[str] = None
     max_prompt_length: int = 256
     max_response_length: int = 256
     prompt_truncation: str = "truncate_left"
@@ -74,7 +78,8 @@ class DataConfig:
             if not getattr(self, key):
                 raise ConfigError(key, "is empty; give a file or directory path "
                                        "(relative paths are relative to the config file)")
-        for key in ("eval_prompt_path", "adversarial_prompt_path", "sft_path", "rejects_dir"):
+        for key in ("eval_prompt_path", "adversarial_prompt_path", "sft_path", "heldout_preference_path",
+                    "rejects_dir"):
             if getattr(self, key) == "":
                 raise ConfigError(key, "is an empty string; leave it out (null) or give a path")
         check_range("max_prompt_length", self.max_prompt_length, low=1)

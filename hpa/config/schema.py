@@ -394,6 +394,18 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"prompt within model.max_sequence_length={m.max_sequence_length}")
     if cfg.parallel.use_distributed_optimizer and cfg.parallel.backend == "gloo" and m.params_dtype != "float32":
         raise ConfigError("model.params_dtype", "the CPU/gloo path runs in float32")
+    algo = cfg.algorithm
+    if algo.hpa.gate.enabled:
+        if not algo.advantage.per_component:
+            raise ConfigError("algorithm.hpa.gate.enabled", "the gate scales the learned reward's part of the "
+                              "advantage; set algorithm.advantage.per_component: true (with estimator: grpo)")
+        if cfg.data.heldout_preference_path is None:
+            raise ConfigError("algorithm.hpa.gate.enabled", "the gate reads held-out preference pairs; set "
+                              "data.heldout_preference_path (pairs kept out of data.preference_path and out "
+                              "of the reward model's training)")
+    if algo.advantage.per_component and (cfg.reward.shaping.normalize or cfg.reward.shaping.clip is not None):
+        raise ConfigError("algorithm.advantage.per_component", "the components are group-normalised "
+                          "separately; turn off reward.shaping.normalize and reward.shaping.clip")
     if cfg.guard.early_stop_on_hacking and (cfg.data.adversarial_prompt_path is None or t.eval_interval <= 0):
         raise ConfigError("guard.early_stop_on_hacking", "the reward-hacking monitor needs "
                           "data.adversarial_prompt_path and trainer.eval_interval > 0")

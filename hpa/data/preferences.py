@@ -119,12 +119,14 @@ class PreferenceDataset(ExampleDataset):
         return cls(examples, stats)
 
     @classmethod
-    def from_config(cls, cfg, tokenizer: Tokenizer, *, rejects_dir: Optional[str]) -> "PreferenceDataset":
-        """Load ``cfg.preference_path`` of a ``DataConfig``."""
-        return cls.load(cfg.preference_path, tokenizer, max_prompt_length=cfg.max_prompt_length,
+    def from_config(cls, cfg, tokenizer: Tokenizer, *, rejects_dir: Optional[str],
+                    split: str = "train") -> "PreferenceDataset":
+        """Load ``cfg.preference_path`` of a ``DataConfig`` (``split="heldout"``: ``heldout_preference_path``)."""
+        path = {"train": cfg.preference_path, "heldout": cfg.heldout_preference_path}[split]
+        return cls.load(path, tokenizer, max_prompt_length=cfg.max_prompt_length,
                         max_response_length=cfg.max_response_length, prompt_truncation=cfg.prompt_truncation,
                         response_truncation=cfg.response_truncation, on_error=cfg.on_error,
-                        rejects_path=rejects_path_for(rejects_dir, cfg.preference_path),
+                        rejects_path=rejects_path_for(rejects_dir, path),
                         apply_chat_template=cfg.apply_chat_template, append_eos=cfg.append_eos)
 
 

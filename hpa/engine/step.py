@@ -158,3 +158,29 @@ def guarded_optimizer_step(optimizer, lr_scheduler, action_for: Callable[[float]
     if updated and lr_scheduler is not None:
         lr_scheduler.step(increment=1)
     return updated, grad_norm
+
+
+def gradient_norm(optimizer) -> float:
+    """The norm of the gradients in the model's grad buffers, as gradient clipping measures it (megatron's
+    ``prepare_grads`` then ``get_grad_norm``: over the optimizer's main grads, reduced across TP, PP and,
+    with the distributed optimizer, DP shards); inf on an fp16 overflow."""
+    if optimizer.prepare_grads():
+        return float("inf")
+    return float(optimizer.get_grad_norm())
+
+
+def snapshot_grads(ddp_model) -> List[torch.Tensor]:
+    """A copy of the model's (already DP-reduced) grad buffers; with the distributed optimizer only each
+    rank's shard of a buffer is reduced, and ``add_grads`` is linear, so the copy stays exact there."""
+    return [buffer.grad_data.clone() for buffer in ddp_model.buffers + ddp_model.expert_parallel_buffers]
+
+
+def add_grads(ddp_model, snapshot: Sequence[torch.Tensor], *, scale: float = 1.0) -> None:
+    """``grads = scale · grads + snapshot``, buffer by buffer."""
+    buffers = ddp_model.buffers + ddp_model.expert_parallel_buffers
+    if len(buffers) != len(snapshot):
+        raise ValueError(f"a snapshot of {len(snapshot)} grad buffers for a model with {len(buffers)}")
+    for buffer, saved in zip(buffers, snapshot):
+        if scale != 1.0:
+            buffer.grad_data.mul_(scale)
+        buffer.grad_data.add_(saved)

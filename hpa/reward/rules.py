@@ -144,5 +144,5 @@ class RuleReward:
         # a prompt without a ground truth (one only the learned reward can judge): every rule abstains, 0
         scores = [self.weight * sum(float(fn(text, truth)) for fn in self.fns) if truth is not None else 0.0
                   for text, truth in zip(inputs.response_texts, inputs.ground_truths)]
-        return BaseRewardOutput(rewards=torch.tensor(scores, dtype=torch.float32,
-                                                     device=inputs.response_mask.device).unsqueeze(1))
+        rewards = torch.tensor(scores, dtype=torch.float32, device=inputs.response_mask.device)  # [b]
+        return BaseRewardOutput(rewards=rewards.unsqueeze(1), rule=rewards)

@@ -74,10 +74,13 @@ class BaseRewardOutput:
     Args:
         rewards: ``[b, K]``; K ensemble heads or K separate models (K = 1 for a rule).
         embeddings: ``[b, h]`` mean-pooled hidden state of the reward model, when it has one.
+        rule: ``[b]`` the part of ``rewards`` (every head) that comes from rule rewards; None when no
+            rule contributes (per-component advantages read it).
     """
 
     rewards: torch.Tensor
     embeddings: Optional[torch.Tensor] = None
+    rule: Optional[torch.Tensor] = None
 
 
 class BaseReward(Protocol):
@@ -97,7 +100,7 @@ class CombinedReward:
         self.parts = list(parts)
 
     def __call__(self, inputs: RewardInputs) -> BaseRewardOutput:
-        total, embeddings = None, None
+        total, embeddings, rule = None, None, None
         for part in self.parts:
             out = part(inputs)
             if out.rewards.dim() != 2:
@@ -111,7 +114,9 @@ class CombinedReward:
             total = rewards if total is None else total + rewards
             if embeddings is None:
                 embeddings = out.embeddings
-        return BaseRewardOutput(rewards=total, embeddings=embeddings)
+            if out.rule is not None:
+                rule = out.rule if rule is None else rule + out.rule
+        return BaseRewardOutput(rewards=total, embeddings=embeddings, rule=rule)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -396,6 +401,8 @@ class ShapedReward:
         token_level_scores: ``[b, r]`` rewards on the last response token.
         valid: ``[b]`` bool; False rows must be excluded from the update.
         raw, sigma, diversity, length_penalty, copy_rate, copy_penalty: the terms.
+        rule: the rule rewards' part of ``raw`` (zeros without a rule); ``rewards - rule`` is the
+            learned part of the shaped reward (reward models, σ, diversity, length and copy terms).
         embeddings: ``[b, h]`` used for diversity (None when β = 0); the caller gathers it for ``update``.
         response_mask: ``[b, r]`` as given.
         metrics: ``reward/*`` scalars.
@@ -413,6 +420,7 @@ class ShapedReward:
     embeddings: Optional[torch.Tensor]
     response_mask: torch.Tensor
     metrics: Dict[str, float]
+    rule: Optional[torch.Tensor] = None
 
 
 def _single_rank(x: torch.Tensor) -> torch.Tensor:
@@ -474,7 +482,7 @@ class UncertaintyAwareReward:
     def shape(self, raw_rewards: torch.Tensor, response_mask: torch.Tensor, *,
               embeddings: Optional[torch.Tensor] = None, response_ids: Optional[torch.Tensor] = None,
               prompt_ids: Optional[torch.Tensor] = None,
-              prompt_mask: Optional[torch.Tensor] = None) -> ShapedReward:
+              prompt_mask: Optional[torch.Tensor] = None, rule: Optional[torch.Tensor] = None) -> ShapedReward:
         """Shaped reward before normalisation; reads the bank, changes nothing.
 
         Args:
@@ -483,6 +491,7 @@ class UncertaintyAwareReward:
             embeddings: ``[b, h]`` mean-pooled hidden states; required when beta > 0.
             response_ids, prompt_ids, prompt_mask: ``[b, r]``, ``[b, p]``, ``[b, p]``; required when
                 copy_coef > 0 (when given with copy_coef = 0, the copy rate is still reported).
+            rule: ``[b]`` the rule rewards' part of ``raw_rewards`` (``BaseRewardOutput.rule``).
         """
         b = raw_rewards.shape[0]
         device = raw_rewards.device
@@ -529,7 +538,8 @@ class UncertaintyAwareReward:
             rewards=shaped, token_level_scores=place_at_last_token(shaped, response_mask), valid=valid,
             raw=raw, sigma=sigma, diversity=div, length_penalty=length_pen, copy_rate=copy_rate,
             copy_penalty=copy_pen, embeddings=embeddings if self.beta else None,
-            response_mask=response_mask, metrics={})
+            response_mask=response_mask, metrics={},
+            rule=torch.where(valid, rule.float(), zeros) if rule is not None else zeros)
 
     def update(self, all_rank_embeddings: Optional[torch.Tensor], all_rank_rewards: torch.Tensor,
                all_rank_valid: torch.Tensor) -> None:
@@ -558,6 +568,8 @@ class UncertaintyAwareReward:
             "reward/shaped_mean": kept.mean().item() if kept.numel() else 0.0,
             "reward/shaped_std": kept.std(correction=0).item() if kept.numel() else 0.0,
             "reward/nonfinite_count": float((~valid).sum().item()),
+            # the learned part of r̂ (reward models alone), what a policy can exploit
+            "reward/learned_mean": _masked_mean(shaped.raw - shaped.rule, valid),
         }
         return dataclasses.replace(shaped, rewards=rewards, metrics=metrics,
                                    token_level_scores=place_at_last_token(rewards, shaped.response_mask))
@@ -580,7 +592,7 @@ class UncertaintyAwareReward:
         embeddings = policy_embeddings if self.diversity_source == "policy" else out.embeddings
         shaped = self.shape(out.rewards, inputs.response_mask, embeddings=embeddings,
                             response_ids=inputs.response_ids, prompt_ids=inputs.prompt_ids,
-                            prompt_mask=inputs.prompt_mask)
+                            prompt_mask=inputs.prompt_mask, rule=out.rule)
         gathered_embeddings = all_gather(shaped.embeddings) if shaped.embeddings is not None else None
         self.update(gathered_embeddings, all_gather(shaped.rewards), all_gather(shaped.valid))
         return self.finalize(shaped)

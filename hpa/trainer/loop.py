@@ -11,6 +11,7 @@ rollback) is ``state``, evaluation is ``evaluate``, when it stops is ``run_contr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Dict
 
 import torch
 
+from hpa.algorithms.gate import TrustGate
+from hpa.algorithms.hybrid import describe
 from hpa.algorithms.kl import make_kl_controller
 from hpa.algorithms.schedules import progress
 from hpa.config import write_resolved
@@ -27,6 +30,7 @@ from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
 from hpa.rollout.base import RolloutBatch, SamplingParams
 from hpa.trainer import faults, phases
+from hpa.trainer.balance import GradientBalance
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter, length_metrics, mfu, peak_memory_gb
 from hpa.trainer.objective import WeightSchedules
@@ -72,15 +76,26 @@ class HPATrainer:
         self.pairs_only = not any(v > 0 for v in algo.hpa.w_ppo.used_values())
         if self.pairs_only:
             logger.info("algorithm.hpa.w_ppo is 0 for the whole run: DPO on the preference pairs only, no rollouts")
+        gate, balance = algo.hpa.gate, algo.hpa.balance
+        self.gate = TrustGate(slack=gate.slack, kp=gate.kp, ki=gate.ki, reward_ema=gate.reward_ema) \
+            if gate.enabled else None
+        self.balance = GradientBalance(balance.measure_steps) if balance.enabled else None
         self.guard = Guard(cfg.guard)
         self.control = RunControl(cfg.trainer, cfg.guard, self.guard, run_dir, is_main=groups.is_main)
         trainables = {"policy": p.policy, **({"critic": p.critic} if p.critic is not None else {})}
         parts = {"kl_ctrl": self.kl_ctrl, "guard": self.guard, "prompt_sampler": p.prompt_sampler,
                  "pair_sampler": p.pair_sampler, "reward": p.reward, "policy_sched": p.policy.scheduler,
-                 "monitor": p.evaluator, **({"critic_sched": p.critic.scheduler} if p.critic is not None else {})}
+                 "monitor": p.evaluator, **({"critic_sched": p.critic.scheduler} if p.critic is not None else {}),
+                 **({"trust_gate": self.gate} if self.gate is not None else {}),
+                 **({"balance": self.balance} if self.balance is not None else {})}
         self.state = RunState(cfg, groups, trainables, parts, self.guard)
         self.exit_reason = "done"
         resumed = self.state.resume()
+        if groups.is_main:
+            start = self.weights.at(progress(self.state.step, cfg.trainer.total_steps), self.kl_ctrl.value)
+            logger.info("the objective at step %d:\n%s", self.state.step, describe(
+                dataclasses.asdict(start), {"pairs": self.balance.factor} if self.balance is not None else None,
+                self.gate.gate if self.gate is not None else None))
         self.metrics = MetricsWriter(run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg),
                                      resume_step=self.state.step + 1 if resumed else None,
                                      total_steps=cfg.trainer.total_steps)
@@ -184,14 +199,21 @@ class HPATrainer:
             if p.critic is not None:
                 with self.timer("values"):
                     phases.critic_values(batch, p.critic.model, ctx)
-            metrics.update(phases.compute_advantages(batch, ctx, weights.reward_kl_coef))
+            learned_weight = 1.0
+            if self.gate is not None:
+                with self.timer("gate"):
+                    nll = phases.heldout_nll(p.policy.model, p.heldout_pairs, ctx)
+                metrics.update(self.gate.update(nll, metrics["reward/learned_mean"]))
+                learned_weight = self.gate.gate
+            metrics.update(phases.compute_advantages(batch, ctx, weights.reward_kl_coef, learned_weight))
         with self.timer("reference"):
             pairs = phases.preference_micro_batches([p.pairs[i] for i in p.pair_sampler.next_batch()], p.reference, ctx)
         faults.maybe_kill(step + 1, self.groups.rank)
         with self.timer("update_actor"):
             metrics.update(phases.update_policy(
                 batch, pairs, weights, p.policy, self.guard, ctx,
-                wrap_loss=lambda loss_fn: faults.maybe_nan_loss(loss_fn, step + 1, self.groups.rank)))
+                wrap_loss=lambda loss_fn: faults.maybe_nan_loss(loss_fn, step + 1, self.groups.rank),
+                balance=self.balance))
         if batch is not None:
             if p.critic is not None:
                 with self.timer("update_critic"):

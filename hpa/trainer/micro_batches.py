@@ -81,6 +81,12 @@ def pair_micro_batches(examples, *, micro_batch_size: int, pad_id: int) -> List[
     return out
 
 
+def chosen_micro_batches(examples, *, micro_batch_size: int, pad_id: int) -> List[dict]:
+    """The chosen rows of preference examples alone (the trust gate's held-out NLL), right-padded."""
+    return [_right_padded([examples[i].chosen_input_ids for i in rows], [examples[i].chosen_response_mask for i in rows],
+                          pad_id) for rows in chunks(len(examples), micro_batch_size)]
+
+
 def attach_ref_pair_logps(micro_batches: List[dict], ref_seq_logps: torch.Tensor) -> None:
     """Hand each pair micro-batch its rows of the reference's summed response log-probs."""
     start = 0

@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from hpa.algorithms.dpo import dpo_loss
+from hpa.algorithms.dpo import anchor_nll, dpo_loss
 from hpa.algorithms.hybrid import hpa_objective
 from hpa.algorithms.kl import hierarchical_kl, kl_warmup_scale
 from hpa.algorithms.losses import Aggregation
@@ -71,6 +71,11 @@ class GlobalCounts:
     tokens: float
     sequences: float
     pairs: float
+    chosen_tokens: float = 1.0  # response tokens of the pairs' chosen rows (the anchor's normaliser)
+
+
+def _chosen_tokens(mb: dict) -> float:
+    return float(mb["label_mask"][:mb["input_ids"].shape[0] // 2].sum())
 
 
 def global_counts(rollout_mbs: Sequence[dict], pair_mbs: Sequence[dict], groups: ParallelGroups) -> GlobalCounts:
@@ -78,19 +83,27 @@ def global_counts(rollout_mbs: Sequence[dict], pair_mbs: Sequence[dict], groups:
         sum(float(mb["mask"].sum()) for mb in rollout_mbs),
         sum(float((mb["mask"].sum(dim=1) > 0).sum()) for mb in rollout_mbs),
         sum(mb["input_ids"].shape[0] / 2 for mb in pair_mbs),
+        sum(_chosen_tokens(mb) for mb in pair_mbs),
     ], dtype=torch.float64)
     comm.all_reduce_sum(local, groups.dp_group)
-    tokens, seqs, pairs = local.tolist()
-    return GlobalCounts(tokens=max(tokens, 1.0), sequences=max(seqs, 1.0), pairs=max(pairs, 1.0))
+    tokens, seqs, pairs, chosen = local.tolist()
+    return GlobalCounts(tokens=max(tokens, 1.0), sequences=max(seqs, 1.0), pairs=max(pairs, 1.0),
+                        chosen_tokens=max(chosen, 1.0))
 
 
 def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: GlobalCounts, groups: ParallelGroups,
-                     *, vocab_size: int, temperature: float):
-    """The loss closure of the mixed step; dispatches on ``batch["kind"]`` (``rollout`` or ``pairs``)."""
+                     *, vocab_size: int, temperature: float, pair_scale: float = 1.0):
+    """The loss closure of the mixed step; dispatches on ``batch["kind"]`` (``rollout`` or ``pairs``).
+
+    Args:
+        pair_scale: the balance factor on the pair term (DPO and its anchor): it enters as
+            ``w_dpo · pair_scale`` (``hpa.trainer.balance``).
+    """
     aggregation = Aggregation(mode=algo.ppo.loss_agg_mode, num_global_tokens=counts.tokens,
                               num_global_seqs=counts.sequences, dp_size=1,
                               loss_scale_factor=algo.ppo.loss_scale_factor)
     ppo, dpo = algo.ppo, algo.dpo
+    step_weights = dataclasses.asdict(weights)
 
     def rollout_loss(batch, logits, hidden):
         logp_s = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size,
@@ -111,8 +124,7 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
                                        distance=algo.hpa.semantic_distance, aggregation=aggregation)
         if not algo.kl.use_kl_loss:
             hier = hier * 0.0
-        total, _ = hpa_objective(pg, None, hier, w_ppo=weights.w_ppo, w_dpo=weights.w_dpo, w_kl=weights.w_kl,
-                                 entropy_term=ent)
+        total, _ = hpa_objective({"ppo": pg, "hier_kl": hier, "entropy": ent}, step_weights)
         metrics = {f"actor/{k}": v for k, v in pg_m.items()}
         metrics.update({"actor/entropy": ent_m["entropy"], "kl/token": hier_m["token_kl"],
                         "kl/semantic": hier_m["semantic_distance"], "kl/hier": hier_m["hier_kl"],
@@ -132,7 +144,12 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
         metrics = {"dpo/loss": d_m["dpo_loss"], "dpo/reward_acc": d_m["dpo_reward_accuracy"],
                    "dpo/margin": d_m["dpo_reward_margin"], "dpo/chosen_reward": d_m["dpo_chosen_reward"],
                    "dpo/rejected_reward": d_m["dpo_rejected_reward"]}
-        total, _ = hpa_objective(None, loss, None, w_ppo=weights.w_ppo, w_dpo=weights.w_dpo, w_kl=weights.w_kl)
+        if dpo.rpo_alpha is not None:
+            anchor, a_m = anchor_nll(logp_s[:m], batch["label_mask"][:m], alpha=dpo.rpo_alpha,
+                                     num_global_tokens=counts.chosen_tokens, dp_size=1)
+            loss = loss + anchor
+            metrics["dpo/anchor_nll"] = a_m["anchor_nll"]
+        total, _ = hpa_objective({"dpo": loss}, step_weights, group_scale={"pairs": pair_scale})
         return total, metrics
 
     def loss_fn(batch, logits, hidden):
@@ -157,7 +174,7 @@ def make_critic_loss(algo: AlgorithmConfig, counts: GlobalCounts):
 
 # metrics that are a micro-batch's share of a globally normalised loss: summed, not averaged
 SHARE_KEYS = frozenset({"actor/pg_loss", "actor/entropy", "kl/token", "kl/semantic", "kl/hier", "actor/kl_loss",
-                        "dpo/loss", "critic/vf_loss"})
+                        "dpo/loss", "dpo/anchor_nll", "critic/vf_loss"})
 
 
 def step_metrics(records: Sequence[Dict], groups: ParallelGroups,

@@ -21,10 +21,12 @@ from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine import forward
 from hpa.engine.optimizer import Trainable
-from hpa.engine.step import forward_backward, guarded_optimizer_step, optimizer_step, zero_grad
+from hpa.engine.step import (add_grads, forward_backward, gradient_norm, guarded_optimizer_step, optimizer_step,
+                             snapshot_grads, zero_grad)
 from hpa.reward import RewardInputs
 from hpa.rollout.base import RolloutBatch, logprob_consistency
 from hpa.trainer import micro_batches, objective
+from hpa.trainer.balance import GradientBalance
 from hpa.trainer.objective import StepWeights
 
 
@@ -76,6 +78,7 @@ def score(batch: RolloutBatch, ground_truths, reward, tokenizer, ctx: StepContex
     shaped = reward(RewardInputs.from_batch(batch, tokenizer, ground_truths), policy_embeddings=batch.get("old_pooled"),
                     all_gather=lambda t: comm.all_gather_cat(t, ctx.groups.dp_group))
     keep = shaped.valid.clone()
+    batch.set("rule_scores", shaped.rule)
     f = ctx.cfg.reward.filter
     if f.mode != "none":
         from hpa.reward.shaping import filter_responses
@@ -93,9 +96,16 @@ def critic_values(batch: RolloutBatch, critic, ctx: StepContext) -> None:
                                                 micro_batch_size=ctx.micro_batch_size))
 
 
-def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: float) -> Dict[str, float]:
+def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: float,
+                       learned_weight: float = 1.0) -> Dict[str, float]:
     """Token rewards (the batch's ``token_scores``, minus the in-reward KL when configured) ->
-    ``advantages`` and ``returns`` ``[b, r]``, under the batch's loss ``mask``."""
+    ``advantages`` and ``returns`` ``[b, r]``, under the batch's loss ``mask``.
+
+    With ``algorithm.advantage.per_component`` the rule reward (``rule_scores``) and the learned rest of
+    the shaped reward are group-normalised apart and added with their shares of the reward weights
+    (``reward.rule_weight`` : 1 for the reward models), the learned share times ``learned_weight`` (the
+    trust gate); the in-reward KL penalty enters centred within its group, ungated.
+    """
     algo = ctx.cfg.algorithm
     metrics: Dict[str, float] = {}
     mask, token_scores = batch.get("mask"), batch.get("token_scores")
@@ -109,11 +119,48 @@ def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: fl
     valid = mask.sum(dim=1) > 0
     group_ids = torch.where(valid, batch.group_ids, -1 - torch.arange(batch.batch_size))
     a = algo.advantage
-    advantages, returns = adv_lib.compute_advantages(a.estimator, rewards, mask, values=batch.extras.get("values"),
-                                                     group_ids=group_ids, gamma=a.gamma, lam=a.lam,
-                                                     norm_by_std=a.norm_by_std, epsilon=a.epsilon)
+    if a.per_component:
+        rule = batch.get("rule_scores")  # [b]
+        learned = token_scores.sum(dim=1) - rule  # [b]
+        shares = component_shares(ctx.cfg.reward)
+        advantages, returns = adv_lib.compute_component_advantages(
+            [rule, learned], [shares["rule"], shares["learned"] * learned_weight], mask, group_ids,
+            offset=(rewards - token_scores).sum(dim=1), norm_by_std=a.norm_by_std, epsilon=a.epsilon)
+        metrics["hpa/learned_share"] = shares["learned"] * learned_weight
+    else:
+        advantages, returns = adv_lib.compute_advantages(a.estimator, rewards, mask,
+                                                         values=batch.extras.get("values"), group_ids=group_ids,
+                                                         gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_by_std,
+                                                         epsilon=a.epsilon)
     batch.set("advantages", advantages * mask).set("returns", returns)
     return metrics
+
+
+def component_shares(reward_cfg) -> Dict[str, float]:
+    """The shares of the rule and the learned components of the advantage: the reward weights
+    (``reward.rule_weight`` for the rules, 1 for the reward models) over their sum; a source that is
+    not configured has share 0 (the shaping terms alone still form the learned component)."""
+    rule = reward_cfg.rule_weight if (reward_cfg.rules or reward_cfg.custom_function is not None) else 0.0
+    learned = 1.0 if reward_cfg.model_paths or rule == 0.0 else 0.0
+    total = rule + learned
+    return {"rule": rule / total, "learned": learned / total}
+
+
+def heldout_nll(policy, examples, ctx: StepContext) -> float:
+    """The policy's NLL per token of the chosen responses of held-out preference pairs (the trust gate's
+    signal), at temperature 1 over the true vocabulary; each DP rank scores ``examples[dp_rank::dp]`` and
+    the sums are reduced over DP, so every rank returns the same number."""
+    g = ctx.groups
+    mine = [examples[i] for i in range(g.dp_rank, len(examples), g.data_parallel_size)]
+    mbs = micro_batches.chosen_micro_batches(mine, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id)
+    sums = torch.zeros(2, dtype=torch.float64)
+    if mbs:
+        with torch.no_grad():
+            logp = forward.pair_sequence_log_probs(policy, mbs, g, vocab_size=ctx.vocab_size)  # [n]
+        sums[0] = -float(logp.double().sum())
+        sums[1] = sum(float(mb["label_mask"].sum()) for mb in mbs)
+    comm.all_reduce_sum(sums, g.dp_group)
+    return float(sums[0] / sums[1].clamp(min=1.0))
 
 
 def preference_micro_batches(examples, reference, ctx: StepContext) -> List[dict]:
@@ -138,24 +185,37 @@ def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[T
 
 
 def update_policy(batch: Optional[RolloutBatch], pairs: List[dict], weights: StepWeights, policy: Trainable, guard,
-                  ctx: StepContext, *, wrap_loss=lambda loss_fn: loss_fn) -> Dict[str, float]:
+                  ctx: StepContext, *, wrap_loss=lambda loss_fn: loss_fn,
+                  balance: Optional[GradientBalance] = None) -> Dict[str, float]:
     """``ppo_epochs`` x mini-batches of optimizer updates at this step's LR, the preference micro-batches
     dealt round-robin over the mini-batches; the LR schedule then advances once per HPA step (as verl's),
     whatever the number of updates in it. ``guard`` decides what a non-finite or spiking gradient does.
 
     Args:
         wrap_loss: applied to each update's loss closure (fault injection).
+        balance: the automatic balance of the pair term (``hpa.trainer.balance``); while it measures,
+            an update with both rollout and pair micro-batches runs them as two backward passes and logs
+            ``grad_norm/rollout`` and ``grad_norm/pairs``.
     """
     steps, grad_norms = [], []
     lr = policy.optimizer.param_groups[0]["lr"]
     for index, num_minis, rollout_mbs in _mini_batches(batch, ctx):
         pair_mbs = pairs[index::num_minis]
         counts = objective.global_counts(rollout_mbs, pair_mbs, ctx.groups)
-        loss_fn = objective.make_policy_loss(ctx.cfg.algorithm, weights, counts, ctx.groups,
-                                             vocab_size=ctx.vocab_size, temperature=ctx.temperature)
+        split = balance is not None and balance.measuring and bool(rollout_mbs) and bool(pair_mbs)
+        scale = balance.factor if balance is not None and not split else 1.0
+        loss_fn = wrap_loss(objective.make_policy_loss(ctx.cfg.algorithm, weights, counts, ctx.groups,
+                                                       vocab_size=ctx.vocab_size, temperature=ctx.temperature,
+                                                       pair_scale=scale))
         zero_grad(policy.model, policy.optimizer)
-        records = forward_backward(policy.model, rollout_mbs + pair_mbs, wrap_loss(loss_fn), ctx.groups,
-                                   capture_hidden=True)
+        if split:
+            records, norms = _measured_backward(policy, rollout_mbs, pair_mbs, loss_fn, ctx)
+            balance.record(norms["grad_norm/rollout"], norms["grad_norm/pairs"], weights.w_ppo, weights.w_dpo)
+            add_grads(policy.model, norms.pop("_rollout_grads"), scale=balance.factor)
+            records.append(norms)
+        else:
+            records = forward_backward(policy.model, rollout_mbs + pair_mbs, loss_fn, ctx.groups,
+                                       capture_hidden=True)
         updated, grad_norm = guarded_optimizer_step(policy.optimizer, None, guard.grad_norm_action,
                                                     guard.spike_clip_value)
         guard.record(updated)
@@ -165,8 +225,23 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[dict], weights: Ste
     finite = [g for g in grad_norms if math.isfinite(g)]
     metrics["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
     metrics["actor/lr"] = lr
+    if balance is not None:
+        metrics.update(balance.metrics())
     policy.scheduler.step(increment=1)
     return metrics
+
+
+def _measured_backward(policy: Trainable, rollout_mbs: List[dict], pair_mbs: List[dict], loss_fn,
+                       ctx: StepContext) -> Tuple[List[Dict], Dict]:
+    """The rollout and the pair micro-batches as two backward passes; the pair gradients stay in the
+    buffers, the rollout ones come back as a snapshot, with both groups' gradient norms."""
+    records = forward_backward(policy.model, rollout_mbs, loss_fn, ctx.groups, capture_hidden=True)
+    rollout_norm = gradient_norm(policy.optimizer)
+    saved = snapshot_grads(policy.model)
+    zero_grad(policy.model, policy.optimizer)
+    records += forward_backward(policy.model, pair_mbs, loss_fn, ctx.groups, capture_hidden=True)
+    pairs_norm = gradient_norm(policy.optimizer)
+    return records, {"grad_norm/rollout": rollout_norm, "grad_norm/pairs": pairs_norm, "_rollout_grads": saved}
 
 
 def update_critic(batch: RolloutBatch, critic: Trainable, ctx: StepContext) -> Dict[str, float]:

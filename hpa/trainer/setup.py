@@ -38,6 +38,7 @@ class RunParts:
     tokenizer: object
     prompts: PromptDataset
     pairs: PreferenceDataset
+    heldout_pairs: Optional[PreferenceDataset]
     prompt_sampler: DistributedBatchSampler
     pair_sampler: DistributedBatchSampler
     policy: Trainable
@@ -54,6 +55,8 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
     tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path, model_vocab_size=cfg.model.vocab_size)
     prompts = PromptDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
     pairs = PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
+    heldout = (PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects, split="heldout")
+               if cfg.data.heldout_preference_path else None)
     seed = cfg.data.seed if cfg.data.seed is not None else t.seed
 
     def sampler(n: int, batch_size: int, seed: int) -> DistributedBatchSampler:
@@ -74,7 +77,7 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
     reward = build_reward(cfg.reward, model_reward)
     evaluator = Evaluator(cfg.data, cfg.rollout, cfg.reward, groups, tokenizer, rejects_dir=rejects, reward=reward,
                           model_reward=model_reward, micro_batch_size=t.micro_batch_size)
-    return RunParts(tokenizer=tokenizer, prompts=prompts, pairs=pairs, prompt_sampler=prompt_sampler,
+    return RunParts(tokenizer=tokenizer, prompts=prompts, pairs=pairs, heldout_pairs=heldout, prompt_sampler=prompt_sampler,
                     pair_sampler=pair_sampler, policy=policy, reference=reference, critic=critic, engine=engine,
                     reward=reward, evaluator=evaluator)
 

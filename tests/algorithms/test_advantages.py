@@ -246,3 +246,38 @@ def test_gae_and_grpo_bitwise_equal_to_verl_float32():
     for norm in (True, False):
         adv, _ = compute_group_advantages(rewards, mask, index, norm_by_std=norm)
         assert torch.equal(adv, _verl_grpo(rewards.clone(), mask, index, norm=norm))
+
+
+def test_component_advantages_normalise_each_component_within_its_group():
+    """Two groups of two: the rule separates group 0 and abstains (0, 0) on group 1; the learned reward
+    varies in both. Each component is normalised on its own; a tied component contributes 0."""
+    from hpa.algorithms.advantages import compute_component_advantages
+
+    rule = torch.tensor([4.0, 0.0, 0.0, 0.0])
+    learned = torch.tensor([0.3, 0.9, 1.0, 0.2])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    group_ids = torch.tensor([0, 0, 1, 1])
+    eps = 1e-6
+    adv, ret = compute_component_advantages([rule, learned], [0.8, 0.1], mask, group_ids, epsilon=eps)
+    s = math.sqrt(2.0)  # unbiased std of a pair {x, y} is |x - y| / sqrt(2)
+    rule_n = [2.0 / (4 / s + eps), -2.0 / (4 / s + eps), 0.0, 0.0]
+    learned_n = [-0.3 / (0.6 / s + eps), 0.3 / (0.6 / s + eps), 0.4 / (0.8 / s + eps), -0.4 / (0.8 / s + eps)]
+    expected = torch.tensor([0.8 * a + 0.1 * b for a, b in zip(rule_n, learned_n)])
+    torch.testing.assert_close(adv, expected[:, None] * mask, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ret, adv)
+    # the sum is not renormalised: halving the learned weight halves its part exactly
+    half, _ = compute_component_advantages([rule, learned], [0.8, 0.05], mask, group_ids, epsilon=eps)
+    torch.testing.assert_close(adv - half, (0.05 * torch.tensor(learned_n))[:, None] * mask, atol=1e-6, rtol=1e-6)
+
+
+def test_component_advantages_add_the_offset_centred_and_unnormalised():
+    from hpa.algorithms.advantages import compute_component_advantages
+
+    mask = torch.ones(4, 3)
+    group_ids = [0, 0, 1, 1]
+    zero = torch.zeros(4)
+    offset = torch.tensor([-0.01, -0.03, 0.0, -0.02])
+    adv, _ = compute_component_advantages([zero], [1.0], mask, group_ids, offset=offset)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([0.01, -0.01, 0.01, -0.01]), atol=1e-7, rtol=0)
+    with pytest.raises(ValueError, match="one weight per component"):
+        compute_component_advantages([zero, zero], [1.0], mask, group_ids)

@@ -105,3 +105,45 @@ def test_gradcheck_and_global_pairs():
 
 def test_registry_names():
     assert DPO_LOSSES.names() == ("hinge", "ipo", "robust", "sigmoid")
+
+
+def test_anchor_is_alpha_times_the_token_mean_nll_of_the_chosen_rows_with_its_gradient():
+    """RPO's anchor as TRL's rpo_alpha: the cross-entropy over all chosen tokens of the batch, times α."""
+    from hpa.algorithms.dpo import anchor_nll
+
+    logits = torch.tensor([[[0.2, -1.0, 0.5], [1.5, 0.1, -0.3], [0.0, 0.0, 0.0]],
+                           [[-0.4, 0.9, 0.3], [0.7, 0.7, -2.0], [1.0, -1.0, 0.5]]], requires_grad=True)  # [2, 3, v]
+    labels = torch.tensor([[2, 0, 1], [1, 1, 0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # 5 chosen tokens
+    token_logps = torch.log_softmax(logits, dim=-1).gather(2, labels[..., None])[..., 0]
+    loss, metrics = anchor_nll(token_logps, mask, alpha=0.5)
+    # by hand: -log softmax at the five labelled positions
+    picked = [(0, 0, 2), (0, 1, 0), (1, 0, 1), (1, 1, 1), (1, 2, 0)]
+    nll = sum(-(logits[i, t, k] - torch.logsumexp(logits[i, t], 0)).item() for i, t, k in picked) / 5
+    assert metrics["anchor_nll"].item() == pytest.approx(nll, rel=1e-6)
+    assert loss.item() == pytest.approx(0.5 * nll, rel=1e-6)
+    # TRL: F.cross_entropy over the flattened chosen rows, ignoring the masked labels
+    trl = F.cross_entropy(logits.reshape(-1, 3), torch.where(mask > 0, labels, -100).reshape(-1), ignore_index=-100)
+    assert metrics["anchor_nll"].item() == pytest.approx(trl.item(), rel=1e-6)
+    loss.backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    (0.5 * trl).backward()
+    torch.testing.assert_close(grad, logits.grad, atol=1e-7, rtol=1e-6)
+
+
+def test_anchor_with_a_global_count_sums_over_micro_batches_to_the_batch_mean():
+    from hpa.algorithms.dpo import anchor_nll
+
+    g = torch.Generator().manual_seed(0)
+    logps = -torch.rand(4, 5, generator=g)
+    mask = (torch.rand(4, 5, generator=g) > 0.3).float()
+    whole, _ = anchor_nll(logps, mask, alpha=1.0)
+    n = mask.sum()
+    parts = sum(anchor_nll(logps[i:i + 2], mask[i:i + 2], alpha=1.0, num_global_tokens=n)[0] for i in (0, 2))
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
+    # an all-zero mask contributes 0, not NaN
+    zero, _ = anchor_nll(logps, torch.zeros_like(mask), alpha=1.0)
+    assert zero.item() == 0.0
+    with pytest.raises(ValueError, match="num_global_tokens"):
+        anchor_nll(logps, mask, alpha=1.0, dp_size=2)

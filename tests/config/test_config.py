@@ -128,11 +128,28 @@ def test_value_checks_name_the_full_key(cfg_file):
     (["guard.early_stop_on_hacking=true"], 1, "guard.early_stop_on_hacking"),
     (["guard.early_stop_on_hacking=true", "data.adversarial_prompt_path=adv.jsonl", "trainer.eval_interval=0"], 1,
      "guard.early_stop_on_hacking"),
+    # the trust gate scales the learned component: it needs per-component advantages and held-out pairs
+    (["algorithm.hpa.gate.enabled=true", "data.heldout_preference_path=h.jsonl"], 1, "algorithm.hpa.gate.enabled"),
+    (["algorithm.hpa.gate.enabled=true", "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true"],
+     1, "algorithm.hpa.gate.enabled"),
+    (["algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true", "reward.shaping.normalize=true"],
+     1, "algorithm.advantage.per_component"),
 ])
 def test_cross_checks(cfg_file, overrides, world, key):
     with pytest.raises(ConfigError) as err:
         load_config(cfg_file, overrides, world_size=world)
     assert err.value.key == key
+
+
+def test_trust_options_name_their_keys(cfg_file):
+    with pytest.raises(ConfigError, match="algorithm.advantage.per_component.*estimator: grpo"):
+        load_config(cfg_file, ["algorithm.advantage.estimator=gae", "algorithm.advantage.per_component=true"])
+    with pytest.raises(ConfigError, match="algorithm.dpo.rpo_alpha"):
+        load_config(cfg_file, ["algorithm.dpo.rpo_alpha=-1"])
+    with pytest.raises(ConfigError, match="algorithm.hpa.balance.measure_steps"):
+        load_config(cfg_file, ["algorithm.hpa.balance.measure_steps=0"])
+    with pytest.raises(ConfigError, match="algorithm.hpa.gate.reward_ema"):
+        load_config(cfg_file, ["algorithm.hpa.gate.reward_ema=1.0"])
 
 
 def test_cross_checks_pass_for_valid_layout(cfg_file):

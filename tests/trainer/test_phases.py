@@ -85,3 +85,44 @@ def test_tokens_trained_counts_prompt_response_and_pair_tokens_per_epoch():
     pairs = [{"input_ids": torch.tensor([[5, 6, 0], [7, 0, 0]])}]  # 3 non-pad tokens
     assert phases.tokens_trained(batch, pairs, ctx) == (4 + 3 + 3) * 2
     assert phases.tokens_trained(None, pairs, ctx) == 3 * 2
+
+
+def _component_batch(rule, learned, group_ids):
+    b = len(rule)
+    response_mask = torch.ones(b, 2)
+    batch = _batch(response_mask, group_ids)
+    token_scores = torch.zeros(b, 2)
+    token_scores[:, 1] = torch.tensor(rule) + torch.tensor(learned)
+    batch.set("mask", response_mask).set("token_scores", token_scores).set("rule_scores", torch.tensor(rule))
+    return batch
+
+
+def test_per_component_advantages_gate_the_learned_part_and_never_the_rule():
+    """Rule 4x (share 0.8) and one reward model (share 0.2). A closed gate (learned weight 0) leaves
+    exactly the rule's normalised advantage; a group where the rule abstains then gets 0."""
+    ctx = _ctx("algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
+               "algorithm.kl.use_kl_in_reward=false", "reward.rule_weight=4.0", "reward.model_paths=[rm]")
+    rule, learned = [4.0, 0.0, 0.0, 0.0], [0.2, 0.9, 1.3, 0.1]
+    closed = _component_batch(rule, learned, [0, 0, 1, 1])
+    metrics = phases.compute_advantages(closed, ctx, reward_kl_coef=0.0, learned_weight=0.0)
+    assert metrics["hpa/learned_share"] == 0.0
+    a_rule = 2.0 / (4.0 / 2 ** 0.5 + 1e-6)  # (4 - 2) / unbiased std of {4, 0}
+    torch.testing.assert_close(closed.get("advantages")[:, 0], torch.tensor([0.8 * a_rule, -0.8 * a_rule, 0.0, 0.0]))
+    opened = _component_batch(rule, learned, [0, 0, 1, 1])
+    phases.compute_advantages(opened, ctx, reward_kl_coef=0.0, learned_weight=1.0)
+    half = _component_batch(rule, learned, [0, 0, 1, 1])
+    phases.compute_advantages(half, ctx, reward_kl_coef=0.0, learned_weight=0.5)
+    # the rule part is the same whatever the gate; the learned part scales with it
+    learned_part = opened.get("advantages") - closed.get("advantages")
+    torch.testing.assert_close(half.get("advantages") - closed.get("advantages"), 0.5 * learned_part)
+    assert learned_part.abs().max() > 0
+
+
+def test_component_shares_follow_the_configured_reward_sources():
+    def shares(*overrides):
+        return phases.component_shares(load_config(None, list(overrides)).reward)
+
+    assert shares("reward.rule_weight=4.0", "reward.model_paths=[rm]") == {"rule": 0.8, "learned": 0.2}
+    assert shares("reward.rules=[]", "reward.model_paths=[rm]") == {"rule": 0.0, "learned": 1.0}
+    # rules alone: the rule is the whole advantage (the shaping terms have no share)
+    assert shares("reward.rule_weight=4.0") == {"rule": 1.0, "learned": 0.0}
