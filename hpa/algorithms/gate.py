@@ -59,7 +59,7 @@ class TrustGate:
         Returns:
             ``gate/*`` metrics: ``nll``, ``best_nll``, ``regression`` (relative, before the slack),
             ``error``, ``rising`` (1 when the learned reward is above its value at the best NLL),
-            ``integral``, ``lambda`` and ``gate``.
+            ``integral``, ``lambda``, ``gate`` and ``reward_ema`` (the smoothed learned reward).
         """
         if not (math.isfinite(nll) and math.isfinite(learned_reward)):  # nothing learned from a bad step
             return self.metrics(nll, float("nan"), float("nan"), float("nan"))
@@ -79,7 +79,8 @@ class TrustGate:
     def metrics(self, nll: float, regression: float, error: float, rising: float) -> Dict[str, float]:
         return {"gate/nll": nll, "gate/best_nll": self.best if self.best is not None else float("nan"),
                 "gate/regression": regression, "gate/error": error, "gate/rising": rising,
-                "gate/integral": self.integral, "gate/lambda": self.lam, "gate/gate": self.gate}
+                "gate/integral": self.integral, "gate/lambda": self.lam, "gate/gate": self.gate,
+                "gate/reward_ema": self.reward if self.reward is not None else float("nan")}
 
     def state_dict(self) -> Dict[str, Optional[float]]:
         return {"best": self.best, "reward_at_best": self.reward_at_best, "reward": self.reward,

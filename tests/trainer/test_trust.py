@@ -3,6 +3,7 @@ the automatic balance train under DP2, log their state, and a run resumed from a
 uninterrupted one, the gate's and the balance's state included."""
 
 import pytest
+import torch
 
 from test_fault_tolerance import assert_same_metrics
 from trainer_runs import launch
@@ -33,6 +34,11 @@ def test_the_trust_parts_log_their_state_every_step(trust_run):
 def test_resumed_equals_uninterrupted_with_the_gate_and_balance_state(demo, trust_run):
     run_dir = demo / "trust_sliced"
     extra = TRUST + [f"data.heldout_preference_path={demo / 'data' / 'heldout_preferences.jsonl'}"]
-    launch(demo, run_dir, 2, extra + ["trainer.max_steps_per_run=2"])
+    first = launch(demo, run_dir, 2, extra + ["trainer.max_steps_per_run=2"])
+    # the checkpoint carries the gate's and the balance's state
+    state = torch.load(run_dir / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=False)
+    assert state["trust_gate"]["best"] == pytest.approx(first[-1]["gate/best_nll"], rel=1e-9)
+    assert state["balance"]["measured"] == 2
+    assert state["balance"]["factor"] == pytest.approx(first[-1]["hpa/balance_factor"], rel=1e-9)
     resumed = launch(demo, run_dir, 2, extra)
     assert_same_metrics(trust_run, resumed, steps=[3, 4])
