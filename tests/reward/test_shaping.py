@@ -12,7 +12,8 @@ from hpa.reward.shaping import (BaseRewardOutput, CombinedReward, EmbeddingBank,
                                 place_at_last_token, target_length_penalty)
 
 METRIC_KEYS = {"reward/raw_mean", "reward/sigma_mean", "reward/diversity_mean", "reward/length_penalty_mean",
-               "reward/copy_rate", "reward/shaped_mean", "reward/shaped_std", "reward/nonfinite_count"}
+               "reward/copy_rate", "reward/shaped_mean", "reward/shaped_std", "reward/nonfinite_count",
+               "reward/learned_mean"}
 
 
 class FakeBase:
@@ -235,6 +236,7 @@ def test_formula_end_to_end_on_small_batch():
     m = out.metrics
     assert set(m) == METRIC_KEYS
     assert m["reward/raw_mean"] == pytest.approx(1.0)
+    assert m["reward/learned_mean"] == pytest.approx(1.0)  # no rule part: all of r̂ is learned
     assert m["reward/sigma_mean"] == pytest.approx(sigma0 / 2)
     assert m["reward/diversity_mean"] == pytest.approx(0.5)
     assert m["reward/length_penalty_mean"] == pytest.approx((1.1 + 0.1) / 2)
