@@ -35,16 +35,21 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from hpa.config.errors import ConfigError, check_choice, check_range, closest
+from hpa.config.presets import PRESETS
 
 logger = logging.getLogger("hpa.ablate")
 
-# the built-in variants: overrides on top of the training config
+RECIPE = PRESETS["recipe"]
+
+# the built-in variants: overrides on top of the training config. The single-component baselines
+# (ppo, dpo) and each trust part alone start from the recipe as published (``--preset recipe``), so
+# they mean the same whatever the defaults.
 BUILTIN_VARIANTS: Dict[str, Tuple[str, ...]] = {
     "hpa": (),
-    # no DPO term
-    "ppo": ("algorithm.hpa.w_dpo.name=constant", "algorithm.hpa.w_dpo.value=0.0"),
+    # no DPO term (the recipe's PPO: no per-component advantages, no gate)
+    "ppo": (*RECIPE, "algorithm.hpa.w_dpo.name=constant", "algorithm.hpa.w_dpo.value=0.0"),
     # no PPO term; with w_ppo 0 for the whole run the trainer spends no rollouts (nor their KL and entropy terms)
-    "dpo": ("algorithm.hpa.w_ppo.name=constant", "algorithm.hpa.w_ppo.value=0.0"),
+    "dpo": (*RECIPE, "algorithm.hpa.w_ppo.name=constant", "algorithm.hpa.w_ppo.value=0.0"),
     # the hierarchical KL without its semantic level: the token KL alone
     "hpa-token-kl": ("algorithm.hpa.lambda_semantic.name=constant", "algorithm.hpa.lambda_semantic.value=0.0"),
     # the reward without the ensemble-disagreement penalty
@@ -56,16 +61,16 @@ BUILTIN_VARIANTS: Dict[str, Tuple[str, ...]] = {
                           "algorithm.hpa.lambda_token={name: constant, value: 1.0}",
                           "algorithm.hpa.lambda_semantic={name: constant, value: 0.2}"),
     # the recipe as published: 0.4 / 0.4 / 0.2, none of the trust parts below
-    "hpa-recipe": ("algorithm.dpo.rpo_alpha=null", "algorithm.advantage.per_component=false",
-                   "algorithm.hpa.gate.enabled=false", "algorithm.hpa.balance.enabled=false"),
+    "hpa-recipe": RECIPE,
     # DPO alone with the preference anchor (RPO), the fair baseline for the anchor's gain
-    "dpo-rpo": ("algorithm.hpa.w_ppo.name=constant", "algorithm.hpa.w_ppo.value=0.0", "algorithm.dpo.rpo_alpha=1.0"),
+    "dpo-rpo": (*RECIPE, "algorithm.hpa.w_ppo.name=constant", "algorithm.hpa.w_ppo.value=0.0",
+                "algorithm.dpo.rpo_alpha=1.0"),
     # each trust part alone, on top of the recipe
-    "hpa-anchor": ("algorithm.dpo.rpo_alpha=1.0",),
-    "hpa-components": ("algorithm.advantage.per_component=true",),
-    "hpa-gate": ("algorithm.advantage.per_component=true", "algorithm.hpa.gate.enabled=true"),
-    "hpa-balance": ("algorithm.hpa.balance.enabled=true",),
-    # all of them: anchor, per-component advantages, trust gate, automatic balance
+    "hpa-anchor": (*RECIPE, "algorithm.dpo.rpo_alpha=1.0"),
+    "hpa-components": (*RECIPE, "algorithm.advantage.per_component=true"),
+    "hpa-gate": (*RECIPE, "algorithm.advantage.per_component=true", "algorithm.hpa.gate.enabled=true"),
+    "hpa-balance": (*RECIPE, "algorithm.hpa.balance.enabled=true"),
+    # all of them (the defaults, spelled out): anchor, per-component advantages, trust gate, balance
     "hpa-trust": ("algorithm.dpo.rpo_alpha=1.0", "algorithm.advantage.per_component=true",
                   "algorithm.hpa.gate.enabled=true", "algorithm.hpa.balance.enabled=true"),
 }

@@ -17,6 +17,7 @@ import sys
 from typing import List, Optional
 
 from hpa.config import ConfigError, load_config
+from hpa.config.presets import PRESETS, with_preset
 from hpa.config.schema import to_dict
 
 
@@ -48,6 +49,10 @@ def config_parser(name: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"hpa {name}", description=COMMANDS[name].help)
     parser.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
+    if name in ("train", "check-config"):
+        parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                            help="named overrides applied before yours (recipe: the HPA recipe as published, "
+                                 "without the anchor, per-component advantages, trust gate and balance)")
     return parser
 
 
@@ -55,7 +60,7 @@ def check_config(argv: List[str]) -> int:
     parser = config_parser("check-config")
     parser.add_argument("--world-size", type=int, default=None, help="also run the layout checks for this many processes")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    cfg = load_config(args.config, with_preset(args.preset, args.overrides), world_size=args.world_size)
     print(json.dumps(to_dict(cfg), indent=2))
     return 0
 
@@ -66,7 +71,7 @@ def train(argv: List[str]) -> int:
     from hpa.distributed.watchdog import EXIT_COLLECTIVE_FAILURE, CollectiveFailure
     from hpa.trainer.loop import HPATrainer
 
-    with launched(load_config(args.config, args.overrides)) as (cfg, groups):
+    with launched(load_config(args.config, with_preset(args.preset, args.overrides))) as (cfg, groups):
         try:
             trainer = HPATrainer(cfg, groups)
         except CollectiveFailure as exc:  # at start-up: the message names the phase and the ranks waited for

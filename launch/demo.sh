@@ -26,7 +26,8 @@ shift || true
 CONFIG=${HPA_CONFIG:-configs/tiny_cpu.yaml}
 COMMON=(trainer.run_dir="$OUT" data.tokenizer_path="$OUT/data/tok.model" data.prompt_path="$OUT/data/prompts.jsonl"
         data.preference_path="$OUT/data/preferences.jsonl" data.eval_prompt_path="$OUT/data/eval_prompts.jsonl"
-        data.sft_path="$OUT/data/sft.jsonl" data.adversarial_prompt_path="$OUT/data/adversarial_prompts.jsonl")
+        data.sft_path="$OUT/data/sft.jsonl" data.adversarial_prompt_path="$OUT/data/adversarial_prompts.jsonl"
+        data.heldout_preference_path="$OUT/data/heldout_preferences.jsonl")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 start=$(date +%s)
 

@@ -214,3 +214,15 @@ def test_shipped_ablation_files_resolve(name):
     assert len(runs) == len(cfg.variant_overrides()) * len(cfg.seeds) and len(cfg.seeds) >= 5
     for run in runs[::len(cfg.seeds)]:
         load_config(cfg.config, run.overrides)
+
+
+def test_single_component_baselines_start_from_the_recipe():
+    """ppo, dpo and each trust part alone are defined on the recipe preset, so they keep their meaning
+    whatever the defaults; hpa is the defaults."""
+    from hpa.ablate import BUILTIN_VARIANTS
+    from hpa.config.presets import PRESETS
+
+    recipe = PRESETS["recipe"]
+    for name in ("ppo", "dpo", "dpo-rpo", "hpa-recipe", "hpa-anchor", "hpa-components", "hpa-gate", "hpa-balance"):
+        assert BUILTIN_VARIANTS[name][:len(recipe)] == recipe, name
+    assert BUILTIN_VARIANTS["hpa"] == ()

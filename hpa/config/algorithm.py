@@ -94,10 +94,12 @@ class AdvantageConfig:
         lam: GAE lambda.
         norm_by_std: GRPO divides by the group std (False: Dr.GRPO).
         epsilon: added to the GRPO group std.
-        per_component: (grpo only) group-normalise the rule reward and the learned part of the shaped
-            reward (reward models, σ, diversity, length and copy terms) separately and add them with
-            their shares of the reward weights, so the trust gate (``algorithm.hpa.gate``) can scale
-            the learned part alone; a rule that abstains on a prompt contributes 0.
+        per_component: group-normalise the rule reward and the learned part of the shaped reward
+            (reward models, σ, diversity, length and copy terms) separately and add them with their
+            shares of the reward weights, so the trust gate (``algorithm.hpa.gate``) can scale the
+            learned part alone; a rule that abstains on a prompt contributes 0. None (default): on with
+            ``grpo`` when reward models are configured (``reward.model_paths``: a learned reward to
+            gate), off otherwise; true needs ``grpo``.
     """
 
     estimator: str = "gae"
@@ -105,14 +107,14 @@ class AdvantageConfig:
     lam: float = 0.95
     norm_by_std: bool = True
     epsilon: float = 1e-6
-    per_component: bool = False
+    per_component: Optional[bool] = None
 
     def __post_init__(self):
         check_choice("estimator", self.estimator, ADVANTAGE_ESTIMATOR_NAMES)
         check_range("gamma", self.gamma, low=0.0, high=1.0)
         check_range("lam", self.lam, low=0.0, high=1.0)
         check_range("epsilon", self.epsilon, low=0.0, low_open=True)
-        if self.per_component and self.estimator != "grpo":
+        if self.per_component is True and self.estimator != "grpo":
             raise ConfigError("per_component", f"needs estimator: grpo (group-normalised components), got "
                                                f"estimator: {self.estimator}")
 
@@ -175,13 +177,13 @@ class DPOConfig:
         beta: β (τ for IPO).
         label_smoothing: assumed label-flip rate ε (sigmoid: conservative DPO; robust: rDPO).
         rpo_alpha: the preference anchor (RPO, TRL's ``rpo_alpha``): adds α times the chosen responses'
-            NLL per token to the DPO term; None is off, 1.0 is RPO's recommendation.
+            NLL per token to the DPO term; None is off; 1.0 (default) is RPO's recommendation.
     """
 
     loss: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
-    rpo_alpha: Optional[float] = None
+    rpo_alpha: Optional[float] = 1.0
 
     def __post_init__(self):
         check_choice("loss", self.loss, DPO_LOSS_NAMES)
@@ -243,14 +245,15 @@ class TrustGateConfig:
     component of the advantage is weighted ``1/(1+λ)``. Needs ``algorithm.advantage.per_component``.
 
     Attributes:
-        enabled: off by default (the recipe has no gate).
+        enabled: None (default): on whenever per-component advantages are in effect and
+            ``data.heldout_preference_path`` is set; true requires both; false is off.
         slack: relative regression of the held-out NLL over its best that costs nothing (0.02 = 2 %).
         kp: proportional gain (λ per unit of relative regression beyond the slack).
         ki: integral gain (λ per unit of accumulated relative regression, one unit per step).
         reward_ema: smoothing of the learned reward whose rise is watched (EMA factor).
     """
 
-    enabled: bool = False
+    enabled: Optional[bool] = None
     slack: float = 0.02
     kp: float = 10.0
     ki: float = 1.0
@@ -272,11 +275,11 @@ class BalanceConfig:
     term that makes ``w_dpo : w_ppo`` the ratio of the two gradients' norms, then the factor is frozen.
 
     Attributes:
-        enabled: off by default (the recipe has no balance).
+        enabled: on by default (the recipe has no balance).
         measure_steps: steps measured (the factor is the ratio of the summed norms).
     """
 
-    enabled: bool = False
+    enabled: bool = True
     measure_steps: int = 10
 
     def __post_init__(self):

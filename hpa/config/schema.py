@@ -396,19 +396,42 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("model.params_dtype", "the CPU/gloo path runs in float32")
     algo = cfg.algorithm
     if algo.hpa.gate.enabled:
-        if not algo.advantage.per_component:
+        if not component_advantages(cfg):
             raise ConfigError("algorithm.hpa.gate.enabled", "the gate scales the learned reward's part of the "
-                              "advantage; set algorithm.advantage.per_component: true (with estimator: grpo)")
+                              "advantage; use algorithm.advantage.estimator: grpo with per_component true")
         if cfg.data.heldout_preference_path is None:
             raise ConfigError("algorithm.hpa.gate.enabled", "the gate reads held-out preference pairs; set "
                               "data.heldout_preference_path (pairs kept out of data.preference_path and out "
                               "of the reward model's training)")
-    if algo.advantage.per_component and (cfg.reward.shaping.normalize or cfg.reward.shaping.clip is not None):
+    rescaled = cfg.reward.shaping.normalize or cfg.reward.shaping.clip is not None
+    if algo.advantage.per_component is True and rescaled:
         raise ConfigError("algorithm.advantage.per_component", "the components are group-normalised "
-                          "separately; turn off reward.shaping.normalize and reward.shaping.clip")
+                          "separately; turn off reward.shaping.normalize and reward.shaping.clip, or set "
+                          "per_component: false")
     if cfg.guard.early_stop_on_hacking and (cfg.data.adversarial_prompt_path is None or t.eval_interval <= 0):
         raise ConfigError("guard.early_stop_on_hacking", "the reward-hacking monitor needs "
                           "data.adversarial_prompt_path and trainer.eval_interval > 0")
+
+
+def component_advantages(cfg: Config) -> bool:
+    """Whether per-component advantages are in effect: ``algorithm.advantage.per_component``, or by default
+    with ``grpo`` whenever reward models give a learned reward (rules alone: the classic GRPO advantage) and
+    the shaped reward is not renormalised or clipped as a whole."""
+    explicit = cfg.algorithm.advantage.per_component
+    if explicit is not None:
+        return explicit
+    shaping = cfg.reward.shaping
+    return (cfg.algorithm.advantage.estimator == "grpo" and bool(cfg.reward.model_paths)
+            and not shaping.normalize and shaping.clip is None)
+
+
+def trust_gate_enabled(cfg: Config) -> bool:
+    """Whether the trust gate runs: ``algorithm.hpa.gate.enabled``, or by default whenever per-component
+    advantages are in effect and held-out preference pairs are given."""
+    enabled = cfg.algorithm.hpa.gate.enabled
+    if enabled is not None:
+        return enabled
+    return component_advantages(cfg) and cfg.data.heldout_preference_path is not None
 
 
 def to_dict(cfg) -> dict:

@@ -24,7 +24,7 @@ from hpa.algorithms.hybrid import describe
 from hpa.algorithms.kl import make_kl_controller
 from hpa.algorithms.schedules import progress
 from hpa.config import write_resolved
-from hpa.config.schema import Config, to_dict
+from hpa.config.schema import Config, to_dict, trust_gate_enabled
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
@@ -78,7 +78,7 @@ class HPATrainer:
             logger.info("algorithm.hpa.w_ppo is 0 for the whole run: DPO on the preference pairs only, no rollouts")
         gate, balance = algo.hpa.gate, algo.hpa.balance
         self.gate = TrustGate(slack=gate.slack, kp=gate.kp, ki=gate.ki, reward_ema=gate.reward_ema) \
-            if gate.enabled else None
+            if trust_gate_enabled(cfg) else None
         self.balance = GradientBalance(balance.measure_steps) if balance.enabled else None
         self.guard = Guard(cfg.guard)
         self.control = RunControl(cfg.trainer, cfg.guard, self.guard, run_dir, is_main=groups.is_main)

@@ -16,7 +16,7 @@ from hpa.algorithms import advantages as adv_lib
 from hpa.algorithms.kl import apply_kl_penalty, kl_penalty
 from hpa.algorithms.masked import masked_mean
 from hpa.algorithms.ppo import truncated_importance_weights
-from hpa.config.schema import Config
+from hpa.config.schema import Config, component_advantages
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine import forward
@@ -119,7 +119,7 @@ def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: fl
     valid = mask.sum(dim=1) > 0
     group_ids = torch.where(valid, batch.group_ids, -1 - torch.arange(batch.batch_size))
     a = algo.advantage
-    if a.per_component:
+    if component_advantages(ctx.cfg):
         rule = batch.get("rule_scores")  # [b]
         learned = token_scores.sum(dim=1) - rule  # [b]
         shares = component_shares(ctx.cfg.reward)

@@ -193,3 +193,36 @@ def test_build_from_plain_data():
     data = yaml.safe_load(BASE)
     cfg = build(data, world_size=2)
     assert cfg.trainer.micro_batch_size == 2
+
+
+def test_trust_parts_default_on_where_they_apply(cfg_file):
+    """The defaults: the anchor and the balance always; per-component advantages with grpo and a learned
+    reward; the gate where per-component advantages run and held-out pairs are given."""
+    from hpa.config.schema import component_advantages, trust_gate_enabled
+
+    grpo_rm = ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]"]
+    cfg = load_config(cfg_file, grpo_rm + ["data.heldout_preference_path=h.jsonl"])
+    assert cfg.algorithm.dpo.rpo_alpha == 1.0 and cfg.algorithm.hpa.balance.enabled
+    assert component_advantages(cfg) and trust_gate_enabled(cfg)
+    assert not trust_gate_enabled(load_config(cfg_file, grpo_rm))  # no held-out pairs: no gate
+    # rules alone (nothing learned to gate), another estimator, or a renormalised reward: the classic advantage
+    for overrides in (["algorithm.advantage.estimator=grpo"], ["algorithm.advantage.estimator=gae",
+                                                               "reward.model_paths=[rm]"],
+                      grpo_rm + ["reward.shaping.normalize=true"]):
+        cfg = load_config(cfg_file, overrides + ["data.heldout_preference_path=h.jsonl"])
+        assert not component_advantages(cfg) and not trust_gate_enabled(cfg), overrides
+
+
+def test_the_recipe_preset_turns_every_trust_part_off(cfg_file):
+    from hpa.config.presets import with_preset
+    from hpa.config.schema import component_advantages, trust_gate_enabled
+
+    overrides = ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]", "data.heldout_preference_path=h.jsonl"]
+    cfg = load_config(cfg_file, with_preset("recipe", overrides))
+    assert cfg.algorithm.dpo.rpo_alpha is None and not cfg.algorithm.hpa.balance.enabled
+    assert not component_advantages(cfg) and not trust_gate_enabled(cfg)
+    assert (cfg.algorithm.hpa.w_ppo.value, cfg.algorithm.hpa.w_dpo.value) == (0.4, 0.4)
+    # the user's overrides come after the preset's
+    assert load_config(cfg_file, with_preset("recipe", ["algorithm.dpo.rpo_alpha=0.5"])).algorithm.dpo.rpo_alpha == 0.5
+    with pytest.raises(ConfigError, match="--preset.*valid: recipe"):
+        with_preset("recipie", [])
