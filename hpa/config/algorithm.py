@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 from hpa.config.errors import ConfigError, check_choice, check_range
 
 ADVANTAGE_ESTIMATOR_NAMES = ("gae", "grpo", "reinforce_plus_plus", "rloo")
-POLICY_LOSS_NAMES = ("vanilla",)
+POLICY_LOSS_NAMES = ("cispo", "geo_mean", "gspo", "vanilla")
 LOSS_AGG_MODE_NAMES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum",
@@ -114,9 +114,13 @@ class PPOConfig:
     """The PPO policy and value losses.
 
     Attributes:
-        policy_loss: vanilla (clipped surrogate with dual-clip).
+        policy_loss: vanilla (clipped surrogate with dual-clip) | gspo (sequence-level ratio; always
+            aggregated seq-mean-token-mean, as verl) | cispo (clipped, detached IS weight times log-prob) |
+            geo_mean (GMPO: geometric mean of log-space-clipped token ratios; a mean over sequences, as
+            verl, whatever loss_agg_mode). loss_agg_mode still aggregates the entropy and KL terms.
         clip_ratio: symmetric clip ε (0.18 on math tasks in the recipe).
-        clip_ratio_low: lower-side ε; None uses clip_ratio.
+        clip_ratio_low: lower-side ε; None uses clip_ratio. Below 1, except with cispo, where 1 or more
+            turns the lower bound off (the paper bounds only the upper side).
         clip_ratio_high: upper-side ε (e.g. 0.28 for clip-higher); None uses clip_ratio.
         clip_ratio_c: dual-clip constant for negative advantages, > 1.
         value_clip: ε of the value clip around the old values.
@@ -146,7 +150,11 @@ class PPOConfig:
             check_range("rollout_is_threshold", self.rollout_is_threshold, low=0.0, low_open=True)
         check_range("clip_ratio", self.clip_ratio, low=0.0, high=1.0, low_open=True, high_open=True)
         if self.clip_ratio_low is not None:
-            check_range("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0, low_open=True, high_open=True)
+            if self.policy_loss == "cispo":  # a weight, not a trust region: >= 1 leaves it unbounded below
+                check_range("clip_ratio_low", self.clip_ratio_low, low=0.0, low_open=True)
+            else:
+                check_range("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0, low_open=True,
+                            high_open=True)
         if self.clip_ratio_high is not None:
             check_range("clip_ratio_high", self.clip_ratio_high, low=0.0, low_open=True)
         if not self.clip_ratio_c > 1.0:
