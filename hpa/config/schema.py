@@ -394,6 +394,13 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"prompt within model.max_sequence_length={m.max_sequence_length}")
     if cfg.parallel.use_distributed_optimizer and cfg.parallel.backend == "gloo" and m.params_dtype != "float32":
         raise ConfigError("model.params_dtype", "the CPU/gloo path runs in float32")
+    f = cfg.algorithm.rollout_filter
+    if cfg.rollout.n < 2 and (f.name == "dapo_groups" or (f.name == "reward_above_mean_std" and f.scope == "group")):
+        what, fix = ("drops the prompts whose responses all score the same", "raise rollout.n") \
+            if f.name == "dapo_groups" else ("with scope 'group' takes the mean and std of each prompt's "
+                                             "responses", "raise rollout.n or set algorithm.rollout_filter.scope=batch")
+        raise ConfigError("algorithm.rollout_filter.name", f"{f.name!r} {what}, which needs rollout.n >= 2 "
+                          f"responses per prompt (got rollout.n={cfg.rollout.n}); {fix}")
     if cfg.guard.early_stop_on_hacking and (cfg.data.adversarial_prompt_path is None or t.eval_interval <= 0):
         raise ConfigError("guard.early_stop_on_hacking", "the reward-hacking monitor needs "
                           "data.adversarial_prompt_path and trainer.eval_interval > 0")
