@@ -2,10 +2,12 @@ from setuptools import find_packages, setup
 
 setup(
     name="hpa",
-    version="0.1.0",
+    version="0.1.0",  # the only place; hpa.__version__ and `hpa --version` read the installed metadata
     description="Hybrid Preference Alignment (online PPO + offline DPO + hierarchical KL) on megatron-core",
     python_requires=">=3.10",
-    packages=find_packages(include=["hpa", "hpa.*", "megatron_patches", "data_tools"]) + ["hpa.configs"],
+    # every directory of modules needs an __init__.py: find_packages skips one without (tests/test_packaging.py)
+    packages=find_packages(include=["hpa", "hpa.*", "megatron_patches", "megatron_patches.*", "data_tools",
+                                    "data_tools.*"]) + ["hpa.configs"],
     package_dir={"hpa.configs": "configs"},
     package_data={"hpa.configs": ["*.yaml"]},
     install_requires=[

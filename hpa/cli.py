@@ -16,6 +16,7 @@ import logging
 import sys
 from typing import List, Optional
 
+import hpa
 from hpa.config import ConfigError, load_config
 from hpa.config.presets import PRESETS, with_preset
 from hpa.config.schema import to_dict
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hpa", description="Hybrid Preference Alignment on megatron-core.",
         epilog="Example: hpa train --config configs/tiny_cpu.yaml trainer.total_steps=4 "
                "parallel.tensor_model_parallel_size=2. Run hpa COMMAND --help for a command's arguments.")
+    parser.add_argument("--version", action="version", version=f"hpa {hpa.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in COMMANDS.items():
         sub.add_parser(name, help=command.help, description=command.help, add_help=False)
@@ -134,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        build_parser().parse_args(argv[:1])  # --help, or an error that lists the commands (exit 2)
+        build_parser().parse_args(argv[:1])  # --help, --version, or an error that lists the commands (exit 2)
         return 2
     name = argv[0]
     module, function = COMMANDS[name].run.split(":")

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 from hpa.config.errors import ConfigError, check_choice, check_range
 
 ADVANTAGE_ESTIMATOR_NAMES = ("gae", "grpo", "reinforce_plus_plus", "rloo")
-POLICY_LOSS_NAMES = ("vanilla",)
+POLICY_LOSS_NAMES = ("cispo", "geo_mean", "gspo", "vanilla")
 LOSS_AGG_MODE_NAMES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum",
@@ -29,6 +29,11 @@ KL_CONTROLLER_NAMES = ("adaptive", "fixed")
 DPO_LOSS_NAMES = ("hinge", "ipo", "robust", "sigmoid")
 SCHEDULE_NAMES = ("constant", "cosine", "linear", "piecewise", "warmup_constant")
 SEMANTIC_DISTANCE_NAMES = ("cosine", "mse")
+ROLLOUT_FILTER_NAMES = ("dapo_groups", "none", "reward_above_mean_std")
+ROLLOUT_FILTER_SCOPES = ("batch", "group")
+ROLLOUT_FILTER_METRICS = ("raw", "shaped")
+# estimators that whiten advantages over a rank's own rows: a rank whose rows are all filtered out has none
+WHITENING_ESTIMATORS = ("gae", "reinforce_plus_plus")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,9 +129,13 @@ class PPOConfig:
     """The PPO policy and value losses.
 
     Attributes:
-        policy_loss: vanilla (clipped surrogate with dual-clip).
+        policy_loss: vanilla (clipped surrogate with dual-clip) | gspo (sequence-level ratio; always
+            aggregated seq-mean-token-mean, as verl) | cispo (clipped, detached IS weight times log-prob) |
+            geo_mean (GMPO: geometric mean of log-space-clipped token ratios; a mean over sequences, as
+            verl, whatever loss_agg_mode). loss_agg_mode still aggregates the entropy and KL terms.
         clip_ratio: symmetric clip ε (0.18 on math tasks in the recipe).
-        clip_ratio_low: lower-side ε; None uses clip_ratio.
+        clip_ratio_low: lower-side ε; None uses clip_ratio. Below 1, except with cispo, where 1 or more
+            turns the lower bound off (the paper bounds only the upper side).
         clip_ratio_high: upper-side ε (e.g. 0.28 for clip-higher); None uses clip_ratio.
         clip_ratio_c: dual-clip constant for negative advantages, > 1.
         value_clip: ε of the value clip around the old values.
@@ -156,7 +165,11 @@ class PPOConfig:
             check_range("rollout_is_threshold", self.rollout_is_threshold, low=0.0, low_open=True)
         check_range("clip_ratio", self.clip_ratio, low=0.0, high=1.0, low_open=True, high_open=True)
         if self.clip_ratio_low is not None:
-            check_range("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0, low_open=True, high_open=True)
+            if self.policy_loss == "cispo":  # a weight, not a trust region: >= 1 leaves it unbounded below
+                check_range("clip_ratio_low", self.clip_ratio_low, low=0.0, low_open=True)
+            else:
+                check_range("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0, low_open=True,
+                            high_open=True)
         if self.clip_ratio_high is not None:
             check_range("clip_ratio_high", self.clip_ratio_high, low=0.0, low_open=True)
         if not self.clip_ratio_c > 1.0:
@@ -319,6 +332,49 @@ class HPAConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutFilterConfig:
+    """Which rollouts of a step train, decided between scoring and the advantages (``hpa.algorithms.filters``).
+
+    A dropped row stays in the batch with an all-zero loss mask, so advantages, the KL and the loss
+    normalisation (global counts over the DP ranks) are those of the kept rows; a rank may keep none.
+
+    Attributes:
+        name: none | reward_above_mean_std (the HPA recipe: keep reward > mean + k·std) | dapo_groups
+            (DAPO's dynamic sampling: drop the prompts whose responses all score the same, generate more
+            prompts until the batch is full or ``max_refill_rounds`` extra rounds were generated).
+        k: the recipe's k (reward_above_mean_std).
+        scope: batch (mean and std over the whole step's rows, all DP ranks) | group (over the responses to
+            the same prompt) (reward_above_mean_std).
+        metric: the reward filtered on: shaped (the reward PPO trains on) | raw (r̂: rule and reward-model
+            score before shaping, DAPO's accuracy). None: shaped for reward_above_mean_std, raw for
+            dapo_groups (the shaping terms almost never tie, so DAPO on them would keep everything).
+        max_refill_rounds: dapo_groups: extra generation rounds at most per step (verl's
+            max_num_gen_batches counts the first round too: 10 there is 9 here); 0: drop, never refill.
+    """
+
+    name: str = "none"
+    k: float = 1.0
+    scope: str = "batch"
+    metric: Optional[str] = None
+    max_refill_rounds: int = 9
+
+    def __post_init__(self):
+        check_choice("name", self.name, ROLLOUT_FILTER_NAMES)
+        check_choice("scope", self.scope, ROLLOUT_FILTER_SCOPES)
+        if self.metric is not None:
+            check_choice("metric", self.metric, ROLLOUT_FILTER_METRICS)
+        if self.max_refill_rounds < 0:
+            raise ConfigError("max_refill_rounds", f"must be >= 0 (0: never refill), got {self.max_refill_rounds}")
+
+    @property
+    def resolved_metric(self) -> str:
+        """``metric``, or the filter's own default."""
+        if self.metric is not None:
+            return self.metric
+        return "raw" if self.name == "dapo_groups" else "shaped"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     """The ``algorithm`` section."""
 
@@ -327,3 +383,13 @@ class AlgorithmConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     hpa: HPAConfig = field(default_factory=HPAConfig)
+    rollout_filter: RolloutFilterConfig = field(default_factory=RolloutFilterConfig)
+
+    def __post_init__(self):
+        if self.rollout_filter.name != "none" and self.advantage.estimator in WHITENING_ESTIMATORS:
+            raise ConfigError(
+                "rollout_filter.name",
+                f"{self.rollout_filter.name!r} can leave a DP rank with no rows in the loss, and "
+                f"algorithm.advantage.estimator={self.advantage.estimator!r} whitens advantages over each "
+                f"rank's own rows (it needs at least two); use algorithm.advantage.estimator=grpo or rloo with a "
+                f"rollout filter, or algorithm.rollout_filter.name=none")

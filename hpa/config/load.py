@@ -161,12 +161,21 @@ def _convert(value: Any, tp, key: str, sources: _Sources):
                       source=src)
 
 
+# keys that moved, with where they went: a config written for an older hpa gets told
+MOVED_KEYS = {
+    "reward.filter": "the rollout filter is algorithm.rollout_filter now (reward.filter.mode: top_std is "
+                     "algorithm.rollout_filter.name: reward_above_mean_std, with k; see the README, Configuration)",
+}
+
+
 def _build_dataclass(cls, data: dict, prefix: str, sources: _Sources):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
             full = f"{prefix}{key}"
+            if full in MOVED_KEYS:
+                raise ConfigError(full, f"unknown key: {MOVED_KEYS[full]}", source=sources.get(full))
             raise ConfigError(full, f"unknown key; closest valid keys: "
                                     f"{', '.join(prefix + c for c in closest(str(key), fields))}",
                               source=sources.get(full))

@@ -1,4 +1,5 @@
-"""Config of the ``reward`` YAML section: reward sources, shaping, the batch filter, the hacking monitor.
+"""Config of the ``reward`` YAML section: reward sources, shaping, the hacking monitor. (Which rollouts train
+is ``algorithm.rollout_filter``.)
 
 The name tuples below are the valid choices; they must equal the names of the matching registries in
 ``hpa.reward`` (a test checks this). This module does not import ``hpa.reward``: config is the lowest layer.
@@ -14,8 +15,6 @@ from hpa.config.errors import ConfigError, check_choice, check_range
 
 # == hpa.reward.rules.RULE_REWARDS.names()
 RULE_REWARD_NAMES: Tuple[str, ...] = ("exact_match", "gsm8k", "gsm8k_flexible")
-# == hpa.reward.shaping.RESPONSE_FILTERS.names()
-FILTER_MODES: Tuple[str, ...] = ("none", "top_std")
 # == hpa.reward.shaping.TARGET_LENGTH_MODES.names()
 TARGET_LENGTH_MODES: Tuple[str, ...] = ("above", "two_sided")
 # == hpa.reward.shaping.COPY_PENALTY_MODES.names()
@@ -98,23 +97,6 @@ class ShapingConfig:
         check_choice("copy_mode", self.copy_mode, COPY_PENALTY_MODES)
         if self.clip is not None:
             check_range("clip", self.clip, low=0.0, low_open=True)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FilterConfig:
-    """Batch filter applied after shaping.
-
-    Args:
-        mode: ``none`` (keep every valid response) or ``top_std`` (keep reward > mean + k·std).
-        k: number of standard deviations for ``top_std`` (1 in the HPA recipe).
-    """
-
-    mode: str = "none"
-    k: float = 1.0
-
-    def __post_init__(self):
-        check_choice("mode", self.mode, FILTER_MODES)
-        check_range("k", self.k, low=0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -202,7 +184,6 @@ class RewardConfig:
         allow_custom_code: must be true for ``custom_function``: it imports and runs that code as is,
             with the trainer's permissions. Only point it at code you trust.
         shaping: see ShapingConfig.
-        filter: see FilterConfig.
         monitor: see MonitorConfig.
         training: see RewardModelTrainingConfig (``hpa train-rm`` only).
     """
@@ -214,7 +195,6 @@ class RewardConfig:
     custom_function: Optional[str] = None
     allow_custom_code: bool = False
     shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
-    filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)
     monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
     training: RewardModelTrainingConfig = dataclasses.field(default_factory=RewardModelTrainingConfig)
 

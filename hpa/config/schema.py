@@ -408,6 +408,13 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("algorithm.advantage.per_component", "the components are group-normalised "
                           "separately; turn off reward.shaping.normalize and reward.shaping.clip, or set "
                           "per_component: false")
+    f = algo.rollout_filter
+    if cfg.rollout.n < 2 and (f.name == "dapo_groups" or (f.name == "reward_above_mean_std" and f.scope == "group")):
+        what, fix = ("drops the prompts whose responses all score the same", "raise rollout.n") \
+            if f.name == "dapo_groups" else ("with scope 'group' takes the mean and std of each prompt's "
+                                             "responses", "raise rollout.n or set algorithm.rollout_filter.scope=batch")
+        raise ConfigError("algorithm.rollout_filter.name", f"{f.name!r} {what}, which needs rollout.n >= 2 "
+                          f"responses per prompt (got rollout.n={cfg.rollout.n}); {fix}")
     if cfg.guard.early_stop_on_hacking and (cfg.data.adversarial_prompt_path is None or t.eval_interval <= 0):
         raise ConfigError("guard.early_stop_on_hacking", "the reward-hacking monitor needs "
                           "data.adversarial_prompt_path and trainer.eval_interval > 0")

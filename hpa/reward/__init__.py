@@ -1,4 +1,4 @@
-"""Reward: rule rewards, uncertainty-aware shaping, the batch filter and the reward-hacking monitor.
+"""Reward: rule rewards, uncertainty-aware shaping and the reward-hacking monitor.
 
 The reward model itself (``hpa.reward.model``) is built elsewhere; it plugs in as a ``BaseReward``
 returning ``[b, K]`` raw rewards and optionally ``[b, h]`` embeddings.
@@ -13,11 +13,11 @@ from hpa.config.reward import RewardConfig
 from hpa.reward.monitor import RewardHackingMonitor
 from hpa.reward.rules import (RULE_REWARDS, RuleReward, extract_gsm8k_answer, gsm8k_score,
                               load_custom_function)
-from hpa.reward.shaping import (COPY_PENALTY_MODES, EMBEDDING_SOURCES, RESPONSE_FILTERS,
+from hpa.reward.shaping import (COPY_PENALTY_MODES, EMBEDDING_SOURCES,
                                 TARGET_LENGTH_MODES, BaseReward, BaseRewardOutput, CombinedReward,
                                 EmbeddingBank, RewardInputs, RunningNormalizer, ShapedReward,
                                 UncertaintyAwareReward, copy_penalty, diversity, ensemble_mean_std,
-                                filter_responses, ngram_copy_rate, overlong_penalty, place_at_last_token,
+                                ngram_copy_rate, overlong_penalty, place_at_last_token,
                                 target_length_penalty)
 
 
@@ -52,10 +52,10 @@ def build_reward(cfg: RewardConfig, model_reward: Optional[BaseReward] = None) -
 
 
 __all__ = [
-    "COPY_PENALTY_MODES", "EMBEDDING_SOURCES", "RESPONSE_FILTERS", "RULE_REWARDS", "TARGET_LENGTH_MODES",
+    "COPY_PENALTY_MODES", "EMBEDDING_SOURCES", "RULE_REWARDS", "TARGET_LENGTH_MODES",
     "BaseReward", "BaseRewardOutput", "CombinedReward", "EmbeddingBank", "RewardHackingMonitor",
     "RewardInputs", "RuleReward", "RunningNormalizer", "ShapedReward", "UncertaintyAwareReward",
     "build_reward", "copy_penalty", "diversity", "ensemble_mean_std", "extract_gsm8k_answer",
-    "filter_responses", "gsm8k_score", "load_custom_function", "ngram_copy_rate", "overlong_penalty",
+    "gsm8k_score", "load_custom_function", "ngram_copy_rate", "overlong_penalty",
     "place_at_last_token", "target_length_penalty",
 ]

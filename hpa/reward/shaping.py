@@ -32,7 +32,6 @@ EMBEDDING_SOURCES: Tuple[str, ...] = ("policy", "reward_model")
 
 TARGET_LENGTH_MODES = Registry("target length mode")
 COPY_PENALTY_MODES = Registry("copy penalty mode")
-RESPONSE_FILTERS = Registry("response filter")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -354,35 +353,6 @@ class RunningNormalizer:
 
     def load_state_dict(self, state: Dict[str, float]) -> None:
         self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
-
-
-# ---------------------------------------------------------------------------------------------------
-# Batch filter
-
-
-@RESPONSE_FILTERS.register("none")
-def _filter_none(rewards: torch.Tensor, valid: torch.Tensor, k: float) -> torch.Tensor:
-    return valid.bool().clone()
-
-
-@RESPONSE_FILTERS.register("top_std")
-def _filter_top_std(rewards: torch.Tensor, valid: torch.Tensor, k: float) -> torch.Tensor:
-    valid = valid.bool()
-    if not valid.any():
-        return valid.clone()
-    kept = rewards[valid].float()
-    threshold = kept.mean() + k * kept.std(correction=0)
-    return valid & (rewards.float() > threshold)
-
-
-def filter_responses(rewards: torch.Tensor, valid: torch.Tensor, mode: str, k: float = 1.0) -> torch.Tensor:
-    """Keep mask ``[b]`` over the batch. Invalid responses are never kept.
-
-    ``none`` keeps every valid response; ``top_std`` keeps valid responses with reward > mean + k·std,
-    mean and population std taken over the valid responses. ``top_std`` keeps nothing when all valid
-    rewards are equal; the caller must count and handle an empty selection.
-    """
-    return RESPONSE_FILTERS.get(mode)(rewards, valid, k)
 
 
 # ---------------------------------------------------------------------------------------------------

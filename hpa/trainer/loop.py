@@ -1,7 +1,8 @@
 """``hpa train``: the HPA loop. ``train_step`` reads as the step does: it calls the phases of a step
 (``hpa.trainer.phases``) in order.
 
-One step: roll out → reference / old-policy forwards → shaped reward → critic values → advantages →
+One step: roll out → reference / old-policy forwards → shaped reward → rollout filter (with DAPO's
+refill: more rounds of the three before it) → critic values → advantages →
 mixed PPO + DPO + hierarchical-KL update (ppo_epochs × mini-batches) → critic update → KL controller →
 metrics; then evaluation, the guard, the stop decision and the checkpoint. Everything per row of the
 step travels on the ``RolloutBatch``. What a run builds is ``setup``, its state (save / restore /
@@ -29,7 +30,7 @@ from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
 from hpa.rollout.base import RolloutBatch, SamplingParams
-from hpa.trainer import faults, phases
+from hpa.trainer import faults, phases, rollout_filter
 from hpa.trainer.balance import GradientBalance
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter, length_metrics, mfu, peak_memory_gb
@@ -187,15 +188,13 @@ class HPATrainer:
         weights = self.weights.at(progress(step, self.cfg.trainer.total_steps), self.kl_ctrl.value)
         batch, metrics = None, {}
         if not self.pairs_only:
-            examples = [p.prompts[i] for i in p.prompt_sampler.next_batch()]
-            with self.timer("rollout"):
-                batch = self.rollout([e.prompt_ids for e in examples])
-            metrics.update(phases.reference_and_old_policy(batch, p.reference, p.policy.model, ctx))
             reward = faults.nan_first_reward(p.reward) if faults.active("nan_reward", step + 1, self.groups.rank) \
                 else p.reward
-            with self.timer("reward"):
-                truths = [examples[int(i)].ground_truth for i in batch.group_ids]
-                metrics.update(phases.score(batch, truths, reward, p.tokenizer, ctx))
+            batch, round_metrics = self.scored_rollout(reward)
+            metrics.update(round_metrics)
+            batch, filter_metrics = rollout_filter.apply(batch, self.cfg.algorithm.rollout_filter, self.groups,
+                                                         lambda r: self.scored_rollout(reward, refill_round=r)[0])
+            metrics.update(filter_metrics)
             if p.critic is not None:
                 with self.timer("values"):
                     phases.critic_values(batch, p.critic.model, ctx)
@@ -227,9 +226,24 @@ class HPATrainer:
         metrics["perf/max_memory_gb"] = peak_memory_gb()
         return metrics
 
-    def rollout(self, prompt_ids) -> RolloutBatch:
+    def scored_rollout(self, reward, refill_round: int = 0):
+        """One round of the step's rollouts: prompts from the sampler, responses, the reference and
+        old-policy forwards, the reward. Round 0 is the step's; the rollout filter asks for more
+        (``refill_round`` 1, 2, ...). Returns ``(batch, metrics)``."""
+        p, ctx = self.parts, self.ctx
+        examples = [p.prompts[i] for i in p.prompt_sampler.next_batch()]
+        with self.timer("rollout"):
+            batch = self.rollout([e.prompt_ids for e in examples], refill_round)
+        metrics = phases.reference_and_old_policy(batch, p.reference, p.policy.model, ctx)
+        with self.timer("reward"):
+            truths = [examples[int(i)].ground_truth for i in batch.group_ids]
+            metrics.update(phases.score(batch, truths, reward, p.tokenizer, ctx))
+        return batch, metrics
+
+    def rollout(self, prompt_ids, refill_round: int = 0) -> RolloutBatch:
         g = self.groups
-        seed = self.cfg.rollout.seed + self.state.step * g.data_parallel_size + g.dp_rank
+        # a refill round's seed is far from every step's first round (a prime stride)
+        seed = self.cfg.rollout.seed + self.state.step * g.data_parallel_size + g.dp_rank + refill_round * 1_000_003
         return self.generate(prompt_ids, SamplingParams.from_config(self.cfg.rollout, seed=seed))
 
     def generate(self, prompt_ids, params: SamplingParams) -> RolloutBatch:

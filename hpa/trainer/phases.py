@@ -72,21 +72,18 @@ def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepCo
 
 
 def score(batch: RolloutBatch, ground_truths, reward, tokenizer, ctx: StepContext) -> Dict[str, float]:
-    """Shaped reward at each response's last token (``token_scores``) and the loss ``mask``: rows with
-    a non-finite reward (and rows the filter drops) get an all-zero mask, so they reach no loss and
-    move no baseline."""
+    """Shaped reward at each response's last token (``token_scores``), per row (``shaped_rewards``, and
+    ``raw_rewards``: r̂ before shaping) and the loss ``mask``: rows with a non-finite reward get an all-zero
+    mask, so they reach no loss and move no baseline (``hpa.trainer.rollout_filter`` zeroes the rows it
+    drops the same way)."""
     shaped = reward(RewardInputs.from_batch(batch, tokenizer, ground_truths), policy_embeddings=batch.get("old_pooled"),
                     all_gather=lambda t: comm.all_gather_cat(t, ctx.groups.dp_group))
-    keep = shaped.valid.clone()
+    valid = shaped.valid
     batch.set("rule_scores", shaped.rule)
-    f = ctx.cfg.reward.filter
-    if f.mode != "none":
-        from hpa.reward.shaping import filter_responses
-
-        keep &= filter_responses(shaped.rewards, shaped.valid, f.mode, f.k)
-    batch.set("mask", batch.response_mask * keep[:, None].float()).set("token_scores", shaped.token_level_scores)
+    batch.set("mask", batch.response_mask * valid[:, None].float()).set("token_scores", shaped.token_level_scores)
+    batch.set("shaped_rewards", shaped.rewards.float())
+    batch.set("raw_rewards", torch.where(valid, shaped.raw.float(), torch.zeros_like(shaped.rewards.float())))
     metrics = {k: float(v) for k, v in shaped.metrics.items()}
-    metrics["reward/kept_fraction"] = float(keep.float().mean())
     return comm.reduce_metrics(metrics, ctx.groups.dp_group)
 
 

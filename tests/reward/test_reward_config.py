@@ -16,13 +16,11 @@ from hpa.reward.monitor import RewardHackingMonitor
 def test_defaults_are_the_recipe():
     cfg = rc.RewardConfig()
     assert cfg.shaping.alpha == 0.5 and cfg.shaping.beta == 0.2
-    assert cfg.filter.k == 1.0 and cfg.filter.mode == "none"
     assert cfg.num_heads == 1 and not cfg.allow_custom_code and cfg.custom_function is None
 
 
 def test_name_tuples_equal_registries():
     assert rc.RULE_REWARD_NAMES == rules.RULE_REWARDS.names()
-    assert rc.FILTER_MODES == shaping.RESPONSE_FILTERS.names()
     assert rc.TARGET_LENGTH_MODES == shaping.TARGET_LENGTH_MODES.names()
     assert rc.COPY_PENALTY_MODES == shaping.COPY_PENALTY_MODES.names()
     assert rc.DIVERSITY_SOURCES == shaping.EMBEDDING_SOURCES
@@ -38,7 +36,7 @@ def test_frozen_and_keyword_only():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.alpha = 1.0
     with pytest.raises(TypeError):
-        rc.FilterConfig("top_std")
+        rc.MonitorConfig(0.5)
 
 
 def test_components_accept_every_config_field():
@@ -61,8 +59,6 @@ def test_components_accept_every_config_field():
     (rc.ShapingConfig, dict(copy_threshold=1.5), "copy_threshold"),
     (rc.ShapingConfig, dict(copy_mode="cubic"), "copy_mode"),
     (rc.ShapingConfig, dict(clip=0.0), "clip"),
-    (rc.FilterConfig, dict(mode="top_k"), "mode"),
-    (rc.FilterConfig, dict(k=-1.0), "k"),
     (rc.MonitorConfig, dict(gap_threshold=0.0), "gap_threshold"),
     (rc.RewardModelTrainingConfig, dict(init_path="rm", backbone_path="sft"), "backbone_path"),
     (rc.MonitorConfig, dict(length_ratio_threshold=1.0), "length_ratio_threshold"),

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from hpa.reward.shaping import (BaseRewardOutput, CombinedReward, EmbeddingBank, RewardInputs,
                                 RunningNormalizer, UncertaintyAwareReward, copy_penalty, diversity,
-                                ensemble_mean_std, filter_responses, ngram_copy_rate, overlong_penalty,
+                                ensemble_mean_std, ngram_copy_rate, overlong_penalty,
                                 place_at_last_token, target_length_penalty)
 
 METRIC_KEYS = {"reward/raw_mean", "reward/sigma_mean", "reward/diversity_mean", "reward/length_penalty_mean",
@@ -324,18 +324,3 @@ def test_combined_reward_rule_shifts_mean_not_sigma():
     assert out.embeddings is model.embeddings
     with pytest.raises(ValueError, match="heads"):
         CombinedReward([model, FakeBase(torch.zeros(1, 2))])(None)
-
-
-# -- filter ------------------------------------------------------------------------------------------
-
-def test_filter_responses():
-    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0])
-    valid = torch.tensor([True, True, True, True, False])
-    assert filter_responses(rewards, valid, "none").tolist() == valid.tolist()
-    # mean 2.5, population std sqrt(1.25) = 1.118 -> keep > 3.618
-    assert filter_responses(rewards, valid, "top_std", 1.0).tolist() == [False, False, False, True, False]
-    assert filter_responses(rewards, valid, "top_std", 0.0).tolist() == [False, False, True, True, False]
-    assert not filter_responses(torch.ones(3), torch.ones(3, dtype=torch.bool), "top_std", 1.0).any()
-    assert not filter_responses(rewards, torch.zeros(5, dtype=torch.bool), "top_std", 1.0).any()
-    with pytest.raises(ValueError, match="top_std"):
-        filter_responses(rewards, valid, "top_sd", 1.0)

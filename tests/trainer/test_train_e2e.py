@@ -2,6 +2,7 @@
 metrics, the metrics file holds every documented key, and resumable pieces are in place."""
 
 import json
+import math
 
 import pytest
 
@@ -120,3 +121,35 @@ def test_lr_schedule_advances_once_per_step_whatever_the_mini_batches(demo):
                                                      "optim.lr_decay_style=linear", "checkpoint.save_interval=0"])
     lrs = [r["actor/lr"] for r in records]
     assert lrs == pytest.approx([1e-4 * (1 - k / 3) for k in range(3)], rel=1e-6)
+
+
+# each rollout filter and each sequence-level policy loss through `hpa train` (group advantages: the
+# filters refuse gae); the DAPO run's random policy solves nothing, so every group ties, the refill round
+# finds nothing either and no row trains: the run must still go through, on both DP ranks
+FILTER_RUNS = {
+    "reward_above_mean_std_gspo": ["algorithm.rollout_filter.name=reward_above_mean_std",
+                                   "algorithm.ppo.policy_loss=gspo", "algorithm.ppo.loss_agg_mode=seq-mean-token-mean"],
+    "dapo_groups_cispo": ["algorithm.rollout_filter.name=dapo_groups", "algorithm.rollout_filter.max_refill_rounds=1",
+                          "algorithm.ppo.policy_loss=cispo", "algorithm.ppo.clip_ratio_low=10"],
+    "group_scope_geo_mean": ["algorithm.rollout_filter.name=reward_above_mean_std", "algorithm.rollout_filter.k=0",
+                             "algorithm.rollout_filter.scope=group", "algorithm.ppo.policy_loss=geo_mean"],
+}
+
+
+@pytest.mark.parametrize("name", list(FILTER_RUNS))
+def test_hpa_train_with_a_rollout_filter_and_a_sequence_level_loss_tp1_pp1_dp2(demo, name):
+    records = launch(demo, demo / f"filter_{name}", 2, ["algorithm.advantage.estimator=grpo",
+                                                         "trainer.eval_interval=0", *FILTER_RUNS[name]])
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert 0.0 <= record["filter/kept_fraction"] <= 1.0
+        assert math.isfinite(record["actor/pg_loss"]) and math.isfinite(record["actor/grad_norm"])
+    if name.startswith("dapo"):
+        assert all(r["filter/refill_rounds"] == 1.0 and r["filter/kept_fraction"] == 0.0 for r in records)
+        assert all(r["actor/pg_loss"] == 0.0 for r in records)  # nothing trains the PPO term; DPO still does
+        assert all(r["dpo/loss"] > 0.0 for r in records)
+    else:  # (step 1's shaped rewards all tie at 0, the diversity bank being empty: nothing is kept there)
+        assert any(0.0 < r["filter/kept_fraction"] < 1.0 for r in records)
+        assert all(math.isfinite(r["filter/threshold"]) for r in records)
+        assert all(r["filter/kept_reward"] > r["filter/dropped_reward"] for r in records
+                   if r["filter/kept_fraction"] > 0)
