@@ -153,3 +153,17 @@ def test_hpa_train_with_a_rollout_filter_and_a_sequence_level_loss_tp1_pp1_dp2(d
         assert all(math.isfinite(r["filter/threshold"]) for r in records)
         assert all(r["filter/kept_reward"] > r["filter/dropped_reward"] for r in records
                    if r["filter/kept_fraction"] > 0)
+
+
+def test_rollout_filter_and_gspo_under_tp2_pp2_dp2_match_tp1_pp1_dp2(demo):
+    """The recipe's filter with GSPO on 8 ranks (TP2 x PP2 x DP2): the kept rows, the threshold and the
+    update are the TP1 x DP2 run's (the filter's decision is taken over the DP group only, whatever TP/PP)."""
+    extra = ["algorithm.advantage.estimator=grpo", "trainer.eval_interval=0", *FILTER_RUNS["reward_above_mean_std_gspo"]]
+    dp2 = launch(demo, demo / "filter_3d_dp2", 2, extra)
+    three_d = launch(demo, demo / "filter_3d_tp2_pp2_dp2", 8, ["parallel.tensor_model_parallel_size=2",
+                                                               "parallel.pipeline_model_parallel_size=2", *extra])
+    assert any(0.0 < r["filter/kept_fraction"] < 1.0 for r in dp2)  # the filter had something to decide
+    for a, b in zip(dp2, three_d):
+        for key in ["filter/kept_fraction", "filter/threshold", "reward/shaped_mean", "actor/pg_loss",
+                    "actor/grad_norm", "dpo/loss"]:
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), (a["step"], key)
