@@ -1,24 +1,39 @@
 """The trust gate on the learned reward: a PI Lagrangian controller.
 
 A learned reward can be exploited (reward hacking) while the verifiable (rule) reward cannot. The gate
-decides how far to trust the learned part of the advantage from a signal that needs no gold labels:
-the policy's per-token NLL of the chosen responses of held-out preference pairs (never trained on).
-While the policy follows the preferences, that NLL stays at or below its best value so far; when it
-regresses while the learned reward keeps rising, the policy is buying learned reward with behaviour
-the preferences reject, so the learned component is down-weighted.
+decides how far to trust the learned part of the advantage from a signal that needs no gold labels,
+read on held-out preference pairs (never trained on). Two signals (``algorithm.hpa.gate.signal``):
 
-The controller is the PI form of the Lagrangian method of Stooke et al. (ICML 2020) with one multiplier
-per gated component (Moskovitz et al., ICLR 2024): with the relative regression beyond the slack
+- ``reward_ceiling`` (default): the reward models are validated only up to the responses people
+  preferred. The ceiling is the learned reward of the held-out pairs' chosen responses (their mean),
+  the unit is the mean margin by which the reward models prefer chosen over rejected there; once the
+  policy's rollouts score above the ceiling, the learned reward pays for something no preference
+  supports (extrapolation, where a proxy comes apart from the goal), so the constraint
+  "learned reward <= ceiling" is enforced by the multiplier (Moskovitz et al., ICLR 2024, constrain each
+  component reward at a threshold; here the threshold comes from held-out preferences, not gold labels):
 
-    e_t = (nll_t - best_t) / best_t - slack        (counted only up to 0 while the learned reward is not rising)
+      e_t = (R_t - ceiling) / margin - slack      (R_t: the learned reward's EMA over the steps)
+
+- ``heldout_nll``: the policy's per-token NLL of the held-out chosen responses against its best value
+  so far, counted only while the learned reward rises:
+
+      e_t = (nll_t - best_t) / best_t - slack     (clipped at 0 while the learned reward is not rising)
+
+  Measured on the hackable demo task it does not close (README, "Does the hybrid help?"): the DPO
+  term's anchor keeps lowering that NLL while PPO exploits the reward elsewhere.
+
+Both feed the same PI form of the Lagrangian method (Stooke et al., ICML 2020), one multiplier for the
+learned component:
+
     I_t = max(0, I_{t-1} + e_t)
     λ_t = max(0, kp·e_t + ki·I_t)
     gate_t = 1 / (1 + λ_t)
 
-the gate closes in proportion to a regression and keeps closing while it lasts (the integral), and
-reopens as the NLL recovers (a negative error drains the integral). The error is relative, so the
-constants do not depend on the model or the task's NLL scale: with kp = 10 a regression 10 % beyond
-the slack halves the learned component at once, and with ki = 1 each step it persists adds 0.1 to λ.
+the gate closes in proportion to a violation and keeps closing while it lasts (the integral), and
+reopens as the signal recovers (a negative error drains the integral). Both errors are relative (to the
+best NLL, to the reward models' own preference margin), so the constants do not depend on the model or
+the scale of its rewards: with kp = 10, a violation 0.1 beyond the slack halves the learned component
+at once, and with ki = 1 each step it persists adds 0.1 to λ.
 """
 
 from __future__ import annotations
@@ -26,22 +41,30 @@ from __future__ import annotations
 import math
 from typing import Dict, Optional
 
+GATE_SIGNALS = ("heldout_nll", "reward_ceiling")
+
 
 class TrustGate:
     """The state and update of the gate (plain floats; every DP rank updates it with the same inputs).
 
     Args:
-        slack: relative regression of the NLL over its best that costs nothing.
+        signal: reward_ceiling | heldout_nll (see the module docstring).
+        slack: violation that costs nothing (margins above the ceiling; relative NLL regression).
         kp: proportional gain.
         ki: integral gain.
-        reward_ema: smoothing factor of the learned reward (EMA) whose rise is watched.
+        reward_ema: smoothing factor of the learned reward (EMA).
     """
 
-    def __init__(self, *, slack: float = 0.02, kp: float = 10.0, ki: float = 1.0, reward_ema: float = 0.9):
+    def __init__(self, *, signal: str = "reward_ceiling", slack: float = 0.02, kp: float = 10.0, ki: float = 1.0,
+                 reward_ema: float = 0.9):
+        if signal not in GATE_SIGNALS:
+            raise ValueError(f"TrustGate signal must be one of {GATE_SIGNALS}, got {signal!r}")
         if slack < 0 or kp < 0 or ki < 0 or not 0 <= reward_ema < 1:
             raise ValueError(f"TrustGate needs slack, kp, ki >= 0 and 0 <= reward_ema < 1; got slack={slack}, "
                              f"kp={kp}, ki={ki}, reward_ema={reward_ema}")
-        self.slack, self.kp, self.ki, self.reward_ema = slack, kp, ki, reward_ema
+        self.signal, self.slack, self.kp, self.ki, self.reward_ema = signal, slack, kp, ki, reward_ema
+        self.ceiling: Optional[float] = None  # reward_ceiling: the held-out chosen responses' learned reward
+        self.margin: Optional[float] = None  # and the mean chosen - rejected margin there (the unit)
         self.best: Optional[float] = None  # the lowest held-out NLL seen
         self.reward_at_best: Optional[float] = None  # the learned-reward EMA when it was seen
         self.reward: Optional[float] = None  # the learned-reward EMA
@@ -53,18 +76,29 @@ class TrustGate:
         """The weight of the learned component, ``1/(1+λ)``."""
         return 1.0 / (1.0 + self.lam)
 
-    def update(self, nll: float, learned_reward: float) -> Dict[str, float]:
-        """One step: the held-out NLL of the current policy and the mean learned reward of its rollouts.
+    def set_ceiling(self, chosen_reward: float, margin: float) -> None:
+        """reward_ceiling: the learned reward of the held-out chosen responses (mean) and the mean margin
+        over the rejected ones. A margin <= 0 (the reward models do not rank the held-out pairs) makes
+        any reward above the ceiling a full violation: the unit falls back to 1e-3."""
+        if not (math.isfinite(chosen_reward) and math.isfinite(margin)):
+            raise ValueError(f"the held-out ceiling must be finite, got reward {chosen_reward}, margin {margin}")
+        self.ceiling, self.margin = float(chosen_reward), float(margin)
+
+    def update(self, nll: Optional[float], learned_reward: float) -> Dict[str, float]:
+        """One step: the held-out NLL of the current policy (heldout_nll; None for reward_ceiling) and the
+        mean learned reward of its rollouts.
 
         Returns:
-            ``gate/*`` metrics: ``nll``, ``best_nll``, ``regression`` (relative, before the slack),
-            ``error``, ``rising`` (1 when the learned reward is above its value at the best NLL),
-            ``integral``, ``lambda``, ``gate`` and ``reward_ema`` (the smoothed learned reward).
+            ``gate/*`` metrics: ``error``, ``integral``, ``lambda``, ``gate``, ``reward_ema`` (the smoothed
+            learned reward) and, per signal, ``ceiling``, ``margin``, ``excess`` (margins above the ceiling,
+            before the slack) or ``nll``, ``best_nll``, ``regression`` (relative, before the slack),
+            ``rising`` (1 when the learned reward is above its value at the best NLL).
         """
-        if not (math.isfinite(nll) and math.isfinite(learned_reward)):  # nothing learned from a bad step
-            return self.metrics(nll, float("nan"), float("nan"), float("nan"))
-        a = self.reward_ema
-        self.reward = learned_reward if self.reward is None else a * self.reward + (1 - a) * learned_reward
+        if self.signal == "reward_ceiling":
+            return self._update_ceiling(learned_reward)
+        if not (nll is not None and math.isfinite(nll) and math.isfinite(learned_reward)):
+            return self.metrics(nll, float("nan"), float("nan"), float("nan"))  # nothing learned from a bad step
+        self._smooth(learned_reward)
         if self.best is None or nll < self.best:
             self.best, self.reward_at_best = nll, self.reward
         regression = (nll - self.best) / max(abs(self.best), 1e-8)
@@ -72,9 +106,29 @@ class TrustGate:
         rising = self.reward > self.reward_at_best
         if not rising:
             error = min(error, 0.0)
+        self._control(error)
+        return self.metrics(nll, regression, error, float(rising))
+
+    def _smooth(self, learned_reward: float) -> None:
+        a = self.reward_ema
+        self.reward = learned_reward if self.reward is None else a * self.reward + (1 - a) * learned_reward
+
+    def _control(self, error: float) -> None:
         self.integral = max(0.0, self.integral + error)
         self.lam = max(0.0, self.kp * error + self.ki * self.integral)
-        return self.metrics(nll, regression, error, float(rising))
+
+    def _update_ceiling(self, learned_reward: float) -> Dict[str, float]:
+        if self.ceiling is None:
+            raise RuntimeError("the reward_ceiling gate needs set_ceiling() before its first update")
+        excess = error = float("nan")
+        if math.isfinite(learned_reward):
+            self._smooth(learned_reward)
+            excess = (self.reward - self.ceiling) / max(self.margin, 1e-3)
+            error = excess - self.slack
+            self._control(error)
+        return {"gate/ceiling": self.ceiling, "gate/margin": self.margin, "gate/excess": excess,
+                "gate/error": error, "gate/integral": self.integral, "gate/lambda": self.lam, "gate/gate": self.gate,
+                "gate/reward_ema": self.reward if self.reward is not None else float("nan")}
 
     def metrics(self, nll: float, regression: float, error: float, rising: float) -> Dict[str, float]:
         return {"gate/nll": nll, "gate/best_nll": self.best if self.best is not None else float("nan"),
@@ -84,8 +138,9 @@ class TrustGate:
 
     def state_dict(self) -> Dict[str, Optional[float]]:
         return {"best": self.best, "reward_at_best": self.reward_at_best, "reward": self.reward,
-                "integral": self.integral, "lam": self.lam}
+                "integral": self.integral, "lam": self.lam, "ceiling": self.ceiling, "margin": self.margin}
 
     def load_state_dict(self, state: Dict[str, Optional[float]]) -> None:
         self.best, self.reward_at_best, self.reward = state["best"], state["reward_at_best"], state["reward"]
         self.integral, self.lam = state["integral"], state["lam"]
+        self.ceiling, self.margin = state.get("ceiling", self.ceiling), state.get("margin", self.margin)

@@ -30,6 +30,7 @@ DPO_LOSS_NAMES = ("hinge", "ipo", "robust", "sigmoid")
 SCHEDULE_NAMES = ("constant", "cosine", "linear", "piecewise", "warmup_constant")
 SEMANTIC_DISTANCE_NAMES = ("cosine", "mse")
 ROLLOUT_FILTER_NAMES = ("dapo_groups", "none", "reward_above_mean_std")
+GATE_SIGNALS = ("heldout_nll", "reward_ceiling")  # hpa.algorithms.gate.GATE_SIGNALS
 ROLLOUT_FILTER_SCOPES = ("batch", "group")
 ROLLOUT_FILTER_METRICS = ("raw", "shaped")
 # estimators that whiten advantages over a rank's own rows: a rank whose rows are all filtered out has none
@@ -252,27 +253,32 @@ class KLConfig:
 class TrustGateConfig:
     """The trust gate on the learned reward: a PI Lagrangian controller (``hpa.algorithms.gate``).
 
-    Every step the policy's per-token NLL of the held-out pairs' chosen responses
-    (``data.heldout_preference_path``) is compared with its best value so far; a relative regression
-    beyond ``slack`` while the learned reward is rising raises λ, a recovery lowers it, and the learned
-    component of the advantage is weighted ``1/(1+λ)``. Needs ``algorithm.advantage.per_component``.
+    It reads held-out preference pairs (``data.heldout_preference_path``, never trained on) and weights
+    the learned component of the advantage ``1/(1+λ)``. Needs ``algorithm.advantage.per_component``.
 
     Attributes:
         enabled: None (default): on whenever per-component advantages are in effect and
             ``data.heldout_preference_path`` is set; true requires both; false is off.
-        slack: relative regression of the held-out NLL over its best that costs nothing (0.02 = 2 %).
-        kp: proportional gain (λ per unit of relative regression beyond the slack).
-        ki: integral gain (λ per unit of accumulated relative regression, one unit per step).
-        reward_ema: smoothing of the learned reward whose rise is watched (EMA factor).
+        signal: reward_ceiling (default): λ rises while the learned reward of the rollouts (EMA) is above
+            the reward models' mean score of the held-out chosen responses, in units of their mean
+            chosen - rejected margin; heldout_nll: λ rises while the policy's per-token NLL of the held-out
+            chosen responses regresses beyond its best while the learned reward rises.
+        slack: violation that costs nothing: margins above the ceiling (reward_ceiling) or relative
+            regression of the NLL (heldout_nll; 0.02 = 2 %).
+        kp: proportional gain (λ per unit of violation beyond the slack).
+        ki: integral gain (λ per unit of accumulated violation, one unit per step).
+        reward_ema: smoothing of the learned reward (EMA factor).
     """
 
     enabled: Optional[bool] = None
+    signal: str = "reward_ceiling"
     slack: float = 0.02
     kp: float = 10.0
     ki: float = 1.0
     reward_ema: float = 0.9
 
     def __post_init__(self):
+        check_choice("signal", self.signal, GATE_SIGNALS)
         check_range("slack", self.slack, low=0.0)
         check_range("kp", self.kp, low=0.0)
         check_range("ki", self.ki, low=0.0)

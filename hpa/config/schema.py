@@ -403,6 +403,9 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError("algorithm.hpa.gate.enabled", "the gate reads held-out preference pairs; set "
                               "data.heldout_preference_path (pairs kept out of data.preference_path and out "
                               "of the reward model's training)")
+        if algo.hpa.gate.signal == "reward_ceiling" and not cfg.reward.model_paths:
+            raise ConfigError("algorithm.hpa.gate.signal", "'reward_ceiling' scores the held-out chosen "
+                              "responses with the reward models; set reward.model_paths or signal: heldout_nll")
     rescaled = cfg.reward.shaping.normalize or cfg.reward.shaping.clip is not None
     if algo.advantage.per_component is True and rescaled:
         raise ConfigError("algorithm.advantage.per_component", "the components are group-normalised "
@@ -438,7 +441,8 @@ def trust_gate_enabled(cfg: Config) -> bool:
     enabled = cfg.algorithm.hpa.gate.enabled
     if enabled is not None:
         return enabled
-    return component_advantages(cfg) and cfg.data.heldout_preference_path is not None
+    return component_advantages(cfg) and cfg.data.heldout_preference_path is not None \
+        and (cfg.algorithm.hpa.gate.signal != "reward_ceiling" or bool(cfg.reward.model_paths))
 
 
 def to_dict(cfg) -> dict:

@@ -78,8 +78,13 @@ class HPATrainer:
         if self.pairs_only:
             logger.info("algorithm.hpa.w_ppo is 0 for the whole run: DPO on the preference pairs only, no rollouts")
         gate, balance = algo.hpa.gate, algo.hpa.balance
-        self.gate = TrustGate(slack=gate.slack, kp=gate.kp, ki=gate.ki, reward_ema=gate.reward_ema) \
-            if trust_gate_enabled(cfg) else None
+        self.gate = TrustGate(signal=gate.signal, slack=gate.slack, kp=gate.kp, ki=gate.ki,
+                              reward_ema=gate.reward_ema) if trust_gate_enabled(cfg) else None
+        if self.gate is not None and gate.signal == "reward_ceiling":
+            self.gate.set_ceiling(*phases.heldout_reward_ceiling(p.model_reward, p.heldout_pairs,
+                                                                 pad_id=p.tokenizer.pad_id))
+            logger.info("trust gate: the held-out chosen responses' learned reward is %.4f, margin %.4f",
+                        self.gate.ceiling, self.gate.margin)
         self.balance = GradientBalance(balance.measure_steps) if balance.enabled else None
         self.guard = Guard(cfg.guard)
         self.control = RunControl(cfg.trainer, cfg.guard, self.guard, run_dir, is_main=groups.is_main)
@@ -200,8 +205,10 @@ class HPATrainer:
                     phases.critic_values(batch, p.critic.model, ctx)
             learned_weight = 1.0
             if self.gate is not None:
-                with self.timer("gate"):
-                    nll = phases.heldout_nll(p.policy.model, p.heldout_pairs, ctx)
+                nll = None
+                if self.gate.signal == "heldout_nll":
+                    with self.timer("gate"):
+                        nll = phases.heldout_nll(p.policy.model, p.heldout_pairs, ctx)
                 metrics.update(self.gate.update(nll, metrics["reward/learned_mean"]))
                 learned_weight = self.gate.gate
             metrics.update(phases.compute_advantages(batch, ctx, weights.reward_kl_coef, learned_weight))

@@ -160,6 +160,30 @@ def heldout_nll(policy, examples, ctx: StepContext) -> float:
     return float(sums[0] / sums[1].clamp(min=1.0))
 
 
+def heldout_reward_ceiling(model_reward, examples, *, pad_id: int, micro_batch_size: int = 64) -> Tuple[float, float]:
+    """The trust gate's ceiling: the reward models' mean score (over heads and models) of the held-out pairs'
+    chosen responses, and the mean margin over their rejected ones (the gate's unit). Every rank scores
+    every pair (the reward models' contract: the same inputs on all ranks), once per run."""
+    from hpa.data.collate import pad_left, pad_right
+
+    chosen, margin = [], []
+    for start in range(0, len(examples), micro_batch_size):
+        rows = examples[start:start + micro_batch_size]
+        prompt_ids, prompt_mask = pad_left([e.prompt_ids for e in rows], pad_id)
+        scores = []
+        for key in ("chosen_ids", "rejected_ids"):
+            response_ids, response_mask = pad_right([getattr(e, key) for e in rows], pad_id)
+            out = model_reward(RewardInputs(response_ids=response_ids, response_mask=response_mask,
+                                            prompt_ids=prompt_ids, prompt_mask=prompt_mask))
+            scores.append(out.rewards.double().mean(dim=1))  # [n]: the ensemble mean, as reward/learned_mean
+        chosen.append(scores[0])
+        margin.append(scores[0] - scores[1])
+    if not chosen:
+        raise ValueError("the trust gate's reward ceiling needs held-out preference pairs; "
+                         "data.heldout_preference_path has none")
+    return float(torch.cat(chosen).mean()), float(torch.cat(margin).mean())
+
+
 def preference_micro_batches(examples, reference, ctx: StepContext) -> List[dict]:
     """This step's preference pairs as pair micro-batches, with the reference's summed log-probs."""
     mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id)

@@ -33,6 +33,7 @@ class RunParts:
         critic: the trained critic, with GAE only (``algorithm.advantage.estimator``), else None.
         engine: the rollout engine on the policy's weights.
         reward: the shaped reward (rule rewards and the reward-model ensemble, with uncertainty shaping).
+        model_reward: the reward-model ensemble alone (the learned reward), None without reward models.
     """
 
     tokenizer: object
@@ -47,6 +48,7 @@ class RunParts:
     engine: object
     reward: object
     evaluator: Evaluator
+    model_reward: Optional[object] = None
 
 
 def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
@@ -79,7 +81,7 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
                           model_reward=model_reward, micro_batch_size=t.micro_batch_size)
     return RunParts(tokenizer=tokenizer, prompts=prompts, pairs=pairs, heldout_pairs=heldout, prompt_sampler=prompt_sampler,
                     pair_sampler=pair_sampler, policy=policy, reference=reference, critic=critic, engine=engine,
-                    reward=reward, evaluator=evaluator)
+                    reward=reward, evaluator=evaluator, model_reward=model_reward)
 
 
 def build_models(cfg: Config, groups: ParallelGroups):

@@ -1,4 +1,4 @@
-"""The trust gate's PI controller against scripted signal sequences."""
+"""The trust gate's PI controller against scripted signal sequences (both signals)."""
 
 import math
 
@@ -12,14 +12,14 @@ def run(gate, nlls, rewards):
 
 
 def test_stays_open_while_the_nll_does_not_regress():
-    gate = TrustGate()
+    gate = TrustGate(signal="heldout_nll")
     out = run(gate, [1.0, 0.95, 0.9, 0.91, 0.88], [0.1, 0.2, 0.3, 0.4, 0.5])  # 0.91 is within the 2 % slack
     assert all(m["gate/gate"] == 1.0 for m in out)
     assert gate.best == 0.88
 
 
 def test_closes_on_a_regression_while_the_learned_reward_rises_by_the_pi_law():
-    gate = TrustGate(slack=0.02, kp=10.0, ki=1.0, reward_ema=0.0)
+    gate = TrustGate(signal="heldout_nll", slack=0.02, kp=10.0, ki=1.0, reward_ema=0.0)
     run(gate, [1.0], [0.0])
     m = gate.update(1.12, 0.5)  # 12 % regression, 10 % beyond the slack, reward rising
     assert m["gate/regression"] == pytest.approx(0.12)
@@ -33,14 +33,14 @@ def test_closes_on_a_regression_while_the_learned_reward_rises_by_the_pi_law():
 
 
 def test_a_regression_without_a_rising_learned_reward_does_not_close_it():
-    gate = TrustGate(reward_ema=0.0)
+    gate = TrustGate(signal="heldout_nll", reward_ema=0.0)
     out = run(gate, [1.0, 1.3, 1.3], [0.5, 0.4, 0.5])  # the learned reward is not above its value at the best
     assert [m["gate/gate"] for m in out] == [1.0, 1.0, 1.0]
     assert [m["gate/rising"] for m in out] == [0.0, 0.0, 0.0]
 
 
 def test_recovers_when_the_nll_comes_back():
-    gate = TrustGate(slack=0.02, kp=10.0, ki=1.0, reward_ema=0.0)
+    gate = TrustGate(signal="heldout_nll", slack=0.02, kp=10.0, ki=1.0, reward_ema=0.0)
     run(gate, [1.0, 1.2, 1.2, 1.2], [0.0, 1.0, 1.0, 1.0])
     closed = gate.gate
     assert closed < 0.3
@@ -51,12 +51,12 @@ def test_recovers_when_the_nll_comes_back():
 
 
 def test_state_round_trips_and_a_non_finite_step_changes_nothing():
-    gate = TrustGate(reward_ema=0.5)
+    gate = TrustGate(signal="heldout_nll", reward_ema=0.5)
     run(gate, [1.0, 1.1, 1.2], [0.0, 0.5, 1.0])
     state = gate.state_dict()
     m = gate.update(float("nan"), 1.0)
     assert gate.state_dict() == state and math.isnan(m["gate/error"])
-    other = TrustGate(reward_ema=0.5)
+    other = TrustGate(signal="heldout_nll", reward_ema=0.5)
     other.load_state_dict(state)
     assert run(other, [1.15, 1.0], [1.2, 1.3]) == run(gate, [1.15, 1.0], [1.2, 1.3])
 
@@ -64,3 +64,63 @@ def test_state_round_trips_and_a_non_finite_step_changes_nothing():
 def test_bad_constants_are_refused():
     with pytest.raises(ValueError, match="reward_ema"):
         TrustGate(reward_ema=1.0)
+
+
+def ceiling_gate(**kwargs):
+    gate = TrustGate(signal="reward_ceiling", **{"slack": 0.02, "kp": 10.0, "ki": 1.0, "reward_ema": 0.0, **kwargs})
+    gate.set_ceiling(0.5, 0.25)  # held-out chosen responses score 0.5, 0.25 above their rejected ones
+    return gate
+
+
+def test_ceiling_stays_open_while_the_learned_reward_is_below_what_preferred_responses_get():
+    gate = ceiling_gate()
+    out = [gate.update(None, r) for r in [0.1, 0.3, 0.5, 0.504]]  # 0.504: 0.016 margins above, inside the slack
+    assert [m["gate/gate"] for m in out] == [1.0, 1.0, 1.0, 1.0]
+    assert out[1]["gate/excess"] == pytest.approx((0.3 - 0.5) / 0.25)
+
+
+def test_ceiling_closes_above_it_by_the_pi_law_and_never_reads_the_nll():
+    gate = ceiling_gate()
+    m = gate.update(None, 0.53)  # 0.12 margins above the ceiling, 0.10 beyond the slack
+    assert m["gate/excess"] == pytest.approx(0.12)
+    assert m["gate/lambda"] == pytest.approx(10 * 0.10 + 1 * 0.10)
+    assert m["gate/gate"] == pytest.approx(1 / 2.1)
+    m = gate.update(float("nan"), 0.53)  # the NLL is not this signal's input
+    assert m["gate/integral"] == pytest.approx(0.20) and m["gate/lambda"] == pytest.approx(1.2)
+
+
+def test_ceiling_reopens_when_the_learned_reward_comes_back_under_it():
+    gate = ceiling_gate()
+    for _ in range(5):
+        gate.update(None, 0.75)  # a full margin above: closes hard
+    closed = gate.gate
+    assert closed < 0.1
+    gates = [gate.update(None, 0.4)["gate/gate"] for _ in range(60)]
+    assert gates[0] > closed and all(b >= a for a, b in zip(gates, gates[1:])) and gates[-1] == 1.0
+
+
+def test_ceiling_smooths_the_learned_reward():
+    gate = ceiling_gate(reward_ema=0.9)
+    gate.update(None, 0.5)
+    m = gate.update(None, 1.5)  # one spike moves the EMA by a tenth of it
+    assert m["gate/reward_ema"] == pytest.approx(0.6)
+    assert m["gate/excess"] == pytest.approx(0.4)
+
+
+def test_ceiling_state_round_trips_and_needs_its_ceiling():
+    gate = ceiling_gate(reward_ema=0.5)
+    [gate.update(None, r) for r in [0.6, 0.7]]
+    other = TrustGate(signal="reward_ceiling", reward_ema=0.5)
+    other.load_state_dict(gate.state_dict())
+    assert other.update(None, 0.8) == gate.update(None, 0.8)
+    with pytest.raises(RuntimeError, match="set_ceiling"):
+        TrustGate(signal="reward_ceiling").update(None, 0.1)
+    with pytest.raises(ValueError, match="signal"):
+        TrustGate(signal="gold")
+
+
+def test_gate_signals_match_the_config():
+    from hpa.algorithms.gate import GATE_SIGNALS
+    from hpa.config.algorithm import GATE_SIGNALS as CONFIG_SIGNALS
+
+    assert GATE_SIGNALS == CONFIG_SIGNALS

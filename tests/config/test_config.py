@@ -132,6 +132,10 @@ def test_value_checks_name_the_full_key(cfg_file):
     (["algorithm.hpa.gate.enabled=true", "data.heldout_preference_path=h.jsonl"], 1, "algorithm.hpa.gate.enabled"),
     (["algorithm.hpa.gate.enabled=true", "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true"],
      1, "algorithm.hpa.gate.enabled"),
+    # the default signal scores the held-out chosen responses with the reward models
+    (["algorithm.hpa.gate.enabled=true", "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
+      "data.heldout_preference_path=h.jsonl"], 1, "algorithm.hpa.gate.signal"),
+    (["algorithm.hpa.gate.signal=gold"], 1, "algorithm.hpa.gate.signal"),
     (["algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true", "reward.shaping.normalize=true"],
      1, "algorithm.advantage.per_component"),
 ])

@@ -10,7 +10,8 @@ from trainer_runs import launch
 
 TRUST = ["trainer.total_steps=4", "checkpoint.save_interval=1", "guard.kl_rollback_threshold=null",
          "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true", "algorithm.dpo.rpo_alpha=1.0",
-         "algorithm.hpa.gate.enabled=true", "algorithm.hpa.balance.enabled=true",
+         "algorithm.hpa.gate.enabled=true", "algorithm.hpa.gate.signal=heldout_nll",
+         "algorithm.hpa.balance.enabled=true",
          "algorithm.hpa.balance.measure_steps=3"]
 
 
