@@ -1,12 +1,30 @@
-"""The trust parts of the objective in a real run: the anchor, per-component advantages, the trust gate and
-the automatic balance train under DP2, log their state, and a run resumed from a checkpoint equals the
-uninterrupted one, the gate's and the balance's state included."""
+"""The trust parts of the objective in a real run: the anchor, per-component advantages, the trust gate (both
+signals) and the automatic balance train under DP2, log their state, and a run resumed from a checkpoint equals
+the uninterrupted one, the gate's and the balance's state included."""
+
+import math
 
 import pytest
 import torch
 
+from multirank import run_ranks
 from test_fault_tolerance import assert_same_metrics
 from trainer_runs import launch
+
+RM_HEADS = 2
+
+
+def save_random_reward_model(groups, path):
+    from hpa.config import load_config
+    from hpa.models.builders import build_reward
+    from hpa.models.weights import save_model_weights
+    from hpa.reward.model import write_reward_model_info
+
+    cfg = load_config(None, ["model.num_layers=4"])
+    torch.manual_seed(1)
+    save_model_weights(build_reward(cfg.model, cfg.parallel, groups, num_heads=RM_HEADS), path, groups)
+    if groups.rank == 0:
+        write_reward_model_info(path, num_heads=RM_HEADS, hidden_size=cfg.model.hidden_size)
 
 TRUST = ["trainer.total_steps=4", "checkpoint.save_interval=1", "guard.kl_rollback_threshold=null",
          "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true", "algorithm.dpo.rpo_alpha=1.0",
@@ -32,14 +50,47 @@ def test_the_trust_parts_log_their_state_every_step(trust_run):
     assert steps[3]["hpa/balance_factor"] == steps[2]["hpa/balance_factor"]
 
 
-def test_resumed_equals_uninterrupted_with_the_gate_and_balance_state(demo, trust_run):
+@pytest.fixture(scope="module")
+def ceiling_extra(demo):
+    """The default gate (reward_ceiling) on a reward model (random weights: the gate only needs its scores)."""
+    rm = demo / "random_rm"
+    if not rm.exists():
+        run_ranks(save_random_reward_model, args=(str(rm),))
+    return [*[o for o in TRUST if not o.startswith("algorithm.hpa.gate.signal")], f"reward.model_paths=[{rm}]",
+            f"reward.num_heads={RM_HEADS}", f"data.heldout_preference_path={demo / 'data' / 'heldout_preferences.jsonl'}"]
+
+
+@pytest.fixture(scope="module")
+def ceiling_run(demo, ceiling_extra):
+    return launch(demo, demo / "trust_ceiling_ref", 2, ceiling_extra)
+
+
+def test_the_reward_ceiling_gate_follows_its_law_in_a_run(ceiling_run):
+    steps = [r for r in ceiling_run if r["step"] > 0]
+    assert len(steps) == 4 and "gate/nll" not in steps[0]  # no held-out forward pass with this signal
+    ceiling, margin = steps[0]["gate/ceiling"], steps[0]["gate/margin"]
+    assert math.isfinite(ceiling) and math.isfinite(margin)
+    for r in steps:
+        assert (r["gate/ceiling"], r["gate/margin"]) == (ceiling, margin)  # scored once, at start-up
+        assert r["gate/excess"] == pytest.approx((r["gate/reward_ema"] - ceiling) / max(margin, 1e-3), rel=1e-9)
+        assert r["gate/gate"] == pytest.approx(1 / (1 + r["gate/lambda"]), rel=1e-12)
+        # the demo's rule (weight 1) and one reward model share the advantage equally; the gate scales the latter
+        assert r["hpa/learned_share"] == pytest.approx(0.5 * r["gate/gate"], rel=1e-9)
+    # the smoothed learned reward is the EMA (0.9) of the rollouts' learned reward
+    ema = steps[0]["reward/learned_mean"]
+    for r in steps[1:]:
+        ema = 0.9 * ema + 0.1 * r["reward/learned_mean"]
+        assert r["gate/reward_ema"] == pytest.approx(ema, rel=1e-9)
+
+
+def test_resumed_equals_uninterrupted_with_the_gate_and_balance_state(demo, ceiling_extra, ceiling_run):
     run_dir = demo / "trust_sliced"
-    extra = TRUST + [f"data.heldout_preference_path={demo / 'data' / 'heldout_preferences.jsonl'}"]
-    first = launch(demo, run_dir, 2, extra + ["trainer.max_steps_per_run=2"])
+    first = launch(demo, run_dir, 2, ceiling_extra + ["trainer.max_steps_per_run=2"])
     # the checkpoint carries the gate's and the balance's state
     state = torch.load(run_dir / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=False)
-    assert state["trust_gate"]["best"] == pytest.approx(first[-1]["gate/best_nll"], rel=1e-9)
+    assert state["trust_gate"]["ceiling"] == pytest.approx(first[-1]["gate/ceiling"], rel=1e-9)
+    assert state["trust_gate"]["lam"] == pytest.approx(first[-1]["gate/lambda"], rel=1e-9)
     assert state["balance"]["measured"] == 2
     assert state["balance"]["factor"] == pytest.approx(first[-1]["hpa/balance_factor"], rel=1e-9)
-    resumed = launch(demo, run_dir, 2, extra)
-    assert_same_metrics(trust_run, resumed, steps=[3, 4])
+    resumed = launch(demo, run_dir, 2, ceiling_extra)
+    assert_same_metrics(ceiling_run, resumed, steps=[3, 4])
