@@ -136,7 +136,8 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 16
     seed: int = 0
-    vllm_tensor_parallel_size: int = 2
+    # None: the policy's parallel.tensor_model_parallel_size, so `rollout.engine=vllm` alone works on any layout
+    vllm_tensor_parallel_size: Optional[int] = None
     gpu_memory_utilization: float = 0.85
     colocate: bool = True
 
