@@ -87,9 +87,10 @@ class Server:
         self.while_loading = {}
         while True:  # the port answers before the model is loaded
             assert self.proc.poll() is None and time.monotonic() < deadline + 120, self.output()
-            r = httpx.get(self.url + "/health")
+            r = httpx.get(self.url + "/health", timeout=60)  # the loading import holds the GIL for a while
             if r.status_code == 503 and not self.while_loading:
-                c = httpx.post(self.url + "/v1/completions", json={"model": "tiny", "prompt": "add 1 2 ="})
+                c = httpx.post(self.url + "/v1/completions", json={"model": "tiny", "prompt": "add 1 2 ="},
+                               timeout=60)
                 self.while_loading = {"health": (r.status_code, r.json()), "completion": (c.status_code, c.json())}
             if r.status_code == 200:
                 break
