@@ -69,24 +69,21 @@ def demo(tmp_path_factory):
 class Server:
     """``hpa serve`` in a subprocess; what it printed and what it answered while loading."""
 
-    def __init__(self, root):
+    def __init__(self, root, overrides, *, env=None, timeout=120):
         self.log = open(root / "serve.log", "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hpa.cli", "serve", *_overrides(
-                root, "serve.port=0", "serve.kl_threshold=0.0", "serve.guard_temperature=0.0",
-                "serve.model_name=tiny", "serve.batch_wait_ms=20")],
-            env=_env(), stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "hpa.cli", "serve", "serve.port=0", *overrides],
+                                     env=env or _env(), stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.lines = []
         self.port = None
         threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         while self.port is None:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.output()
             time.sleep(0.01)
         self.url = f"http://127.0.0.1:{self.port}"
         self.while_loading = {}
         while True:  # the port answers before the model is loaded
-            assert self.proc.poll() is None and time.monotonic() < deadline + 120, self.output()
+            assert self.proc.poll() is None and time.monotonic() < deadline + timeout, self.output()
             r = httpx.get(self.url + "/health", timeout=60)  # the loading import holds the GIL for a while
             if r.status_code == 503 and not self.while_loading:
                 c = httpx.post(self.url + "/v1/completions", json={"model": "tiny", "prompt": "add 1 2 ="},
@@ -118,7 +115,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(demo):
-    s = Server(demo)
+    s = Server(demo, _overrides(demo, "serve.kl_threshold=0.0", "serve.guard_temperature=0.0", "serve.model_name=tiny",
+                                "serve.batch_wait_ms=20"))
     yield s
     if s.proc.poll() is None:
         s.proc.kill()
