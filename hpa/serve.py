@@ -504,8 +504,8 @@ def build_app(state: ServeState):
                 metrics.prompt_tokens.inc(prompt_tokens)
                 metrics.completion_tokens.inc(completion_tokens)
 
-        metrics.in_flight.inc()
         if not req.stream:
+            metrics.in_flight.inc()
             try:
                 rows = await _wait(state, pending, request)
             except asyncio.CancelledError:
@@ -538,8 +538,9 @@ def build_app(state: ServeState):
             return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": created,
                                           "model": state.model_name, "choices": choices_, **extra}) + "\n\n"
 
-        async def events():
+        async def events():  # counted from its first step: a stream never started holds nothing
             status, completion_tokens = "499", 0
+            metrics.in_flight.inc()
             try:
                 try:
                     rows = await _wait(state, pending, request)
@@ -556,7 +557,7 @@ def build_app(state: ServeState):
                                       "logprobs": None, "finish_reason": None}])
                     for j in range(kept):
                         piece = pieces[j]
-                        if text is not None and len("".join(pieces[:j + 1])) > len(text):  # the stop string
+                        if len("".join(pieces[:j + 1])) > len(text):  # the token where a stop string begins
                             piece = piece[:max(0, len(text) - len("".join(pieces[:j])))]
                         one = dataclasses.replace(row, logprobs=row.logprobs[j:j + 1],
                                                   top_logprobs=row.top_logprobs[j:j + 1]) \

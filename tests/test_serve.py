@@ -58,11 +58,30 @@ def _env():
     return env
 
 
+def in_process(fn, *args):
+    """``fn(groups, *args)`` on a single-rank gloo group in this process (no worker to spawn: it saves the
+    import of megatron in a fresh process), or in one spawned rank where this process already has a group."""
+    import torch.distributed as dist
+
+    from hpa.config.schema import ParallelConfig
+    from hpa.distributed import LaunchEnv, destroy, initialize
+    from multirank import free_port
+
+    if dist.is_initialized():
+        return run_ranks(fn, args=args)[0]
+    groups = initialize(ParallelConfig(backend="gloo"), launch=LaunchEnv(
+        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=free_port(), launcher="single"))
+    try:
+        return fn(groups, *args)
+    finally:
+        destroy()
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     root = make_task(tmp_path_factory.mktemp("serve"), 64, 4)
     write_prompt_file(root, NUM_PROMPTS)
-    run_ranks(save_worker, args=(root,))
+    in_process(save_worker, root)
     return root
 
 
@@ -153,6 +172,12 @@ def test_completion_usage_and_guard_fields(server, prompts):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     two = server.client.completions.create(model="tiny", prompt=prompts[:2], max_tokens=MAX_TOKENS, temperature=0)
     assert [c.index for c in two.choices] == [0, 1] and two.choices[0].text == choice.text
+    text = choice.text.strip()
+    assert len(text) >= 3
+    cut = server.client.completions.create(model="tiny", prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0,
+                                           stop=["\u2603", text[1:3]])
+    assert cut.choices[0].text == choice.text[:choice.text.index(text[1:3])]
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens <= r.usage.completion_tokens
 
 
 def test_greedy_output_equals_hpa_generate(server, demo, prompts):
@@ -317,6 +342,35 @@ def test_metrics_in_prometheus_text(server):
         assert name in text, name
     assert server.metric('hpa_requests_total{endpoint="/v1/completions",status="200"}') > 0
     assert 'status="400"' in text and 'status="404"' in text
+
+
+def hf_worker(groups, root):
+    """A tiny transformers Llama as ``model.policy_path``: converted at start-up, the model section derived."""
+    import torch
+    import transformers
+
+    from hpa.config import load_config
+    from hpa.models import build_policy
+    from hpa.models.weights import load_model_weights
+    from hpa.serve import _import_hf
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf_policy")
+    cfg = load_config(None, _overrides(root, f"model.policy_path={root / 'hf_policy'}"))
+    out = _import_hf(cfg, groups, str(root / "hf_work"))
+    m = out.model
+    policy = build_policy(m, out.parallel, groups)
+    load_model_weights(policy, m.policy_path, groups)
+    return {"policy_path": m.policy_path, "reference_path": m.reference_path, "hidden_size": m.hidden_size,
+            "num_layers": m.num_layers, "num_query_groups": m.num_query_groups}
+
+
+def test_an_hf_directory_goes_through_the_converter(demo):
+    got = in_process(hf_worker, demo)
+    assert got == {"policy_path": str(demo / "hf_work" / "policy_path"), "reference_path": str(demo / "reference"),
+                   "hidden_size": 32, "num_layers": 2, "num_query_groups": 2}
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(server, prompts):

