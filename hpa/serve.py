@@ -657,8 +657,8 @@ def _import_hf(cfg, groups, workdir: str):
         paths[key] = str(out)
     if not paths:
         return cfg
-    model = dataclasses.replace(derived, policy_path=m.policy_path, reference_path=m.reference_path,
-                                critic_path=m.critic_path, **paths)
+    model = dataclasses.replace(derived, **{"policy_path": m.policy_path, "reference_path": m.reference_path,
+                                            "critic_path": m.critic_path, **paths})
     return dataclasses.replace(cfg, model=model)
 
 
