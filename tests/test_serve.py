@@ -133,7 +133,21 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(demo):
+def generated(demo):
+    """``hpa generate`` on the prompts with the server's guard settings, greedy: started before the server,
+    so that both load at once (two cores), and waited for by the test that compares them."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpa.generate", "--prompts", str(demo / "prompts.jsonl"),
+                             "--output", str(demo / "generated.jsonl"), "--kl-threshold", "0.0",
+                             "--guard-temperature", "0.0", *_overrides(demo, "rollout.temperature=0")],
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=open(demo / "generate.log", "w"))
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(demo, generated):
     s = Server(demo, _overrides(demo, "serve.kl_threshold=0.0", "serve.guard_temperature=0.0", "serve.model_name=tiny",
                                 "serve.batch_wait_ms=20"))
     yield s
@@ -180,15 +194,11 @@ def test_completion_usage_and_guard_fields(server, prompts):
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens <= r.usage.completion_tokens
 
 
-def test_greedy_output_equals_hpa_generate(server, demo, prompts):
+def test_greedy_output_equals_hpa_generate(server, generated, demo, prompts):
     """The same prompts through ``hpa generate`` (same guard settings) and through the server, greedy:
     the same texts, finish reasons, KLs and regenerations."""
+    assert generated.wait(timeout=300) == 0, (demo / "generate.log").read_text()[-4000:]
     out = demo / "generated.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "hpa.generate", "--prompts", str(demo / "prompts.jsonl"),
-                           "--output", str(out), "--kl-threshold", "0.0", "--guard-temperature", "0.0",
-                           *_overrides(demo, "rollout.temperature=0")],
-                          env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
     expected = [json.loads(line) for line in out.read_text().splitlines()]
     with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: batched differently from hpa generate
         served = list(pool.map(lambda p: _greedy(server, p), prompts))
