@@ -733,6 +733,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"hpa serve: ready (model {name!r})", flush=True)
             while http.is_alive():
                 state.scheduler.step(timeout=0.1)
+    except (ValueError, FileNotFoundError) as exc:  # a missing or mismatched checkpoint: the message says which
+        print(str(exc) if str(exc).startswith("hpa serve") else f"hpa serve: {exc}", file=sys.stderr)
+        return 2
     finally:
         server.should_exit = True
         http.join(timeout=s.drain_timeout_s + 5)
