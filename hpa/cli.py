@@ -33,6 +33,7 @@ COMMANDS = {
     "sft": Command("supervised fine-tuning of the initial policy", "hpa.cli:sft"),
     "train-rm": Command("train a Bradley-Terry reward model ensemble", "hpa.reward.train_rm:main"),
     "generate": Command("generate from a checkpoint, with a KL guard", "hpa.generate:main"),
+    "serve": Command("serve a checkpoint over an OpenAI-compatible HTTP API, with the KL guard", "hpa.serve:main"),
     "report": Command("plots and a summary of a run directory's metrics (hpa report RUN_DIR)",
                       "hpa.trainer.report:main"),
     "plan": Command("estimate memory per GPU for a config and layout", "hpa.plan:main"),

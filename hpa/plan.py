@@ -296,9 +296,9 @@ def vllm_budget_gb(cfg: Config, gpu_memory_gb: float) -> float:
 
 
 def vllm_minimum_gb(cfg: Config) -> float:
-    """The least vLLM can run with: its weight shard (``rollout.vllm_tensor_parallel_size``) and the
-    KV cache of one ``max_prompt_length + max_new_tokens`` sequence, in ``params_dtype``."""
-    m, tp = cfg.model, cfg.rollout.vllm_tensor_parallel_size
+    """The least vLLM can run with: its weight shard (``rollout.vllm_tensor_parallel_size``, unset: the
+    policy's TP) and the KV cache of one ``max_prompt_length + max_new_tokens`` sequence, in ``params_dtype``."""
+    m, tp = cfg.model, cfg.rollout.vllm_tensor_parallel_size or cfg.parallel.tensor_model_parallel_size
     weights = count_parameters(m) * _DTYPE_BYTES[m.params_dtype] / tp
     positions = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     kv = 2 * m.num_layers * max(m.kv_heads // tp, 1) * (m.hidden_size // m.num_attention_heads) * positions

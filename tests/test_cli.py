@@ -10,7 +10,7 @@ from hpa.cli import main
 def test_help_lists_every_subcommand():
     out = subprocess.run([sys.executable, "-m", "hpa.cli", "--help"], capture_output=True, text=True, check=True)
     for name in ("train", "sft", "train-rm", "generate", "report", "plan", "convert", "check-config", "ablate",
-                 "doctor"):
+                 "doctor", "serve"):
         assert name in out.stdout
 
 

@@ -136,7 +136,8 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 16
     seed: int = 0
-    vllm_tensor_parallel_size: int = 2
+    # None: the policy's parallel.tensor_model_parallel_size, so `rollout.engine=vllm` alone works on any layout
+    vllm_tensor_parallel_size: Optional[int] = None
     gpu_memory_utilization: float = 0.85
     colocate: bool = True
 
@@ -328,6 +329,40 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """``hpa serve``: the HTTP endpoint, its KL guard and its batching.
+
+    ``kl_threshold`` and ``guard_temperature`` are the recipe's guard (regenerate a response whose KL to
+    the reference is above 0.1 at temperature 0.5); ``guard: false`` scores no KL and regenerates nothing.
+    Requests that arrive while the engine is busy join the next batch, up to ``max_batch_size`` responses;
+    an idle engine waits ``batch_wait_ms`` for company before it starts. ``drain_timeout_s``: how long
+    SIGTERM waits for in-flight requests. ``model_name``: the id clients pass as ``model`` (default: the
+    policy checkpoint's directory name).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: Optional[str] = None
+    guard: bool = True
+    kl_threshold: float = 0.1
+    guard_temperature: float = 0.5
+    guard_max_retries: int = 1
+    max_batch_size: int = 32
+    batch_wait_ms: float = 5.0
+    drain_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        check_range("port", self.port, low=0, high=65535)
+        check_range("guard_temperature", self.guard_temperature, low=0.0)
+        check_range("guard_max_retries", self.guard_max_retries, low=0)
+        _positive(self, "max_batch_size")
+        check_range("batch_wait_ms", self.batch_wait_ms, low=0.0)
+        check_range("drain_timeout_s", self.drain_timeout_s, low=0.0)
+        if self.model_name is not None and not self.model_name:
+            raise ConfigError("model_name", "must be a non-empty string or null (the policy directory's name)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The root. Components receive their own section, never this object, so no component
     depends on sections it does not use."""
@@ -344,6 +379,7 @@ class Config:
     guard: GuardConfig = field(default_factory=GuardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:

@@ -362,7 +362,9 @@ def _instances_in_replica(groups: ParallelGroups, tensor_parallel_size: int):
     (see ``instance_layout``)."""
     if groups.world_size % tensor_parallel_size:
         raise ValueError(f"rollout.vllm_tensor_parallel_size={tensor_parallel_size} must divide the world "
-                         f"size {groups.world_size}")
+                         f"size {groups.world_size}: set rollout.vllm_tensor_parallel_size to a divisor of it, or "
+                         f"leave it unset (null) to use parallel.tensor_model_parallel_size="
+                         f"{groups.tensor_model_parallel_size}")
     if groups.world_size == 1 or groups.mp_group is None:
         return 1, 0
     import torch.distributed as dist
@@ -392,12 +394,13 @@ def instance_layout(replica_ranks, rank: int, tensor_parallel_size: int, *, tens
 
 def build_vllm_engine(rollout_cfg, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo, *,
                       model_cfg=None, checkpoint_path: Optional[str] = None, **kwargs) -> VLLMRolloutEngine:
-    """``ROLLOUT_ENGINES["vllm"]``: reads ``rollout.vllm_tensor_parallel_size``, ``gpu_memory_utilization``
-    and ``seed``."""
+    """``ROLLOUT_ENGINES["vllm"]``: reads ``rollout.vllm_tensor_parallel_size`` (unset: the policy's TP),
+    ``gpu_memory_utilization`` and ``seed``."""
     if model_cfg is None:
         raise ValueError("rollout.engine=vllm: build_rollout_engine needs model_cfg= (the policy's model "
                          "section), from which the engine's HF config is written")
     return VLLMRolloutEngine(model, groups, tokenizer_info, model_cfg=model_cfg, checkpoint_path=checkpoint_path,
-                             tensor_parallel_size=rollout_cfg.vllm_tensor_parallel_size,
+                             tensor_parallel_size=(rollout_cfg.vllm_tensor_parallel_size
+                                                   or groups.tensor_model_parallel_size),
                              gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
                              seed=rollout_cfg.seed, **kwargs)

@@ -84,7 +84,7 @@ def test_algorithms_do_not_touch_torch_distributed():
 # The layers, top to bottom (the README's Layout section lists them in this order): a module may import
 # from its own layer and from the layers below it, never from a layer above.
 LAYERS = (
-    ("data_tools", "hpa.cli", "hpa.train", "hpa.ablate", "hpa.doctor"),
+    ("data_tools", "hpa.cli", "hpa.train", "hpa.ablate", "hpa.doctor", "hpa.serve"),
     ("hpa.trainer", "hpa.generate", "hpa.plan"),
     ("hpa.reward",),
     ("hpa.engine",),

@@ -265,3 +265,19 @@ def test_hf_config_dir_family_vocabulary_and_imported_config(tmp_path):
     assert mistral["model_type"] == "mistral" and mistral["sliding_window"] == 4096 and mistral["bos_token_id"] == 5
     with pytest.raises(ValueError, match="model.vocab_size"):
         write_hf_config_dir(cfg, tmp_path / "d", vocab_size=33)
+
+
+def test_vllm_tensor_parallel_size_follows_the_policy_by_default(monkeypatch):
+    """``rollout.engine=vllm`` alone works on the tiny config (issue 25: the default of 2 stopped a
+    one-process run with "must divide the world size 1"); an explicit size that cannot work names the key."""
+    from hpa.config import load_config
+    from hpa.rollout import TokenizerInfo, build_rollout_engine
+
+    fake_vllm.install(on_cpu=False, monkeypatch=monkeypatch)
+    cfg = load_config(None, ["rollout.engine=vllm"])
+    info = TokenizerInfo(vocab_size=16, eos_token_id=EOS, pad_token_id=PAD)
+    engine = build_rollout_engine(cfg.rollout, None, _groups(), info, model_cfg=_model_cfg())
+    assert engine.llm.kwargs["tensor_parallel_size"] == 1  # the policy's parallel.tensor_model_parallel_size
+    explicit = load_config(None, ["rollout.engine=vllm", "rollout.vllm_tensor_parallel_size=2"])
+    with pytest.raises(ValueError, match="set rollout.vllm_tensor_parallel_size"):
+        build_rollout_engine(explicit.rollout, None, _groups(), info, model_cfg=_model_cfg())
