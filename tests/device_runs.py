@@ -27,7 +27,7 @@ def _metrics(run_dir: Path):
 
 
 def _numbers(record):
-    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not k.startswith(("time/", "perf/"))}
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not k.startswith(("timing_s/", "perf/"))}
 
 
 def _save_initial_policy(path: Path) -> None:

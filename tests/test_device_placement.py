@@ -93,6 +93,12 @@ def test_moves_report_the_device_and_refuse_mixing(mode):
     assert not is_device_tensor(dev.to("cpu")) and is_device_tensor(dev.to(torch.float64))
     with pytest.raises(TypeError, match="numpy"):
         dev.numpy()
+    before = dev.clone()
+    with pytest.raises(RuntimeError, match="lazy:0 and cpu"):
+        dev.add_(host)  # refused before it writes
+    assert torch.equal(dev.cpu(), before.cpu())
+    assert is_device_tensor(host.to(dev)) and not is_device_tensor(dev.to(host))  # .to(other tensor)
+    assert torch.equal(host[dev.cpu() > 2], torch.tensor([3.0, 4.0, 5.0]))
 
 
 def test_factories_on_the_device(mode):

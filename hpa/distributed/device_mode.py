@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+
 class DeviceTensor(torch.Tensor):
     """A CPU tensor that stands for a tensor on the test device (see the module docstring)."""
 
@@ -101,14 +102,13 @@ class StrictDeviceMode(TorchFunctionMode):
             return tree_map(lambda t: on_host(t) if isinstance(t, torch.Tensor) else t, func(*args, **kwargs))
         if not _any_device(args) and not _any_device(kwargs.values()):
             return func(*args, **kwargs)  # the fast path: every op inside the models
-        values, _ = tree_flatten((args, kwargs))
-        out = func(*args, **kwargs)
         if torch._C._current_graph_task_id() != -1:
-            return out  # inside a backward pass: autograd's gradients are host tensors
-        if func not in _UNCHECKED and any(_is_host(v) for v in values):
+            return func(*args, **kwargs)  # inside a backward pass: autograd's gradients are host tensors
+        values, _ = tree_flatten((args, kwargs))
+        if func not in _UNCHECKED and any(_is_host(v) for v in values):  # before an in-place op writes
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                f"{self.device} and cpu! ({getattr(func, '__name__', func)})")
-        return _wrap(out)
+        return _wrap(func(*args, **kwargs))
 
     def _to(self, func, args, kwargs):
         tensor = args[0]
@@ -116,7 +116,12 @@ class StrictDeviceMode(TorchFunctionMode):
             return on_host(func(*args, **kwargs))
         if func is torch.Tensor.cuda:
             raise RuntimeError("a .cuda() call in the test device mode: move tensors to groups.device")
-        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+        if len(args) > 1 and isinstance(args[1], torch.Tensor):  # .to(other): other's device as the mode reports it
+            other = args[1]
+            device, dtype = (self.device if is_device_tensor(other) else other.device), other.dtype
+            non_blocking = kwargs.get("non_blocking", False)
+        else:
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
         target = self._target(device)
         if target == "":
             out = func(*args, **kwargs)
@@ -124,8 +129,6 @@ class StrictDeviceMode(TorchFunctionMode):
         out = _raw(torch.Tensor.to, on_host(tensor), device="cpu",
                    **({"dtype": dtype} if dtype is not None else {}), non_blocking=non_blocking)
         return on_device(out) if target == "device" else on_host(out)
-
-
 
 
 _entered = None
