@@ -11,6 +11,7 @@ Not yet run on a GPU.
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,8 @@ def main(argv=None) -> int:
     steps = [r for r in records if r.get("step", 0) >= 1]
     timed = steps[1:] or steps  # the first step warms up CUDA
     cfg = load_config(args.config, overrides)
-    gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    cuda = torch.cuda.is_available()  # False only when the script itself is tried on a CPU machine
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else 80.0
     planned = plan(cfg, world_size=1, gpu_memory_gb=gpu_gb)
     rows = cfg.trainer.global_batch_size * cfg.rollout.n
 
@@ -61,14 +63,16 @@ def main(argv=None) -> int:
         return statistics.fmean(values) if values else float("nan")
 
     rollout_tps = statistics.fmean(r["response_length/mean"] * rows / r["timing_s/rollout"] for r in timed)
-    print(json.dumps({
-        "ok": True, "device": torch.cuda.get_device_name(0), "steps": len(steps),
+    figures = {
+        "ok": True, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "steps": len(steps),
         "update_mfu": mean("perf/mfu"), "update_mfu_padded": mean("perf/mfu_padded"),
         "update_tokens_per_s": mean("perf/update_throughput"), "rollout_tokens_per_s": rollout_tps,
         "peak_memory_gb": max(r["perf/max_memory_gb"] for r in steps), "plan_total_gb": planned["total_gb"],
         "memory_unit": "GB (1e9 bytes)", "bf16_logprob_gap_mean": mean("rollout/logprob_diff_mean"),
         "bf16_logprob_gap_max": max(r["rollout/logprob_diff_max"] for r in steps),
-    }))
+    }
+    # strict JSON: a figure that could not be computed (MFU without a declared peak) is null, not NaN
+    print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in figures.items()}))
     return 0
 
 
