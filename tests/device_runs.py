@@ -1,10 +1,10 @@
 """Every command that runs a model, in one process, on the demo task (used by ``test_device_placement``).
 
-``python tests/device_runs.py ROOT OUT_JSON`` saves a seeded random policy, then runs ``hpa sft`` (one step),
-``hpa generate`` from the saved policy, ``hpa train`` with GAE (the critic) and with group advantages
-(each one step, with evaluation), and ``hpa train-rm`` (one step), and writes for each command either its
-results or the error that stopped it. With ``HPA_TEST_MODEL_DEVICE=lazy`` set, the models sit behind
-lazy-device edges (``hpa/models/device_boundary.py``).
+``python tests/device_runs.py ROOT OUT_JSON [COMMAND ...]`` saves a seeded random policy, then runs ``hpa sft``
+(one step), ``hpa generate`` from the saved policy, ``hpa train-rm`` (one step), ``hpa train`` with GAE (the
+critic, and the reward model just trained next to the rule reward) and with group advantages (each one step,
+with evaluation), and writes for each command either its results or the error that stopped it. With
+``HPA_TEST_MODEL_DEVICE=lazy`` the models live on the test device (``hpa/distributed/device_mode.py``).
 """
 
 import json
@@ -88,8 +88,9 @@ def run_all(root: Path, out: Path, only=()) -> None:
 
     def train(estimator):
         run_dir = root / f"train_{estimator}"
+        rm_args = [f"reward.model_paths=[{root / 'rm_run' / 'reward_model'}]"] if estimator == "gae" else []
         assert cli.main(["train", *data, f"trainer.run_dir={run_dir}", f"algorithm.advantage.estimator={estimator}",
-                         f"model.policy_path={init}", "trainer.eval_interval=1"]) == 0
+                         f"model.policy_path={init}", "trainer.eval_interval=1", *rm_args]) == 0
         return [_numbers(r) for r in _metrics(run_dir)]
 
     def rm():
@@ -97,8 +98,8 @@ def run_all(root: Path, out: Path, only=()) -> None:
         assert train_rm([*data, f"trainer.run_dir={run_dir}", "trainer.eval_interval=1"]) == 0
         return [_numbers(json.loads(line)) for line in (run_dir / "rm_metrics.jsonl").read_text().splitlines()]
 
-    for name, fn in (("sft", sft), ("generate", gen), ("train_gae", lambda: train("gae")),
-                     ("train_grpo", lambda: train("grpo")), ("train_rm", rm)):
+    for name, fn in (("sft", sft), ("generate", gen), ("train_rm", rm), ("train_gae", lambda: train("gae")),
+                     ("train_grpo", lambda: train("grpo"))):
         if not only or name in only:
             attempt(name, fn)
     out.write_text(json.dumps(results))
