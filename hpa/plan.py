@@ -31,7 +31,8 @@ The estimate is analytic (no GPU, no megatron import). Per GPU, the worst pipeli
     a view of, and the context. megatron's local ``DotProductAttention`` instead repeats k and v to
     all heads under GQA (``g < a``: ``4·h·e/t``) and keeps the softmax output ``a·s·e/t`` (the
     ``[b, a/t, s, s]`` probabilities; with attention dropout also the dropped probabilities and the
-    mask); Transformer Engine's fused attention keeps no ``[s, s]`` tensor;
+    mask; in 16 bits also the fp32 softmax's own output, ``a·s·4/t``, as megatron computes the local
+    softmax in fp32); Transformer Engine's fused attention keeps no ``[s, s]`` tensor;
   - the MLP keeps ``5·f·e/t`` with SwiGLU (fc1's output, ``x_linear + 0``, ``silu``, their product)
     or ``2·f·e/t`` with GeLU;
   - with hidden dropout, two dropout masks ``2·h`` bytes, replicated (CUDA keeps a bool mask; torch
@@ -56,7 +57,8 @@ The estimate is analytic (no GPU, no megatron import). Per GPU, the worst pipeli
   SwiGLU and GeLU, dropout) match the peak of the bytes saved for backward, measured on CPU in
   ``tests/test_plan.py``, within about 1%. The Transformer Engine terms
   (``transformer_engine_expected``: ``transformer_impl``, or for ``auto`` a 16-bit
-  ``params_dtype``) and PP are formula only. Under sequence parallelism a micro-batch is padded to
+  ``params_dtype`` where Transformer Engine is installed), the 16-bit local terms and PP are formula
+  only. Under sequence parallelism a micro-batch is padded to
   a multiple of TP positions (at most TP - 1 more), which the estimate leaves out.
 * **rollout KV cache** (native engine, ``hpa.rollout.kv_cache.CachedDecoder``): keys and values
   ``[B, g/TP, P + R, d]`` in ``params_dtype`` for each of the stage's ``L/PP`` layers, with
@@ -145,15 +147,27 @@ def count_parameters(model: ModelConfig, scalar_heads: Optional[int] = None) -> 
     return stage_parameters(model, 1, 1, scalar_heads)[0]
 
 
-def transformer_engine_expected(model: ModelConfig) -> bool:
-    """Whether the run uses Transformer Engine layers (the planner cannot import TE to find out).
+def transformer_engine_installed() -> bool:
+    """Whether a Transformer Engine package is installed here (found, not imported: the planner runs on
+    machines without a GPU)."""
+    import importlib.util
 
-    ``transformer_impl=auto`` resolves to TE on a CUDA machine with TE installed; the planner takes a
-    16-bit ``params_dtype`` as that case and ``float32`` as the CPU path (bf16 is refused on CPU).
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_engine_expected(model: ModelConfig, installed: Optional[bool] = None) -> bool:
+    """Whether the run uses Transformer Engine layers, as ``hpa.models.builders`` decides.
+
+    ``transformer_impl=auto`` resolves to TE on a CUDA machine where TE imports, else to megatron's local
+    spec. The planner takes a 16-bit ``params_dtype`` as the CUDA case (bf16 is refused on CPU) and
+    ``installed`` (default: ``transformer_engine_installed()``) as whether TE is there: a bf16 run without
+    TE uses the local spec, and its ``[s, s]`` attention terms.
     """
     if model.transformer_impl != "auto":
         return model.transformer_impl == "transformer_engine"
-    return model.params_dtype != "float32"
+    if installed is None:
+        installed = transformer_engine_installed()
+    return model.params_dtype != "float32" and installed
 
 
 def _norm_activations(model: ModelConfig, transformer_engine: bool) -> float:
@@ -187,6 +201,8 @@ def _layer_activations(model: ModelConfig, *, tp: int, sequence_parallel: bool, 
     noise = _dropout_mask_bytes(model, transformer_engine)
     dropout_masks = 2 * h * noise / replicated if model.hidden_dropout > 0 else 0.0
     probs = a * s * e / tp  # [b, a/tp, s, s] softmax output
+    if e < 4:  # 16-bit: the local softmax runs in fp32 (attention_softmax_in_fp32) and keeps its fp32 output
+        probs += a * s * 4 / tp
     if model.attention_dropout > 0:
         probs += a * s * (e + noise) / tp  # the dropped-out probabilities and the mask
     if transformer_engine:  # fused attention keeps q, k, v, the output (and a [b, a, s] fp32 log-sum-exp)

@@ -177,3 +177,14 @@ def test_sbatch_forwards_usr1_to_the_step_and_requeues(fake_bin, tmp_path):
     lines = log.read_text().splitlines()
     assert "srun got USR1" in lines and "scontrol requeue 4242" in lines
     assert "received SIGUSR1" in err
+
+
+def test_gpu_check_config_is_qwen2_0_5b_shaped_for_one_gpu():
+    """``configs/qwen2_0.5b_gpu_check.yaml`` (bench/gpu_check.sh): Qwen2-0.5B's 494,032,768 parameters,
+    one GPU, bf16, the local layer spec and the native engine (neither TE nor vLLM on the check machine)."""
+    from hpa.plan import count_parameters
+
+    cfg = load_config(ROOT / "configs" / "qwen2_0.5b_gpu_check.yaml", world_size=1)
+    assert count_parameters(cfg.model) == 494_032_768
+    assert (cfg.model.params_dtype, cfg.model.transformer_impl, cfg.rollout.engine) == ("bfloat16", "local", "megatron")
+    assert cfg.parallel.backend == "nccl" and cfg.algorithm.advantage.estimator == "grpo"

@@ -99,11 +99,17 @@ def test_7b_plan_sane():
     assert policy["optimizer_gb"] == pytest.approx(80.86, rel=1e-3)
     assert policy["optimizer_gb_distributed"] == pytest.approx(80.86 / 8, rel=1e-3)
     acts = policy["activations_gb_by_recompute"]
+    # transformer_impl=auto without Transformer Engine installed here: megatron's local spec
+    assert not result["transformer_engine"]
+    te = plan(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, transformer_impl="transformer_engine")),
+              world_size=8, gpu_memory_gb=80)
     # Transformer Engine's fused attention keeps no [s, s] tensor, so selective recomputation saves
     # nothing there; megatron's local attention keeps the softmax output, which it drops
-    assert result["transformer_engine"] and acts["full"] < acts["selective"] == acts["none"]
+    te_acts = te["models"]["policy"]["activations_gb_by_recompute"]
+    assert te["transformer_engine"] and te_acts["full"] < te_acts["selective"] == te_acts["none"]
     local = plan(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, transformer_impl="local")),
                  world_size=8, gpu_memory_gb=80)
+    assert local["models"]["policy"]["activations_gb_by_recompute"] == acts
     local_acts = local["models"]["policy"]["activations_gb_by_recompute"]
     assert local_acts["full"] < local_acts["selective"] < local_acts["none"]
     assert not result["fits"] and result["suggestions"]
@@ -363,11 +369,14 @@ def test_peak_estimate_matches_measured(layout_name):
 
 
 @pytest.mark.parametrize("name,world_size", [("llama2_7b.yaml", 8), ("llama2_70b.yaml", 64)])
-def test_shipped_gpu_configs_fit_their_nodes_with_colocated_vllm(name, world_size):
+def test_shipped_gpu_configs_fit_their_nodes_with_colocated_vllm(name, world_size, monkeypatch):
     """Colocated vLLM takes rollout.gpu_memory_utilization of the GPU while megatron's training state
-    stays: the rollout term is that budget, and the shipped configs fit 80 GB GPUs with headroom."""
+    stays: the rollout term is that budget, and the shipped configs fit 80 GB GPUs with headroom (on
+    their clusters, with Transformer Engine installed)."""
     from hpa.config import load_config
     from hpa.plan import plan
+
+    monkeypatch.setattr("hpa.plan.transformer_engine_installed", lambda: True)
 
     cfg = load_config(ROOT / "configs" / name)
     result = plan(cfg, world_size=world_size, gpu_memory_gb=80)
@@ -378,9 +387,11 @@ def test_shipped_gpu_configs_fit_their_nodes_with_colocated_vllm(name, world_siz
     assert result["fits"] and 80 - result["total_gb"] >= 2.0
 
 
-def test_vllm_share_that_does_not_fit_gets_a_utilization_suggestion():
+def test_vllm_share_that_does_not_fit_gets_a_utilization_suggestion(monkeypatch):
     from hpa.config import load_config
     from hpa.plan import plan, vllm_minimum_gb
+
+    monkeypatch.setattr("hpa.plan.transformer_engine_installed", lambda: True)  # the config's cluster
 
     cfg = load_config(ROOT / "configs" / "llama2_7b.yaml", ["rollout.gpu_memory_utilization=0.85"])
     result = plan(cfg, world_size=8, gpu_memory_gb=80)
@@ -409,3 +420,44 @@ def test_native_engine_layouts_are_suggested_without_sequence_parallelism():
     vllm = plan(load_config(ROOT / "configs" / "llama2_7b.yaml", ["rollout.gpu_memory_utilization=0.85"]),
                 world_size=8, gpu_memory_gb=80)
     assert any("sequence_parallel=true" in " ".join(s["changes"]) for s in vllm["suggestions"])
+
+
+def test_auto_follows_the_layer_spec_in_use(monkeypatch):
+    """``transformer_impl=auto`` in bf16 is Transformer Engine only where TE is installed (the builder
+    falls back to the local spec otherwise); fp32 and explicit choices do not depend on it."""
+    from hpa.config.schema import ModelConfig
+    from hpa.plan import transformer_engine_expected
+
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=64)
+    bf16, fp32 = ModelConfig(**shape, params_dtype="bfloat16"), ModelConfig(**shape)
+    assert transformer_engine_expected(bf16, installed=True)
+    assert not transformer_engine_expected(bf16, installed=False)
+    assert not transformer_engine_expected(fp32, installed=True)
+    assert transformer_engine_expected(dataclasses.replace(bf16, transformer_impl="transformer_engine"), installed=False)
+    assert not transformer_engine_expected(dataclasses.replace(bf16, transformer_impl="local"), installed=True)
+    monkeypatch.setattr("hpa.plan.transformer_engine_installed", lambda: False)
+    assert not transformer_engine_expected(bf16)
+
+
+def test_bf16_local_attention_counts_the_fp32_softmax_output():
+    """In 16 bits megatron's local attention computes the softmax in fp32 and keeps that output next to
+    the bf16 probabilities: ``a·s·4/t`` more bytes per token and layer (1.4 GB per 1024-token sequence at a
+    Qwen2-0.5B shape)."""
+    from hpa.config.schema import ModelConfig
+    from hpa.plan import _layer_activations
+
+    a, s, b, layers = 14, 1024, 1, 24
+    model = ModelConfig(num_layers=layers, hidden_size=896, num_attention_heads=a, num_query_groups=2,
+                        ffn_hidden_size=4864, vocab_size=151936, max_sequence_length=s, params_dtype="bfloat16")
+    per_token = _layer_activations(model, tp=1, sequence_parallel=False, seq_length=s, transformer_engine=False)
+    fp32_copy = a * s * 4
+    assert fp32_copy * s * b * layers / 1e9 == pytest.approx(1.41, abs=0.01)  # one 1024-token sequence
+    # selective recomputation drops exactly the [s, s] terms (the bf16 probabilities and the fp32 copy)
+    # and GQA's repeated k, v (4·h·e instead of the kept qkv terms)
+    h, g, d, e = 896, 2, 64, 2
+    gqa = 4 * h * e - (2 * h + g * d + (a + 2 * g) * d) * e
+    assert per_token["none"] - per_token["selective"] == pytest.approx(a * s * e + fp32_copy + gqa, rel=1e-12)
+    fp32 = _layer_activations(dataclasses.replace(model, params_dtype="float32"), tp=1, sequence_parallel=False,
+                              seq_length=s, transformer_engine=False)
+    assert fp32["none"] - fp32["selective"] == pytest.approx(a * s * 4 + (4 * h * 4 - (2 * h + g * d + (a + 2 * g) * d) * 4),
+                                                             rel=1e-12)  # fp32: no second copy

@@ -120,6 +120,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+TEST_MODEL_DEVICE_ENV = "HPA_TEST_MODEL_DEVICE"
+
+
+def test_model_device() -> Optional[torch.device]:
+    """``lazy:0`` when ``HPA_TEST_MODEL_DEVICE=lazy`` (the test device mode, ``device_mode.py``: the models
+    live on a second device with CUDA's rules, on a CPU machine; entered here, once per process), else None."""
+    name = os.environ.get(TEST_MODEL_DEVICE_ENV, "")
+    if not name:
+        return None
+    if name != "lazy":
+        raise ValueError(f"{TEST_MODEL_DEVICE_ENV}={name!r}: the only test model device is 'lazy'")
+    from .device_mode import enter
+
+    return enter(torch.device("lazy", 0))
+
+
 def choose_backend(requested: str) -> str:
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -150,7 +166,7 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234,
         import megatron_patches
 
         megatron_patches.apply_cpu_patches()
-        device = torch.device("cpu")
+        device = test_model_device() or torch.device("cpu")
 
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=parallel.timeout_minutes)

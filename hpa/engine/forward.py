@@ -33,7 +33,7 @@ def response_token_mask(ts: TrainingSequences, response_mask: torch.Tensor) -> t
 def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
                  fn: Callable[[dict, torch.Tensor, Optional[torch.Tensor]], Dict[str, torch.Tensor]],
                  shapes: Dict[str, Tuple[int, ...]], *, capture_hidden: bool = True) -> Dict[str, torch.Tensor]:
-    """Run ``fn(batch, output, hidden)`` on every micro-batch, concatenate along rows.
+    """Run ``fn(batch, output, hidden)`` on every micro-batch, concatenate along rows, return on the host.
 
     Args:
         shapes: each output's trailing shape (after the row dimension), so stages that are not last
@@ -55,7 +55,7 @@ def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
             value = torch.empty((rows, *trailing), dtype=torch.float32, device=groups.device)
         if groups.pipeline_model_parallel_size > 1:
             comm.broadcast_tensor(value, src=groups.last_stage_global_rank(), group=groups.pp_group)
-        out[key] = value
+        out[key] = value.cpu()  # the one device-to-host point: callers combine results with host tensors
     return out
 
 

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hpa.distributed.groups import ParallelGroups
+from hpa.models.builders import compute_device
 from hpa.models.heads import capture_final_hidden
 
 # loss_fn(batch, output [b, s, v/tp | K], hidden [b, s, h] | None) -> (loss [], metrics)
@@ -27,7 +28,8 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
     Args:
         model: a GPTModel, possibly DDP-wrapped.
         micro_batches: dicts with ``input_ids [b, s]`` and ``position_ids [b, s]`` plus whatever
-            ``loss_fn`` reads; every rank of a model replica passes the same list.
+            ``loss_fn`` reads, on any device (each enters the model's device here, ``to_model_device``,
+            so ``loss_fn`` sees it there); every rank of a model replica passes the same list.
         loss_fn: called on the last stage only.
         capture_hidden: also hand the final hidden states ``[b, s, h]`` to ``loss_fn``.
 
@@ -46,9 +48,10 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
     num_microbatches = len(micro_batches)
     scale = float(num_microbatches * groups.data_parallel_size)
     multiple = sequence_multiple(model)
+    device = compute_device(groups)
 
     def forward_step(data_iterator, module):
-        batch = next(data_iterator)
+        batch = to_model_device(next(data_iterator), groups.device)
         s = batch["input_ids"].shape[1]
         input_ids, position_ids = pad_sequence(batch["input_ids"], batch["position_ids"], multiple)
         if capture_hidden and groups.is_last_stage:
@@ -64,7 +67,8 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
             if output_tensor.shape[1] != s:  # [b, s_pad, ...] -> [b, s, ...]
                 output_tensor = output_tensor[:, :s]
             loss, metrics = loss_fn(batch, output_tensor, hidden)
-            return loss * scale, metrics
+            # megatron's schedule scales the loss with its own tensors, on the parameters' device
+            return loss.to(device) * scale, metrics
 
         return output, loss_func
 
@@ -82,6 +86,13 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
         **({"p2p_communicator": P2PCommunicator(pp_group=groups.pp_group, config=_config(model))}
            if groups.pipeline_model_parallel_size > 1 else {}),
     )
+
+
+def to_model_device(batch: dict, device: torch.device) -> dict:
+    """The one host-to-device point of every micro-batch that enters a model: each tensor of ``batch`` on
+    ``device`` (batches are built on the host; a CUDA model refuses CPU token ids, and the loss combines
+    the model's outputs with the batch's masks and targets)."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def sequence_multiple(model) -> int:

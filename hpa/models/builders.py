@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from hpa.config.schema import ModelConfig, ParallelConfig
 from hpa.distributed.groups import ParallelGroups
+from hpa.distributed.init import TEST_MODEL_DEVICE_ENV
 
+from . import device_boundary
 from .heads import ScalarHead
 from .specs import gpt_layer_spec, use_transformer_engine
 
@@ -31,7 +33,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, groups: Par
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = _DTYPES[model.params_dtype]
-    on_cpu = groups.device.type == "cpu"
+    on_cpu = compute_device(groups).type == "cpu"
     if on_cpu and dtype != torch.float32:
         raise ValueError("model.params_dtype must be float32 on CPU (gloo); bf16 is for GPUs")
     return TransformerConfig(
@@ -74,6 +76,21 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, groups: Par
     )
 
 
+def compute_device(groups: ParallelGroups) -> torch.device:
+    """Where a model's parameters live: ``groups.device``, except in the lazy-device test mode
+    (``hpa/distributed/device_mode.py``), where the model computes on the CPU behind test-device edges."""
+    return torch.device("cpu") if groups.device.type == "lazy" else groups.device
+
+
+def _edges(gpt, groups: ParallelGroups):
+    if groups.device.type != "lazy":
+        return gpt
+    if groups.pipeline_model_parallel_size > 1:
+        raise ValueError(f"{TEST_MODEL_DEVICE_ENV}: the test device mode runs one pipeline stage "
+                         f"(parallel.pipeline_model_parallel_size=1)")
+    return device_boundary.install(gpt, groups.device)
+
+
 def _gpt(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):
     from megatron.core.models.gpt import GPTModel
 
@@ -92,17 +109,17 @@ def _gpt(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):
         position_embedding_type="rope",
         rotary_base=int(model.rotary_base),
         pg_collection=groups.pg_collection,
-    ).to(groups.device)
+    ).to(compute_device(groups))
 
 
 def build_policy(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):
     """The trainable policy: a GPTModel whose last stage returns vocab-parallel logits ``[b, s, v/tp]``."""
-    return _gpt(model, parallel, groups)
+    return _edges(_gpt(model, parallel, groups), groups)
 
 
 def build_reference(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):
     """A frozen copy of the policy architecture (weights are loaded from ``model.reference_path``)."""
-    ref = _gpt(model, parallel, groups)
+    ref = _edges(_gpt(model, parallel, groups), groups)
     ref.requires_grad_(False)
     return ref.eval()
 
@@ -113,8 +130,8 @@ def _with_scalar_head(model: ModelConfig, parallel: ParallelConfig, groups: Para
         gpt.output_layer = ScalarHead(model.hidden_size, num_heads, init_std=model.init_method_std,
                                       sequence_parallel=gpt.config.sequence_parallel,
                                       tp_group=groups.tp_group).to(
-            device=groups.device, dtype=_DTYPES[model.params_dtype])
-    return gpt
+            device=compute_device(groups), dtype=_DTYPES[model.params_dtype])
+    return _edges(gpt, groups)
 
 
 def build_value(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):

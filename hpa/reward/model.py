@@ -129,7 +129,6 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     want_hidden = pool_mask is not None
     if want_hidden and hidden_size is None:
         raise ValueError("embeddings (pool_mask) need hidden_size")
-    device = groups.device
     num_micro = -(-b // micro_batch_size)
     padded = num_micro * micro_batch_size
     pad_rows = padded - b
@@ -140,13 +139,13 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         return torch.cat([x, x.new_zeros((pad_rows, s))]) if pad_rows else x
 
     ids, mask, pool = extend(input_ids), extend(attention_mask), extend(pool_mask)
-    positions = torch.arange(s, device=device).expand(micro_batch_size, s).contiguous()  # [mb, s]
-    micro_batches = []
+    positions = torch.arange(s, device=ids.device).expand(micro_batch_size, s).contiguous()  # [mb, s]
+    micro_batches = []  # on the inputs' device; forward_backward moves them to the model's
     for j in range(num_micro):
         rows = slice(j * micro_batch_size, (j + 1) * micro_batch_size)
-        mb = {"input_ids": ids[rows].to(device), "position_ids": positions, "attention_mask": mask[rows].to(device)}
+        mb = {"input_ids": ids[rows], "position_ids": positions, "attention_mask": mask[rows]}
         if want_hidden:
-            mb["pool_mask"] = pool[rows].to(device)
+            mb["pool_mask"] = pool[rows]
         micro_batches.append(mb)
 
     def read_scores(batch, output, hidden):

@@ -216,8 +216,7 @@ class Scorer:
         """Reward-model embeddings of responses scored alone: ``[b, h]`` on the CPU."""
         responses, mask = pad_right(response_ids, self.tokenizer.pad_id)  # [b, r]
         with torch.no_grad():
-            out = self.model_reward(RewardInputs(response_ids=responses.to(self.groups.device),
-                                                 response_mask=mask.float().to(self.groups.device)))
+            out = self.model_reward(RewardInputs(response_ids=responses, response_mask=mask.float()))
         return out.embeddings.cpu()  # [b, h]
 
     # ------------------------------------------------------------------- lists of texts (DP)

@@ -149,23 +149,22 @@ def split_eval(num_pairs: int, eval_fraction: float, seed: int) -> Tuple[List[in
 # Batches
 
 
-def pair_micro_batches(examples: Sequence, pad_id: int, micro_batch_size: int, device: torch.device,
+def pair_micro_batches(examples: Sequence, pad_id: int, micro_batch_size: int,
                        weights: Optional[torch.Tensor] = None) -> List[dict]:
     """Micro-batches of ``micro_batch_size`` pairs, chosen rows first: ``input_ids [2m, s]``,
     ``position_ids [2m, s]``, ``attention_mask [2m, s]`` and ``weights [m, K]`` when given.
-    All micro-batches share one padded length s."""
+    All micro-batches share one padded length s. On the host: ``forward_backward`` moves them."""
     batch = collate_preferences(examples, pad_id)
     s = batch.chosen_input_ids.shape[1]
     out = []
     for start in range(0, len(examples), micro_batch_size):
         rows = slice(start, start + micro_batch_size)
         m = len(examples[rows])
-        mb = {"input_ids": torch.cat([batch.chosen_input_ids[rows], batch.rejected_input_ids[rows]]).to(device),
-              "attention_mask": torch.cat([batch.chosen_attention_mask[rows],
-                                           batch.rejected_attention_mask[rows]]).to(device),
-              "position_ids": torch.arange(s, device=device).expand(2 * m, s).contiguous()}
+        mb = {"input_ids": torch.cat([batch.chosen_input_ids[rows], batch.rejected_input_ids[rows]]),
+              "attention_mask": torch.cat([batch.chosen_attention_mask[rows], batch.rejected_attention_mask[rows]]),
+              "position_ids": torch.arange(s).expand(2 * m, s).contiguous()}
         if weights is not None:
-            mb["weights"] = weights[rows].to(device)
+            mb["weights"] = weights[rows]
         out.append(mb)
     return out
 
@@ -319,7 +318,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     for step in range(1, t.total_steps + 1):
         indices = sampler.next_batch()
         micro_batches = pair_micro_batches([train_set[i] for i in indices], pad_id, t.micro_batch_size,
-                                           groups.device, weights[indices])
+                                           weights[indices])
         zero_grad(ddp, optimizer)
         results = forward_backward(ddp, micro_batches, loss_fn, groups)
         updated, grad_norm = optimizer_step(optimizer, scheduler)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from hpa.distributed.groups import ParallelGroups
+from hpa.models.builders import compute_device
 
 from .base import (FINISH_LENGTH, FINISH_STOP, RolloutBatch, RolloutEngine, SamplingParams, TokenizerInfo,
                    prompt_token_lists)
@@ -110,6 +111,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self.model = model
         self.module = unwrap(model)
         self.groups = groups
+        self.device = compute_device(groups)  # the parameters' (groups.device but in the lazy-device test mode)
         self.tokenizer_info = tokenizer_info
         self.config = self.module.config
         if self.config.sequence_parallel:
@@ -131,7 +133,7 @@ class MegatronRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
         token_lists = prompt_token_lists(prompts)
-        info, device = self.tokenizer_info, self.groups.device
+        info, device = self.tokenizer_info, self.device
         rows: List[List[int]] = [p for p in token_lists for _ in range(params.n)]
         group_ids = torch.arange(len(token_lists)).repeat_interleave(params.n)  # [b]
         b, p, r_max = len(rows), max(len(x) for x in rows), params.max_new_tokens
@@ -220,7 +222,7 @@ class MegatronRolloutEngine(RolloutEngine):
         hidden = None
         if not g.is_first_stage:
             hidden = torch.empty((s_q, b, self.config.hidden_size), dtype=self.config.pipeline_dtype,
-                                 device=g.device)  # [s_q, b, h]
+                                 device=self.device)  # [s_q, b, h]
             dist.recv(hidden, src=_group_src(g.pp_group, g.pp_rank - 1), group=g.pp_group)
         if self.kv_cache == "hpa":
             out = context.forward(input_ids, hidden, start, end, key_valid)
@@ -250,7 +252,7 @@ class MegatronRolloutEngine(RolloutEngine):
                               generator: Optional[torch.Generator], b: int):
         """TP rank 0 of the last stage samples; tokens and log-probs reach every TP and PP rank."""
         g = self.groups
-        packed = torch.empty((2, b), dtype=torch.float64, device=g.device)  # [token; log-prob]
+        packed = torch.empty((2, b), dtype=torch.float64, device=self.device)  # [token; log-prob]
         if g.is_last_stage:
             if g.tp_rank == 0:
                 tok, logp = sample_tokens(logits, temperature=params.temperature, top_k=params.top_k,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from pathlib import Path
 from typing import Dict
 
@@ -33,7 +32,7 @@ from hpa.rollout.base import RolloutBatch, SamplingParams
 from hpa.trainer import faults, phases, rollout_filter
 from hpa.trainer.balance import GradientBalance
 from hpa.trainer.guard import Guard
-from hpa.trainer.metrics import MetricsWriter, length_metrics, mfu, peak_memory_gb
+from hpa.trainer.metrics import MetricsWriter, device_timer, length_metrics, peak_memory_gb, update_perf
 from hpa.trainer.objective import WeightSchedules
 from hpa.trainer.run_control import RunControl, write_exit_status
 from hpa.trainer.setup import build_run
@@ -115,14 +114,14 @@ class HPATrainer:
 
     @contextlib.contextmanager
     def timer(self, name: str):
-        """Adds the block's wall time to ``timing_s/<name>`` of the current step."""
-        start = time.perf_counter()
-        try:
-            with self.progress.phase(name):
-                yield
-        finally:
-            key = f"timing_s/{name}"
-            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
+        """Adds the block's wall time to ``timing_s/<name>`` of the current step (synchronised on CUDA)."""
+        key = f"timing_s/{name}"
+
+        def add(seconds: float) -> None:
+            self.timings[key] = self.timings.get(key, 0.0) + seconds
+
+        with device_timer(self.groups.device, add), self.progress.phase(name):
+            yield
 
     def train(self) -> Dict[str, float]:
         """Run to ``trainer.total_steps`` (or an early stop, a signal, ``max_steps_per_run``).
@@ -159,10 +158,11 @@ class HPATrainer:
             with self.timer("step"):
                 last = self.train_step()
             last.update(comm.reduce_metrics(self.timings, self.groups.dp_group, op="max"))
-            last["perf/throughput"] = last.pop("_tokens") / last["timing_s/step"]
-            last["perf/mfu"] = mfu(self.num_params, last["perf/throughput"],
-                                   self.groups.tensor_model_parallel_size * self.groups.pipeline_model_parallel_size,
-                                   t.peak_tflops_per_device)
+            last.update(update_perf(
+                self.num_params, tokens=last.pop("_tokens"), padded_tokens=last.pop("_padded_tokens"),
+                update_seconds=last.get("timing_s/update_actor", 0.0), step_seconds=last["timing_s/step"],
+                model_parallel_size=self.groups.tensor_model_parallel_size * self.groups.pipeline_model_parallel_size,
+                peak_tflops=t.peak_tflops_per_device))
             state.step += 1
             steps_this_run += 1
             if due(state.step, t.eval_interval):
@@ -229,8 +229,8 @@ class HPATrainer:
         if batch is not None:
             metrics.update(length_metrics(batch.response_lengths, self.cfg.rollout.max_new_tokens,
                                           self.groups.dp_group))
-        metrics["_tokens"] = phases.tokens_trained(batch, pairs, ctx)
-        metrics["perf/max_memory_gb"] = peak_memory_gb()
+        metrics["_tokens"], metrics["_padded_tokens"] = phases.tokens_trained(batch, pairs, ctx)
+        metrics["perf/max_memory_gb"] = peak_memory_gb(self.groups.device)
         return metrics
 
     def scored_rollout(self, reward, refill_round: int = 0):

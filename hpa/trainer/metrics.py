@@ -8,12 +8,14 @@ default, and its API key is never read or printed by hpa (wandb takes it from it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, Optional
 
 from hpa.config.schema import LoggingConfig
 
@@ -170,15 +172,38 @@ def length_metrics(response_lengths, max_new_tokens: int, dp_group) -> Dict[str,
             "response_length/clip_ratio": (total[2] / total[1]).item()}
 
 
-def peak_memory_gb() -> float:
-    """Peak GPU memory allocated by torch, or this process's peak resident set on CPU."""
+GB = 1e9  # the unit of ``hpa plan``, so a run's peak and the plan compare directly
+
+
+def peak_memory_gb(device=None) -> float:
+    """Peak memory torch allocated on ``device`` when it is a CUDA device, else this process's peak
+    resident set; in GB (1e9 bytes, ``hpa plan``'s unit)."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GB
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB  # KiB (Linux)
+
+
+@contextlib.contextmanager
+def device_timer(device, add: Callable[[float], None], clock: Callable[[], float] = time.perf_counter):
+    """Time a block of work on ``device``: ``add(seconds)`` at its end. On CUDA the block's kernels run
+    after the Python that launched them returns, so the device is synchronised at both ends (else a
+    CUDA phase counts only its launch time)."""
+    import torch
+
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = clock()
+    try:
+        yield
+    finally:
+        if cuda:
+            torch.cuda.synchronize(device)
+        add(clock() - start)
 
 
 def mfu(num_params: int, tokens_per_second: float, model_parallel_size: int, peak_tflops: Optional[float]) -> float:
@@ -187,3 +212,23 @@ def mfu(num_params: int, tokens_per_second: float, model_parallel_size: int, pea
     if not peak_tflops:
         return float("nan")
     return 6.0 * num_params * tokens_per_second / model_parallel_size / (peak_tflops * 1e12)
+
+
+def update_perf(num_params: int, *, tokens: float, padded_tokens: float, update_seconds: float,
+                step_seconds: float, model_parallel_size: int, peak_tflops: Optional[float]) -> Dict[str, float]:
+    """The ``perf/`` figures of a step.
+
+    MFU is the policy update's (forward and backward, 6·N per token) over the update's own time: the
+    rollout, the reference and reward forwards and the critic run at other rates and are not in it.
+    ``perf/mfu`` counts the real (non-pad) tokens, ``perf/mfu_padded`` every position the update
+    computed (padding included), so their ratio is the padding's cost.
+
+    Args:
+        tokens, padded_tokens: this rank's trained tokens of the step, without and with padding.
+        update_seconds, step_seconds: the update's and the whole step's time.
+    """
+    update = max(update_seconds, 1e-12)
+    return {"perf/throughput": tokens / max(step_seconds, 1e-12),
+            "perf/update_throughput": tokens / update,
+            "perf/mfu": mfu(num_params, tokens / update, model_parallel_size, peak_tflops),
+            "perf/mfu_padded": mfu(num_params, padded_tokens / update, model_parallel_size, peak_tflops)}

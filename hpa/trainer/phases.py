@@ -288,8 +288,10 @@ def update_kl_controller(batch: RolloutBatch, kl_ctrl, weights: StepWeights, ctx
     return {"actor/kl_coef": weights.reward_kl_coef, "actor/reward_kl": current}
 
 
-def tokens_trained(batch: Optional[RolloutBatch], pairs: List[dict], ctx: StepContext) -> float:
-    """Tokens this rank trained on this step (for ``perf/throughput``)."""
+def tokens_trained(batch: Optional[RolloutBatch], pairs: List[dict], ctx: StepContext) -> Tuple[float, float]:
+    """Tokens this rank's policy update trained on this step, without and with padding (``perf/``)."""
     tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum()) if batch is not None else 0.0
+    padded = float(batch.sequences.input_ids.numel()) if batch is not None else 0.0
     tokens += sum(float((mb["input_ids"] != ctx.pad_id).sum()) for mb in pairs)
-    return tokens * ctx.cfg.trainer.ppo_epochs
+    padded += sum(float(mb["input_ids"].numel()) for mb in pairs)
+    return tokens * ctx.cfg.trainer.ppo_epochs, padded * ctx.cfg.trainer.ppo_epochs

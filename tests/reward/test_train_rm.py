@@ -99,7 +99,7 @@ def test_pair_micro_batches_chosen_first_right_padded():
     from hpa.data.preferences import PreferenceExample
 
     ex = [PreferenceExample([5, 6], [7], [8, 9]), PreferenceExample([5], [7, 7, 7], [9])]
-    mbs = pair_micro_batches(ex, pad_id=0, micro_batch_size=1, device=torch.device("cpu"),
+    mbs = pair_micro_batches(ex, pad_id=0, micro_batch_size=1,
                              weights=torch.tensor([[1, 2], [3, 4]]))
     assert len(mbs) == 2
     assert mbs[0]["input_ids"].tolist() == [[5, 6, 7, 0], [5, 6, 8, 9]]

@@ -217,7 +217,7 @@ def vllm_consistency_worker(groups, hf_dir):
                          ("sampled", SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3))]:
         batch = engine.generate(prompts, params)
         seq = batch.training_sequences()
-        mb = {k: v.to(groups.device) for k, v in seq.micro_batch().items()}
+        mb = seq.micro_batch()  # on the host, as the trainer hands it: forward_backward moves it
 
         def loss_fn(b, logits, hidden):
             return logits.sum() * 0, {"logp": vocab_parallel_log_probs(logits, b["labels"], groups.tp_group,

@@ -2,6 +2,7 @@
 and nothing written by non-main ranks."""
 
 import json
+import math
 
 import pytest
 
@@ -96,3 +97,56 @@ def test_wandb_logs_against_hpa_step_so_rewritten_steps_are_kept(tmp_path, monke
     logs = [c for c in calls if c[0] == "log"]
     assert [c[1]["trainer/step"] for c in logs] == [1, 2, 3, 2, 3] and all(c[2] is None for c in logs)
     assert logs[-1][1]["kl/token"] == pytest.approx(0.3) and calls[-1] == ("finish",)
+
+
+def test_update_mfu_uses_the_update_time_and_padded_tokens():
+    from hpa.trainer.metrics import update_perf
+
+    n, tokens, padded = 1_000_000, 3000.0, 4000.0
+    perf = update_perf(n, tokens=tokens, padded_tokens=padded, update_seconds=2.0, step_seconds=10.0,
+                       model_parallel_size=2, peak_tflops=1.0)
+    assert perf["perf/mfu"] == pytest.approx(6 * n * (tokens / 2.0) / 2 / 1e12)  # the update's 2 s, not the step's 10
+    assert perf["perf/mfu_padded"] == pytest.approx(6 * n * (padded / 2.0) / 2 / 1e12)
+    assert perf["perf/throughput"] == 300.0 and perf["perf/update_throughput"] == 1500.0
+    nan = update_perf(n, tokens=tokens, padded_tokens=padded, update_seconds=2.0, step_seconds=10.0,
+                      model_parallel_size=1, peak_tflops=None)
+    assert math.isnan(nan["perf/mfu"]) and math.isnan(nan["perf/mfu_padded"])
+
+
+def test_peak_memory_is_in_the_plans_gb(monkeypatch):
+    import torch
+
+    from hpa import plan
+    from hpa.trainer import metrics
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 7_400_000_000)
+    assert metrics.peak_memory_gb(torch.device("cuda", 0)) == pytest.approx(7.4)  # not 6.89 GiB
+    assert metrics.GB == plan.GB == 1e9
+    assert 0 < metrics.peak_memory_gb(torch.device("cpu")) < 1e3  # the resident set, in GB
+
+
+def test_device_timer_waits_for_the_gpu(monkeypatch):
+    """On a fake CUDA clock: kernels launched in the block finish 5 s after Python returns; the timer counts them."""
+    import torch
+
+    from hpa.trainer.metrics import device_timer
+
+    clock = {"now": 0.0, "pending": 0.0}
+
+    def synchronize(device=None):
+        clock["now"] += clock["pending"]
+        clock["pending"] = 0.0
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    timings = []
+    with device_timer(torch.device("cuda", 0), timings.append, clock=lambda: clock["now"]):
+        clock["now"] += 1.0  # launching takes 1 s of Python
+        clock["pending"] += 5.0  # the kernels then run 5 s on the GPU
+    assert timings == [6.0]
+    clock["pending"] = 3.0  # work queued before the block is not the block's
+    with device_timer(torch.device("cuda", 0), timings.append, clock=lambda: clock["now"]):
+        clock["now"] += 1.0
+    assert timings == [6.0, 1.0]
+    with device_timer(torch.device("cpu"), timings.append, clock=lambda: clock["now"]):
+        clock["pending"] = 9.0  # no synchronisation off CUDA
+    assert timings == [6.0, 1.0, 0.0]

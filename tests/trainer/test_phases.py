@@ -80,11 +80,13 @@ def test_the_kl_controller_follows_the_masked_mean_k1_kl():
 
 
 def test_tokens_trained_counts_prompt_response_and_pair_tokens_per_epoch():
+    """Real tokens, and every position the update computes (padding included: the rollout rows are
+    2 x (2 + 3) wide, the pair micro-batch 2 x 3)."""
     ctx = _ctx("trainer.ppo_epochs=2")
     batch = _batch(torch.tensor([[1., 1., 0.], [1., 0., 0.]]), [0, 1])  # 2 x 2 prompt + 3 response tokens
     pairs = [{"input_ids": torch.tensor([[5, 6, 0], [7, 0, 0]])}]  # 3 non-pad tokens
-    assert phases.tokens_trained(batch, pairs, ctx) == (4 + 3 + 3) * 2
-    assert phases.tokens_trained(None, pairs, ctx) == 3 * 2
+    assert phases.tokens_trained(batch, pairs, ctx) == ((4 + 3 + 3) * 2, (2 * 5 + 2 * 3) * 2)
+    assert phases.tokens_trained(None, pairs, ctx) == (3 * 2, 2 * 3 * 2)
 
 
 def _component_batch(rule, learned, group_ids):

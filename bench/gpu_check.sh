@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU check, in one call, on a bare CUDA machine (no network): install the carried wheels, run the
+# gpu-marked tests, run a few bf16 HPA steps of the Qwen2-0.5B-shaped random model with the native engine,
+# and print one JSON line of figures (bench/gpu_check.py). Not yet run on a GPU.
+#
+#   bench/gpu_check.sh [WHEEL_DIR]      (default: ./wheels; how to fill it: README, "GPU check")
+#
+# Needs on the machine: Python 3.12, torch with CUDA, transformers, sentencepiece, safetensors, pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS="${1:-wheels}"
+export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+LOG_DIR="${GPU_CHECK_LOG_DIR:-runs/gpu_check}"
+mkdir -p "$LOG_DIR"
+
+python -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))' >&2
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  # --no-deps: the wheels are the whole list (README); nothing may be fetched
+  python -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl >&2
+fi
+python -c 'import megatron.core, hpa; print("megatron-core", megatron.core.__version__)' >&2
+
+tests_rc=0
+python -m pytest -q -p no:cacheprovider -m gpu tests/gpu > "$LOG_DIR/gpu_tests.log" 2>&1 || tests_rc=$?
+tail -n 5 "$LOG_DIR/gpu_tests.log" >&2
+
+python bench/gpu_check.py --run-dir "$LOG_DIR" > "$LOG_DIR/figures.json" 2> "$LOG_DIR/gpu_check.log" || true
+figures="$(tail -n 1 "$LOG_DIR/figures.json")"
+[ -n "$figures" ] || figures='{"ok": false, "error": "bench/gpu_check.py printed nothing (see gpu_check.log)"}'
+python - "$figures" "$tests_rc" <<'PY'
+import json, sys
+out = json.loads(sys.argv[1])
+out["gpu_tests_rc"] = int(sys.argv[2])
+print(json.dumps(out))
+PY
