@@ -1,13 +1,28 @@
 """``model.transformer_impl``: auto takes Transformer Engine only when its PyTorch layers import."""
 
+import sys
+
 import pytest
 import torch
 
 from hpa.models import specs
 
+TE_MODULES = ("transformer_engine", "transformer_engine.pytorch")
+
 
 @pytest.fixture
-def broken_te(tmp_path, monkeypatch):
+def fake_te_modules():
+    """The fake packages the tests import must not outlive them: a ``transformer_engine`` left in
+    ``sys.modules`` makes later code (``hpa plan``'s find_spec) believe TE is installed."""
+    saved = {name: sys.modules.pop(name) for name in TE_MODULES if name in sys.modules}
+    yield
+    for name in TE_MODULES:
+        sys.modules.pop(name, None)
+    sys.modules.update(saved)
+
+
+@pytest.fixture
+def broken_te(tmp_path, monkeypatch, fake_te_modules):
     """A ``transformer_engine`` that is installed (find_spec sees it) but whose PyTorch part fails to
     import, as a TE built against another torch does; and a machine that says it has CUDA."""
     pkg = tmp_path / "transformer_engine"
@@ -16,8 +31,6 @@ def broken_te(tmp_path, monkeypatch):
     (pkg / "pytorch" / "__init__.py").write_text(
         "raise ImportError('transformer_engine_torch.so: undefined symbol: _ZN3c10fake')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("transformer_engine", "transformer_engine.pytorch"):
-        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
@@ -31,14 +44,12 @@ def test_explicit_te_names_the_import_error(broken_te):
         specs.use_transformer_engine("transformer_engine")
 
 
-def test_working_te_is_used(tmp_path, monkeypatch):
+def test_working_te_is_used(tmp_path, monkeypatch, fake_te_modules):
     pkg = tmp_path / "transformer_engine"
     (pkg / "pytorch").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "pytorch" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("transformer_engine", "transformer_engine.pytorch"):
-        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert specs.use_transformer_engine("auto") is True
     assert specs.use_transformer_engine("local") is False
