@@ -188,3 +188,28 @@ def test_gpu_check_config_is_qwen2_0_5b_shaped_for_one_gpu():
     assert count_parameters(cfg.model) == 494_032_768
     assert (cfg.model.params_dtype, cfg.model.transformer_impl, cfg.rollout.engine) == ("bfloat16", "local", "megatron")
     assert cfg.parallel.backend == "nccl" and cfg.algorithm.advantage.estimator == "grpo"
+
+
+# every training config shipped in configs/ -> a world size it is meant for
+TRAIN_CONFIGS = {**CONFIGS, "tiny_cpu.yaml": 1, "qwen2_0.5b_gpu_check.yaml": 1}
+
+
+def test_every_training_config_is_listed():
+    shipped = {p.name for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("ablate_")}
+    assert shipped == set(TRAIN_CONFIGS)
+
+
+@pytest.mark.parametrize("name,world_size", TRAIN_CONFIGS.items())
+def test_every_training_config_passes_the_cross_checks(name, world_size):
+    """Red on the first GPU run: ``qwen2_0.5b_gpu_check.yaml`` asked for diversity from reward-model
+    embeddings without a reward model, which only the reward's construction noticed, after the models
+    were built."""
+    load_config(ROOT / "configs" / name, world_size=world_size)
+
+
+def test_diversity_from_reward_model_embeddings_needs_a_reward_model():
+    with pytest.raises(ConfigError, match="reward.shaping.diversity_source"):
+        load_config(None, ["reward.model_paths=[]", "reward.rules=[exact_match]", "reward.shaping.beta=0.2",
+                           "reward.shaping.diversity_source=reward_model"], world_size=1)
+    load_config(None, ["reward.model_paths=[]", "reward.rules=[exact_match]", "reward.shaping.beta=0",
+                       "reward.shaping.diversity_source=reward_model"], world_size=1)

@@ -62,8 +62,9 @@ def build_optimizer(ddp_model, optim: OptimConfig, parallel: ParallelConfig, gro
         params_dtype=config.params_dtype,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp_model],
-                                       use_gloo_process_groups=groups.backend != "gloo",
+    # No gloo side groups, whatever the backend: megatron refuses them next to an explicit process-group
+    # collection, and hpa's checkpoints (fully_sharded_model_space) never gather optimizer state over gloo.
+    optimizer = get_megatron_optimizer(opt_config, [ddp_model], use_gloo_process_groups=False,
                                        pg_collection=groups.pg_collection)
     config.grad_scale_func = optimizer.scale_loss
     return optimizer

@@ -171,3 +171,31 @@ def test_document_check_catches_an_outside_citation(tmp_path):
     cited = _cited_documents(tmp_path)
     assert ("hpa/x.py:1", "HPA_RECIPE.md") in cited and len(cited) == 2
     assert not any(tmp_path.glob("**/HPA_RECIPE.md"))
+
+
+def nccl_optimizer_worker(groups):
+    """Build megatron's optimizer for a layout whose backend is NCCL (the collectives here stay gloo's: only
+    what hpa asks megatron for is under test)."""
+    import dataclasses
+
+    from hpa.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from hpa.engine.optimizer import make_trainable
+    from hpa.models import build_policy
+
+    nccl = dataclasses.replace(groups, backend="nccl")
+    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, vocab_size=32,
+                      max_sequence_length=16, make_vocab_size_divisible_by=16)
+    for distributed in (False, True):
+        parallel = ParallelConfig(use_distributed_optimizer=distributed)
+        trained = make_trainable(build_policy(cfg, parallel, nccl), OptimConfig(), parallel, nccl, 4)
+        assert trained is not None
+    return True
+
+
+def test_the_optimizer_builds_under_an_nccl_layout():
+    """Red on the first GPU run: hpa asked megatron for gloo groups next to its own process-group collection
+    under NCCL, and ``get_megatron_optimizer`` refuses that ("Gloo process groups are not supported when
+    pg_collection is provided")."""
+    from multirank import run_ranks
+
+    assert run_ranks(nccl_optimizer_worker) == [True]

@@ -131,6 +131,6 @@ def test_checkpoint_saved_and_resumed_on_cuda(demo, tmp_path):
     _hpa("train", *base, f"trainer.run_dir={split}", "trainer.max_steps_per_run=1")
     _hpa("train", *base, f"trainer.run_dir={split}", "checkpoint.resume=auto")
     a, b = _metrics(whole / "metrics.jsonl"), _metrics(split / "metrics.jsonl")
-    assert [r["step"] for r in b] == [1, 2]
+    assert [r["step"] for r in b] == [0, 1, 2]  # step 0: the evaluation before training
     for key in ("actor/pg_loss", "actor/grad_norm", "reward/raw_mean"):
         assert b[-1][key] == pytest.approx(a[-1][key], rel=1e-4, abs=1e-6), key
