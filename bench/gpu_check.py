@@ -6,7 +6,7 @@ MFU (real and padded tokens), the rollout's generated tokens per second, the mea
 ``hpa plan``'s total (both GB = 1e9 bytes) and the bf16 gap between sampling-time and training log-probs.
 The first step (CUDA warm-up, allocator growth) is left out of the rates.
 
-Not yet run on a GPU.
+Ran on one H100 (README, "GPU check", gives the figures).
 """
 
 import argparse

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, in one call, on a bare CUDA machine (no network): install the carried wheels, run the
 # gpu-marked tests, run a few bf16 HPA steps of the Qwen2-0.5B-shaped random model with the native engine,
-# and print one JSON line of figures (bench/gpu_check.py). Not yet run on a GPU.
+# and print one JSON line of figures (bench/gpu_check.py). Ran on one H100 (README, "GPU check").
 #
 #   bench/gpu_check.sh [WHEEL_DIR]      (default: ./wheels; how to fill it: README, "GPU check")
 #

@@ -1,9 +1,10 @@
 """One CUDA GPU, bf16, megatron's local layer spec, the native rollout engine: neither vLLM nor Transformer
 Engine is needed. Run by ``bench/gpu_check.sh`` (``pytest -m gpu tests/gpu``); skipped without CUDA.
 
-Not yet run on a GPU: written on a CPU machine, where the same paths run under the test device mode
+All six pass on one H100 (torch 2.11, CUDA 13). Their CPU counterparts run under the test device mode
 (``tests/test_device_placement.py``). The tolerances below are the issue's figures (bf16 sampling-time vs
-training log-probs about 1e-2 apart, fp32 1e-6) with headroom, not measurements.
+training log-probs about 1e-2 apart, fp32 1e-6) with headroom; on the H100 the bf16 gap was 0.010 mean
+and 0.057 max over 4 steps of the Qwen2-0.5B-shaped model.
 """
 
 import json
