@@ -1,11 +1,13 @@
 """Rollout throughput: hpa's native Megatron engine against HF transformers ``generate`` (and, with
-``--vllm``, hpa's vLLM engine on vLLM's CPU build), on CPU, fp32.
+``--vllm``, hpa's vLLM engine on vLLM's CPU build), on CPU in fp32, or with ``--device cuda`` on the first GPU
+(fp32 or ``--dtype bfloat16``; hpa over NCCL, each call timed until the GPU has finished and the result is
+on the host).
 
 Usage::
 
     python bench/rollout_vs_hf.py [--repeats N --batch B --prompt-len P --new-tokens T --hidden H
                                    --layers L --heads A --kv-heads G --ffn F --vocab V --threads N
-                                   --profile --vllm]
+                                   --profile --vllm --device cpu|cuda --dtype float32|bfloat16]
 
 Both sides decode the same Llama-style architecture (RMSNorm, SwiGLU, RoPE, grouped-query attention,
 untied embeddings, no biases; random weights, not equal across sides: a speed test) from the same
@@ -70,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--profile", action="store_true", help="cProfile one hpa generate (top entries to stderr)")
     p.add_argument("--vllm", action="store_true", help="also time hpa's vLLM engine (needs vLLM's CPU build)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: both sides on the first GPU (hpa over NCCL), timed to the GPU's finish")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args(argv)
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
@@ -79,6 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--repeats, --batch, --prompt-len, --new-tokens and --threads must be at least 1")
     if args.vocab < 16:
         p.error("--vocab must be at least 16")
+    if args.vllm and args.device != "cpu":
+        p.error("--vllm times vLLM's CPU build: use it with --device cpu")
+    if args.device == "cpu" and args.dtype != "float32":
+        p.error("the CPU path runs in float32")
     return args
 
 
@@ -99,6 +108,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _synchronize(args) -> None:
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def _num_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -116,9 +132,10 @@ class HpaSide:
         from hpa.rollout import SamplingParams, TokenizerInfo, build_rollout_engine
 
         self.args = args
-        model_cfg = ModelConfig(**model_sizes(args), make_vocab_size_divisible_by=128, params_dtype="float32",
+        model_cfg = ModelConfig(**model_sizes(args), make_vocab_size_divisible_by=128, params_dtype=args.dtype,
                                 transformer_impl="local")
-        parallel = ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, backend="gloo")
+        parallel = ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                  backend="nccl" if args.device == "cuda" else "gloo")
         self.groups = initialize(parallel, seed=args.seed, launch=LaunchEnv(
             rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=_free_port(),
             launcher="single"))
@@ -135,7 +152,8 @@ class HpaSide:
 
         start = time.perf_counter()
         with torch.no_grad():
-            batch = self.engine.generate(prompts, self.params)
+            batch = self.engine.generate(prompts, self.params)  # its batch comes back on the host
+        _synchronize(self.args)
         elapsed = time.perf_counter() - start
         lengths = batch.response_lengths.tolist()
         if batch.batch_size != len(prompts) or any(n != self.args.new_tokens for n in lengths):
@@ -188,7 +206,7 @@ class HfSide:
                              max_position_embeddings=sizes["max_sequence_length"], rms_norm_eps=1e-5,
                              rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
                              pad_token_id=PAD, eos_token_id=None, bos_token_id=None)
-        self.model = LlamaForCausalLM(config).float().eval()
+        self.model = LlamaForCausalLM(config).to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
         self.num_params = _num_params(self.model)
         self.attn_implementation = self.model.config._attn_implementation
         self.torch = torch
@@ -197,11 +215,13 @@ class HfSide:
         torch = self.torch
         start = time.perf_counter()
         with torch.no_grad():
-            input_ids = torch.tensor(prompts, dtype=torch.long)  # [b, p] (equal lengths: no padding)
+            input_ids = torch.tensor(prompts, dtype=torch.long, device=self.args.device)  # [b, p] (no padding)
             attention_mask = torch.ones_like(input_ids)
             out = self.model.generate(input_ids, attention_mask=attention_mask,
                                       max_new_tokens=self.args.new_tokens, min_new_tokens=self.args.new_tokens,
                                       do_sample=False, use_cache=True, pad_token_id=PAD, eos_token_id=None)
+            out = out.cpu()  # as hpa's engine hands its batch to the host
+        _synchronize(self.args)
         elapsed = time.perf_counter() - start
         expected = (len(prompts), self.args.prompt_len + self.args.new_tokens)
         if tuple(out.shape) != expected:
@@ -267,13 +287,14 @@ def main(argv=None) -> int:
         "config": {**model_sizes(args), "batch": args.batch, "prompt_len": args.prompt_len,
                    "new_tokens": args.new_tokens, "generated_tokens_per_call": tokens,
                    "hpa_params": hpa.num_params, "hf_params": hf.num_params, "threads": torch.get_num_threads(),
-                   "cpu_count": os.cpu_count(), "dtype": "float32", "device": "cpu", "greedy": True,
+                   "cpu_count": os.cpu_count(), "dtype": args.dtype, "device": args.device, "greedy": True,
                    "hf_attn_implementation": hf.attn_implementation},
         "call_s": {name: [round(t, 3) for t in ts] for name, ts in times.items()},
         "call_s_median": {name: round(t, 3) for name, t in med.items()},
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "megatron_core": getattr(megatron.core, "__version__", "unknown"),
+        **({"gpu": torch.cuda.get_device_name(0)} if args.device == "cuda" else {}),
         "repeats": args.repeats,
     }
     if args.vllm:
