@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job on CPU, from nothing: demo task data -> SentencePiece tokenizer -> SFT policy ->
 # reward-model ensemble -> HPA (PPO + DPO + hierarchical KL) -> report.
-# Usage: [DEMO_FAMILY=standard|hackable|split] bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
+# Usage: [DEMO_FAMILY=standard|hackable|split] [DEMO_SEED=N] bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
+# DEMO_SEED (default 0) re-draws the task: another data seed, and for N > 0 another seed for the SFT policy and the
+# reward ensemble too (trainer.seed 1234 + N), so results can be checked on a task nobody tuned on.
 # DEMO_FAMILY=hackable (launch/demo_hackable.sh): the preference pairs carry a spurious length feature and leave
 # the reverse prompts uncovered, and the PPO reward is the learned ensemble alone (no rule reward), so the
 # policy can exploit it; the gold score (exact match) is only evaluated.
@@ -9,6 +11,10 @@
 # preference pairs cover only add and copy, so each signal alone teaches part of the task.
 set -euo pipefail
 FAMILY=${DEMO_FAMILY:-standard}
+SEED=${DEMO_SEED:-0}
+[[ "$SEED" =~ ^[0-9]+$ ]] || { echo "DEMO_SEED must be a non-negative integer, got '$SEED'" >&2; exit 2; }
+SEEDED=()
+(( SEED == 0 )) || SEEDED=(trainer.seed=$((1234 + SEED)))
 case "$FAMILY" in
   standard) DEFAULT_OUT=runs/demo
             # the tiny ensemble is weak on this task, so the verifiable rule reward carries 4x its weight
@@ -32,14 +38,14 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 start=$(date +%s)
 
 python -m data_tools.make_demo_task --out-dir "$OUT/data" --family "$FAMILY" --num-prompts 4096 --num-eval-prompts 128 \
-    --num-sft 1024 --flip-fraction 0.12 --seed 0
+    --num-sft 1024 --flip-fraction 0.12 --seed "$SEED"
 python -m data_tools.train_tokenizer --input "$OUT/data/corpus.txt" --model-prefix "$OUT/data/tok" --vocab-size 128
-hpa sft --config "$CONFIG" "${COMMON[@]}"
+hpa sft --config "$CONFIG" "${COMMON[@]}" ${SEEDED[@]+"${SEEDED[@]}"}
 # the reward-model ensemble (3 bootstrap heads, backbone from the SFT policy) in its own run directory
 hpa train-rm --config "$CONFIG" "${COMMON[@]}" trainer.run_dir="$OUT/rm" trainer.total_steps=400 \
     trainer.preference_batch_size=32 trainer.micro_batch_size=32 trainer.eval_interval=100 optim.lr=1e-3 \
     optim.lr_decay_style=cosine optim.lr_warmup_fraction=0.05 reward.num_heads=3 model.policy_path=null \
-    reward.training.backbone_path="$OUT/sft"
+    reward.training.backbone_path="$OUT/sft" ${SEEDED[@]+"${SEEDED[@]}"}
 hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" trainer.total_steps=300 \
     reward.model_paths="[$OUT/rm/reward_model]" reward.num_heads=3 "${REWARD[@]}" "$@"
 hpa report "$OUT" || true
