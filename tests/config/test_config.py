@@ -22,6 +22,9 @@ BASE = textwrap.dedent("""\
       tokenizer_path: tok.model
       prompt_path: prompts.jsonl
       preference_path: prefs.jsonl
+    reward:
+      shaping:
+        diversity_source: policy  # no reward model here
     trainer:
       total_steps: 10
       global_batch_size: 8
