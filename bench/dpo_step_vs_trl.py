@@ -9,7 +9,8 @@ Both sides train the same Llama-style architecture (RMSNorm, SwiGLU, RoPE, untie
 weights, not equal across sides) on the same synthetic preference pairs, in the same order, with the
 same batch (B pairs per optimizer step, one micro-batch), the same number of steps, sigmoid DPO with
 beta 0.1, Adam lr 1e-6, gradient clipping at 1.0, and a reference forward every step (TRL's
-``precompute_ref_log_probs=False``; hpa's trainer always runs its reference forward each step).
+``precompute_ref_log_probs=False``; hpa's trainer does so with ``data.cache_reference_log_probs=false``,
+there one pair a reference micro-batch; by default it reads the values from its cache instead).
 
 - hpa: ``hpa.distributed.initialize`` (TP1/PP1/DP1, gloo, one process), ``build_policy`` /
   ``build_reference`` from the ``ModelConfig``, megatron DDP + optimizer; one step is what

@@ -51,6 +51,11 @@ class DataConfig:
         append_eos: end preference and SFT responses with the EOS token so the policy learns to stop.
         shuffle: reshuffle the sampler's order every epoch.
         seed: sampler seed; None: use ``trainer.seed``.
+        cache_reference_log_probs: compute the reference's summed response log-probs of every preference
+            pair once, under ``<trainer.run_dir>/reference_log_probs`` (one checksummed shard per DP rank),
+            and reuse them in every step, epoch and resume instead of a reference forward over the step's
+            pairs; rebuilt when the pairs, the reference weights, the model or the TP/PP layout change. The
+            values equal the live forward's bit for bit (``hpa.trainer.reference_cache``).
     """
 
     tokenizer_kind: str
@@ -71,6 +76,7 @@ class DataConfig:
     append_eos: bool = True
     shuffle: bool = True
     seed: Optional[int] = None
+    cache_reference_log_probs: bool = True
 
     def __post_init__(self):
         check_choice("tokenizer_kind", self.tokenizer_kind, TOKENIZER_KINDS)

@@ -90,7 +90,7 @@ def set_rng_state(state: Dict) -> None:
 # manifest
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -99,10 +99,17 @@ def _sha256(path: Path) -> str:
 
 
 def write_manifest(directory: Path, step: int, score: Optional[float]) -> None:
-    files = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    """A run checkpoint's manifest: its step and score beside its files (``seal``)."""
+    seal(directory, {"step": step, "score": score})
+
+
+def seal(directory: Path, fields: Dict) -> None:
+    """Write ``directory``'s manifest, atomically and last: every file with its size and sha256, plus
+    ``fields``; ``verify`` checks it (run checkpoints, the reference log-prob cache)."""
+    files = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
     tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "score": score, "files": files}, indent=1))
+    tmp.write_text(json.dumps({**fields, "files": files}, indent=1))
     os.replace(tmp, directory / MANIFEST)
 
 
@@ -122,7 +129,7 @@ def verify(directory: Path) -> Dict:
         if path.stat().st_size != meta["bytes"]:
             raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the manifest says {meta['bytes']} "
                                   f"(truncated shard)")
-        if _sha256(path) != meta["sha256"]:
+        if file_sha256(path) != meta["sha256"]:
             raise CheckpointError(f"{path}: checksum mismatch (corrupt shard)")
     return manifest
 

@@ -29,7 +29,7 @@ from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
 from hpa.rollout.base import RolloutBatch, SamplingParams
-from hpa.trainer import faults, phases, rollout_filter
+from hpa.trainer import faults, phases, reference_cache, rollout_filter
 from hpa.trainer.balance import GradientBalance
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter, device_timer, length_metrics, peak_memory_gb, update_perf
@@ -109,8 +109,21 @@ class HPATrainer:
                                       vocab_size=p.tokenizer.vocab_size, pad_id=p.tokenizer.pad_id,
                                       temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
                                       timer=self.timer)
+        self.ref_log_probs = self._reference_cache(p) if cfg.data.cache_reference_log_probs else None
         self.num_params = sum(x.numel() for x in p.policy.model.parameters()) * groups.tensor_model_parallel_size \
             * groups.pipeline_model_parallel_size  # approximate: replicated norms are counted TP times
+
+    def _reference_cache(self, p) -> torch.Tensor:
+        """The reference's log-probs of every preference pair ``[N, 2]``, from the run's cache (built now when
+        missing, stale or corrupt), so no step runs the reference over its pairs."""
+        cfg = self.cfg
+        key = reference_cache.cache_key(p.pairs, p.reference, self.groups, preference_path=cfg.data.preference_path,
+                                        model_cfg=cfg.model, parallel_cfg=cfg.parallel,
+                                        vocab_size=p.tokenizer.vocab_size, pad_id=p.tokenizer.pad_id)
+        return reference_cache.load_or_build(Path(cfg.trainer.run_dir) / reference_cache.DIRECTORY, key, p.pairs,
+                                             lambda examples: phases.reference_pair_log_probs(examples, p.reference,
+                                                                                              self.ctx),
+                                             self.groups)
 
     @contextlib.contextmanager
     def timer(self, name: str):
@@ -213,7 +226,10 @@ class HPATrainer:
                 learned_weight = self.gate.gate
             metrics.update(phases.compute_advantages(batch, ctx, weights.reward_kl_coef, learned_weight))
         with self.timer("reference"):
-            pairs = phases.preference_micro_batches([p.pairs[i] for i in p.pair_sampler.next_batch()], p.reference, ctx)
+            indices = p.pair_sampler.next_batch()
+            pairs = phases.preference_micro_batches([p.pairs[i] for i in indices], p.reference, ctx,
+                                                    self.ref_log_probs[indices] if self.ref_log_probs is not None
+                                                    else None)
         faults.maybe_kill(step + 1, self.groups.rank)
         with self.timer("update_actor"):
             metrics.update(phases.update_policy(

@@ -96,6 +96,12 @@ def attach_ref_pair_logps(micro_batches: List[dict], ref_seq_logps: torch.Tensor
         start += n
 
 
+def pair_rows(per_pair: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
+    """Per-pair values ``[m, 2]`` (chosen, rejected) in the row order of ``pair_micro_batches``: each
+    micro-batch's chosen rows, then its rejected rows. ``[2m]``"""
+    return torch.cat([per_pair[rows].T.reshape(-1) for rows in chunks(per_pair.shape[0], micro_batch_size)])
+
+
 def sft_micro_batches(examples, *, micro_batch_size: int, pad_id: int) -> List[dict]:
     """SFT examples -> right-padded ``input_ids``/``labels``/``label_mask`` ``[m, s]`` micro-batches."""
     return [_right_padded([examples[i].input_ids for i in rows], [examples[i].response_mask for i in rows], pad_id)

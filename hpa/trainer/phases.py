@@ -184,11 +184,27 @@ def heldout_reward_ceiling(model_reward, examples, *, pad_id: int, micro_batch_s
     return float(torch.cat(chosen).mean()), float(torch.cat(margin).mean())
 
 
-def preference_micro_batches(examples, reference, ctx: StepContext) -> List[dict]:
-    """This step's preference pairs as pair micro-batches, with the reference's summed log-probs."""
+def reference_pair_log_probs(examples, reference, ctx: StepContext) -> torch.Tensor:
+    """The reference's summed response log-probs of each pair ``[m, 2]`` (chosen, rejected), on every rank.
+
+    Each pair is a micro-batch of its own, so its values depend on the pair alone: matmul kernels round
+    differently for different batch shapes (about 1e-6 on CPU), and which pairs share a micro-batch
+    changes every step. The reference log-prob cache (``hpa.trainer.reference_cache``) stores what this
+    returns, so cached and live values are the same bits.
+    """
+    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=1, pad_id=ctx.pad_id)
+    rows = forward.pair_sequence_log_probs(reference, mbs, ctx.groups, vocab_size=ctx.vocab_size)  # [2m]
+    return rows.reshape(len(examples), 2)  # one pair a micro-batch: its chosen row, then its rejected row
+
+
+def preference_micro_batches(examples, reference, ctx: StepContext,
+                             ref_log_probs: Optional[torch.Tensor] = None) -> List[dict]:
+    """This step's preference pairs as pair micro-batches, with the reference's summed log-probs: the
+    cached ones ``ref_log_probs`` ``[m, 2]`` (chosen, rejected) when given, else from a reference forward."""
     mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id)
-    ref = forward.pair_sequence_log_probs(reference, mbs, ctx.groups, vocab_size=ctx.vocab_size)
-    micro_batches.attach_ref_pair_logps(mbs, ref)
+    if ref_log_probs is None:
+        ref_log_probs = reference_pair_log_probs(examples, reference, ctx)
+    micro_batches.attach_ref_pair_logps(mbs, micro_batches.pair_rows(ref_log_probs, ctx.micro_batch_size))
     return mbs
 
 
