@@ -188,6 +188,12 @@ class TrainerConfig:
     responses. ``micro_batch_size`` is per rank and per pipeline micro-batch (rollout rows, or
     preference pairs). ``max_steps_per_run`` ends this process after that many steps with a
     checkpoint (for time-sliced jobs); the next launch resumes.
+
+    ``sequence_packing`` packs the rows of every micro-batch of the training forwards and backwards
+    (policy, reference, critic; rollouts, preference pairs, SFT) into one sequence with attention kept
+    inside each row, so no pad is computed; the numbers are those of the padded layout up to rounding.
+    ``ppo_max_token_len_per_rank`` then counts real tokens per rollout micro-batch (padded tokens
+    without packing).
     """
 
     total_steps: int
@@ -199,6 +205,7 @@ class TrainerConfig:
     ppo_epochs: int = 1
     ppo_mini_batch_size: Optional[int] = None
     ppo_max_token_len_per_rank: Optional[int] = None
+    sequence_packing: bool = False
     eval_interval: int = 0
     log_interval: int = 1
     peak_tflops_per_device: Optional[float] = None

@@ -126,8 +126,9 @@ def collate_sft(examples: Sequence, pad_id: int, *, pad_to_multiple_of: int = 1)
     return SFTBatch(input_ids=ids, attention_mask=mask, response_mask=response_mask)
 
 
-def token_budget_micro_batches(lengths: Sequence[int], max_token_len: int) -> List[List[int]]:
-    """Split a batch into micro-batches whose padded size ``max_len * count`` is <= ``max_token_len``.
+def token_budget_micro_batches(lengths: Sequence[int], max_token_len: int, *, packed: bool = False) -> List[List[int]]:
+    """Split a batch into micro-batches whose padded size ``max_len * count`` (``packed``: whose token
+    count ``sum(lengths)``) is <= ``max_token_len``.
 
     Sequences are taken longest first (stable for ties) and packed greedily, so similar lengths share
     a micro-batch and little is padded. A sequence longer than ``max_token_len`` gets a micro-batch
@@ -146,14 +147,16 @@ def token_budget_micro_batches(lengths: Sequence[int], max_token_len: int) -> Li
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: List[List[int]] = []
     current: List[int] = []
-    current_max = 0
+    current_max = current_sum = 0
     for i in order:
         new_max = max(current_max, lengths[i])
-        if current and new_max * (len(current) + 1) > max_token_len:
+        cost = current_sum + lengths[i] if packed else new_max * (len(current) + 1)
+        if current and cost > max_token_len:
             groups.append(sorted(current))
-            current, new_max = [], lengths[i]
+            current, new_max, current_sum = [], lengths[i], 0
         current.append(i)
         current_max = new_max
+        current_sum += lengths[i]
     if current:
         groups.append(sorted(current))
     return groups

@@ -13,6 +13,7 @@ import torch
 
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
+from hpa.engine.micro_batch import MicroBatch
 from hpa.engine.step import forward_backward
 from hpa.algorithms.masked import mean_pool
 from hpa.ops.vocab_parallel import vocab_parallel_log_probs
@@ -46,7 +47,7 @@ def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
     with torch.no_grad():
         results = forward_backward(model, micro_batches, loss_fn, groups, forward_only=True,
                                    capture_hidden=capture_hidden)
-    rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
+    rows = sum(MicroBatch.of(mb).num_rows for mb in micro_batches)
     out = {}
     for key, trailing in shapes.items():
         if groups.is_last_stage:
@@ -59,48 +60,74 @@ def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
     return out
 
 
+def sequence_micro_batches(ts: TrainingSequences, rows: Sequence[Sequence[int]], lengths: Optional[torch.Tensor],
+                           *, packed: bool = False, **per_row: torch.Tensor) -> List[MicroBatch]:
+    """Micro-batches of the rows ``rows[j]`` of ``ts``, each cut to its longest sequence (``lengths``, the
+    positions of every row; None: the whole width), padded or ``packed``; ``per_row`` tensors ``[b, ...]``
+    go with their rows, position-aligned ones cut to the same width."""
+    s = ts.input_ids.shape[1]
+    lengths = torch.full((ts.input_ids.shape[0],), s, dtype=torch.long) if lengths is None else lengths.long()
+    out = []
+    for r in rows:
+        idx = torch.as_tensor(list(r), dtype=torch.long)
+        width = int(lengths[idx].max())
+        extra = {k: (v[idx][:, :width] if v.dim() > 1 and v.shape[1] == s else v[idx]) for k, v in per_row.items()}
+        out.append(MicroBatch.from_padded("rollout", ts.input_ids[idx, :width], ts.labels[idx, :width],
+                                          lengths[idx], packed=packed,
+                                          response_index=ts.response_index[idx].clamp(max=width - 1), **extra))
+    return out
+
+
 def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor, groups: ParallelGroups, *,
                        micro_batch_size: int, vocab_size: int, temperature: float,
-                       hidden_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
-    """Per-response-token log-probs ``[b, r]`` (and the pooled response hidden state ``[b, h]``)."""
+                       hidden_size: Optional[int] = None, lengths: Optional[torch.Tensor] = None,
+                       packed: bool = False) -> Dict[str, torch.Tensor]:
+    """Per-response-token log-probs ``[b, r]`` (and the pooled response hidden state ``[b, h]``).
+
+    Args:
+        lengths: ``[b]`` positions of each row (prompt + response); None: every row is the whole width.
+        packed: pack each micro-batch's rows (needs ``lengths`` to save anything).
+    """
     pool_mask = response_token_mask(ts, response_mask)
-    rows = chunks(ts.input_ids.shape[0], micro_batch_size)
-    mbs = [dict(ts.micro_batch(r), pool_mask=pool_mask[r]) for r in rows]
+    mbs = sequence_micro_batches(ts, chunks(ts.input_ids.shape[0], micro_batch_size), lengths, packed=packed,
+                                 pool_mask=pool_mask)
     r = ts.response_index.shape[1]
 
     def fn(batch, logits, hidden):
-        logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size,
-                                        temperature=temperature)  # [b, s]
-        out = {"log_probs": logp.gather(1, batch["response_index"])}  # [b, r]
+        logp = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group, vocab_size=vocab_size,
+                                                     temperature=temperature))  # [b, s]
+        out = {"log_probs": batch.response(logp)}  # [b, r]
         if hidden_size is not None:
-            out["pooled"] = mean_pool(hidden.float(), batch["pool_mask"])  # [b, h]
+            out["pooled"] = mean_pool(batch.unpack(hidden).float(), batch["pool_mask"])  # [b, h]
         return out
 
     shapes = {"log_probs": (r,)}
     if hidden_size is not None:
         shapes["pooled"] = (hidden_size,)
-    return forward_only(model, mbs, groups, fn, shapes)
+    return forward_only(model, mbs, groups, fn, shapes, capture_hidden=hidden_size is not None)
 
 
-def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, micro_batch_size: int) -> torch.Tensor:
+def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, micro_batch_size: int,
+                    lengths: Optional[torch.Tensor] = None, packed: bool = False) -> torch.Tensor:
     """Critic values ``[b, r]``: the value of the state before each response token (as verl)."""
-    rows = chunks(ts.input_ids.shape[0], micro_batch_size)
-    mbs = [ts.micro_batch(r) for r in rows]
+    mbs = sequence_micro_batches(ts, chunks(ts.input_ids.shape[0], micro_batch_size), lengths, packed=packed)
 
     def fn(batch, values, hidden):
-        return {"values": values[..., 0].gather(1, batch["response_index"])}
+        return {"values": batch.response(batch.unpack(values[..., 0]))}
 
-    return forward_only(critic, mbs, groups, fn, {"values": (ts.response_index.shape[1],)})["values"]
+    return forward_only(critic, mbs, groups, fn, {"values": (ts.response_index.shape[1],)},
+                        capture_hidden=False)["values"]
 
 
-def pair_sequence_log_probs(model, micro_batches: List[dict], groups: ParallelGroups, *,
+def pair_sequence_log_probs(model, micro_batches: List[MicroBatch], groups: ParallelGroups, *,
                             vocab_size: int) -> torch.Tensor:
     """Summed response log-probs of every row of ``micro_batches`` (reference side of DPO)."""
     def fn(batch, logits, hidden):
-        logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size)
+        batch = MicroBatch.of(batch)
+        logp = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group, vocab_size=vocab_size))
         return {"seq_logp": (logp * batch["label_mask"]).sum(dim=1, keepdim=True)}
 
-    return forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)})["seq_logp"][:, 0]
+    return forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)}, capture_hidden=False)["seq_logp"][:, 0]
 
 
 def response_kl(policy, reference, batch, groups: ParallelGroups, *, micro_batch_size: int,

@@ -9,11 +9,12 @@ closure here multiplies by ``num_microbatches · dp`` to undo both.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from hpa.distributed.groups import ParallelGroups
+from hpa.engine.micro_batch import MicroBatch
 from hpa.models.builders import compute_device
 from hpa.models.heads import capture_final_hidden
 
@@ -27,15 +28,16 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
 
     Args:
         model: a GPTModel, possibly DDP-wrapped.
-        micro_batches: dicts with ``input_ids [b, s]`` and ``position_ids [b, s]`` plus whatever
-            ``loss_fn`` reads, on any device (each enters the model's device here, ``to_model_device``,
+        micro_batches: ``MicroBatch``es (padded or packed), or dicts with ``input_ids [b, s]`` and
+            ``position_ids [b, s]`` plus whatever ``loss_fn`` reads, on any device (each enters the model's device here, ``to_model_device``,
             so ``loss_fn`` sees it there); every rank of a model replica passes the same list.
         loss_fn: called on the last stage only.
         capture_hidden: also hand the final hidden states ``[b, s, h]`` to ``loss_fn``.
 
     Under sequence parallelism each micro-batch enters the model right-padded to a multiple of TP
     positions (megatron splits the sequence evenly); ``loss_fn`` sees the outputs and hidden states
-    of the real ``s`` positions only.
+    of the real ``s`` positions only. A packed micro-batch enters as ``[1, T]`` with megatron's THD
+    ``packed_seq_params``; ``loss_fn`` sees its outputs in that layout (``MicroBatch.unpack``).
 
     Returns:
         The metrics dict of every micro-batch on the last pipeline stage; ``[]`` on other stages.
@@ -52,15 +54,15 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
 
     def forward_step(data_iterator, module):
         batch = to_model_device(next(data_iterator), groups.device)
-        s = batch["input_ids"].shape[1]
-        input_ids, position_ids = pad_sequence(batch["input_ids"], batch["position_ids"], multiple)
+        input_ids, position_ids, packed_seq_params, s = model_inputs(batch, multiple)
+        kwargs = {"packed_seq_params": packed_seq_params} if packed_seq_params is not None else {}
         if capture_hidden and groups.is_last_stage:
             with capture_final_hidden(module) as box:
-                output = module(input_ids, position_ids, None)
+                output = module(input_ids, position_ids, None, **kwargs)
             hidden = box[0].transpose(0, 1)  # [s_pad, b, h] -> [b, s_pad, h]
             hidden = hidden[:, :s] if hidden.shape[1] != s else hidden
         else:
-            output = module(input_ids, position_ids, None)
+            output = module(input_ids, position_ids, None, **kwargs)
             hidden = None
 
         def loss_func(output_tensor):
@@ -72,7 +74,7 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
 
         return output, loss_func
 
-    first, _ = pad_sequence(micro_batches[0]["input_ids"], micro_batches[0]["position_ids"], multiple)
+    first = model_inputs(micro_batches[0], multiple)[0]
     fb = get_forward_backward_func(pp_size=groups.pipeline_model_parallel_size)
     return fb(
         forward_step_func=forward_step,
@@ -88,11 +90,27 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
     )
 
 
-def to_model_device(batch: dict, device: torch.device) -> dict:
+def to_model_device(batch: Union[MicroBatch, dict], device: torch.device) -> Union[MicroBatch, dict]:
     """The one host-to-device point of every micro-batch that enters a model: each tensor of ``batch`` on
     ``device`` (batches are built on the host; a CUDA model refuses CPU token ids, and the loss combines
     the model's outputs with the batch's masks and targets)."""
+    if isinstance(batch, MicroBatch):
+        return batch.to(device)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def model_inputs(batch: Union[MicroBatch, dict], multiple: int):
+    """What a micro-batch hands the model: ``(input_ids, position_ids, packed_seq_params, s)``, the ids
+    and positions right-padded to a multiple of ``multiple`` columns; ``s`` is the width before that
+    padding. A plain dict is a padded micro-batch with ``input_ids`` and ``position_ids`` ``[b, s]``."""
+    if isinstance(batch, MicroBatch):
+        ids, positions = batch.input_ids, batch.position_ids()
+    else:
+        ids, positions = batch["input_ids"], batch["position_ids"]
+    s = ids.shape[1]
+    ids, positions = pad_sequence(ids, positions, multiple)
+    packed = batch.packed_seq_params(pad=ids.shape[1] - s) if isinstance(batch, MicroBatch) else None
+    return ids, positions, packed, s
 
 
 def sequence_multiple(model) -> int:

@@ -6,6 +6,8 @@ input tensors that are not on the test device and hand its outputs back there, a
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hpa.distributed.device_mode import is_device_tensor, on_device, on_host
@@ -18,6 +20,15 @@ def _require(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Ten
     return on_host(tensor)
 
 
+def _packed(value, device: torch.device, what: str):
+    """megatron's ``PackedSeqParams`` with its tensors checked and taken to the host, like any input."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return value
+    changes = {f.name: _require(getattr(value, f.name), device, f"{what}.{f.name}")
+               for f in dataclasses.fields(value) if torch.is_tensor(getattr(value, f.name))}
+    return dataclasses.replace(value, **changes)
+
+
 def install(gpt, device: torch.device):
     """Put ``device`` at the edges of the CPU GPTModel ``gpt`` (see the module docstring); returns ``gpt``."""
     name = type(gpt).__name__
@@ -25,8 +36,8 @@ def install(gpt, device: torch.device):
     def inputs(_module, args, kwargs):
         args = tuple(_require(a, device, f"{name} input {i}") if torch.is_tensor(a) else a
                      for i, a in enumerate(args))
-        kwargs = {k: _require(v, device, f"{name} input {k}") if torch.is_tensor(v) else v
-                  for k, v in kwargs.items()}
+        kwargs = {k: _require(v, device, f"{name} input {k}") if torch.is_tensor(v) else
+                  _packed(v, device, f"{name} input {k}") for k, v in kwargs.items()}
         return args, kwargs
 
     def outputs(_module, _args, _kwargs, output):

@@ -38,9 +38,50 @@ def use_transformer_engine(transformer_impl: str) -> bool:
 
 
 def gpt_layer_spec(*, use_te: bool, normalization: str):
-    """The ModuleSpec of one decoder layer."""
+    """The ModuleSpec of one decoder layer; megatron's local spec takes hpa's ``PackedLocalAttention``
+    as its core attention (the same kernel, which also accepts packed sequences)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+    spec.submodules.self_attention.submodules.core_attention = packed_local_attention()
+    return spec
+
+
+def packed_local_attention():
+    """megatron's local ``DotProductAttention``, extended to packed sequences (THD).
+
+    megatron 0.16's local attention refuses ``packed_seq_params`` (only Transformer Engine's takes them).
+    Given packed sequences, this runs megatron's own kernel once per sequence of the pack, on that
+    sequence's queries, keys and values with the causal mask: attention stays inside each sequence, costs
+    ``sum(L_i^2)`` rather than ``T^2``, and each sequence sees exactly the arithmetic of a padded row (the
+    rotary embedding restarts per sequence in megatron's THD path before this is called). Without
+    ``packed_seq_params`` it is megatron's class unchanged.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    global _PackedLocalAttention
+    if _PackedLocalAttention is None:
+        class PackedLocalAttention(DotProductAttention):
+            def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                        packed_seq_params=None):
+                if packed_seq_params is None:
+                    return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                           attention_bias=attention_bias)
+                if packed_seq_params.qkv_format != "thd":
+                    raise ValueError(f"packed sequences in the {packed_seq_params.qkv_format!r} format; "
+                                     f"hpa packs them as 'thd'")
+                bounds = packed_seq_params.cu_seqlens_q.tolist()
+                out = []
+                for start, end in zip(bounds[:-1], bounds[1:]):  # query/key/value: [t, heads, d]
+                    q, k, v = (x[start:end].unsqueeze(1) for x in (query, key, value))
+                    out.append(super().forward(q, k, v, None, attn_mask_type=AttnMaskType.causal))  # [L, 1, hp]
+                return torch.cat(out, dim=0)  # [t, 1, hp]
+
+        _PackedLocalAttention = PackedLocalAttention
+    return _PackedLocalAttention
+
+
+_PackedLocalAttention = None

@@ -200,6 +200,12 @@ class RolloutBatch:
         """``[b]`` int64."""
         return self.response_mask.sum(dim=1).long()
 
+    @property
+    def sequence_lengths(self) -> torch.Tensor:
+        """``[b]`` int64, the positions of each row's training sequence (its prompt and response tokens,
+        at least 1): what a packed micro-batch computes for it."""
+        return (self.prompt_lengths + self.response_lengths).clamp(min=1)
+
     def set(self, name: str, value: torch.Tensor) -> "RolloutBatch":
         """Attach (or replace) a per-row tensor ``[b, ...]``; returns self."""
         self._check_extra(name, value)

@@ -108,7 +108,7 @@ class HPATrainer:
         self.ctx = phases.StepContext(cfg, groups, micro_batch_size=cfg.trainer.micro_batch_size,
                                       vocab_size=p.tokenizer.vocab_size, pad_id=p.tokenizer.pad_id,
                                       temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-                                      timer=self.timer)
+                                      packed=cfg.trainer.sequence_packing, timer=self.timer)
         self.ref_log_probs = self._reference_cache(p) if cfg.data.cache_reference_log_probs else None
         self.num_params = sum(x.numel() for x in p.policy.model.parameters()) * groups.tensor_model_parallel_size \
             * groups.pipeline_model_parallel_size  # approximate: replicated norms are counted TP times
@@ -119,7 +119,8 @@ class HPATrainer:
         cfg = self.cfg
         key = reference_cache.cache_key(p.pairs, p.reference, self.groups, preference_path=cfg.data.preference_path,
                                         model_cfg=cfg.model, parallel_cfg=cfg.parallel,
-                                        vocab_size=p.tokenizer.vocab_size, pad_id=p.tokenizer.pad_id)
+                                        vocab_size=p.tokenizer.vocab_size, pad_id=p.tokenizer.pad_id,
+                                        packed=cfg.trainer.sequence_packing)
         return reference_cache.load_or_build(Path(cfg.trainer.run_dir) / reference_cache.DIRECTORY, key, p.pairs,
                                              lambda examples: phases.reference_pair_log_probs(examples, p.reference,
                                                                                               self.ctx),
@@ -245,7 +246,6 @@ class HPATrainer:
         if batch is not None:
             metrics.update(length_metrics(batch.response_lengths, self.cfg.rollout.max_new_tokens,
                                           self.groups.dp_group))
-        metrics["_tokens"], metrics["_padded_tokens"] = phases.tokens_trained(batch, pairs, ctx)
         metrics["perf/max_memory_gb"] = peak_memory_gb(self.groups.device)
         return metrics
 

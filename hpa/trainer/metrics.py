@@ -221,7 +221,8 @@ def update_perf(num_params: int, *, tokens: float, padded_tokens: float, update_
     MFU is the policy update's (forward and backward, 6·N per token) over the update's own time: the
     rollout, the reference and reward forwards and the critic run at other rates and are not in it.
     ``perf/mfu`` counts the real (non-pad) tokens, ``perf/mfu_padded`` every position the update
-    computed (padding included), so their ratio is the padding's cost.
+    computed (padding included), so their ratio is the padding's cost; ``perf/pad_share`` is the share of
+    the update's positions that were pads (0 with ``trainer.sequence_packing``).
 
     Args:
         tokens, padded_tokens: this rank's trained tokens of the step, without and with padding.
@@ -231,4 +232,5 @@ def update_perf(num_params: int, *, tokens: float, padded_tokens: float, update_
     return {"perf/throughput": tokens / max(step_seconds, 1e-12),
             "perf/update_throughput": tokens / update,
             "perf/mfu": mfu(num_params, tokens / update, model_parallel_size, peak_tflops),
-            "perf/mfu_padded": mfu(num_params, padded_tokens / update, model_parallel_size, peak_tflops)}
+            "perf/mfu_padded": mfu(num_params, padded_tokens / update, model_parallel_size, peak_tflops),
+            "perf/pad_share": 1.0 - tokens / padded_tokens if padded_tokens > 0 else 0.0}

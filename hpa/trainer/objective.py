@@ -27,6 +27,7 @@ from hpa.algorithms.schedules import make_schedule
 from hpa.config.algorithm import AlgorithmConfig
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
+from hpa.engine.micro_batch import MicroBatch
 from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 
 
@@ -74,15 +75,18 @@ class GlobalCounts:
     chosen_tokens: float = 1.0  # response tokens of the pairs' chosen rows (the anchor's normaliser)
 
 
-def _chosen_tokens(mb: dict) -> float:
-    return float(mb["label_mask"][:mb["input_ids"].shape[0] // 2].sum())
+def _chosen_tokens(mb: MicroBatch) -> float:
+    return float(mb["label_mask"][:mb.num_rows // 2].sum())
 
 
-def global_counts(rollout_mbs: Sequence[dict], pair_mbs: Sequence[dict], groups: ParallelGroups) -> GlobalCounts:
+def global_counts(rollout_mbs: Sequence[MicroBatch], pair_mbs: Sequence[MicroBatch],
+                  groups: ParallelGroups) -> GlobalCounts:
+    rollout_mbs = [MicroBatch.of(mb) for mb in rollout_mbs]
+    pair_mbs = [MicroBatch.of(mb) for mb in pair_mbs]
     local = torch.tensor([
         sum(float(mb["mask"].sum()) for mb in rollout_mbs),
         sum(float((mb["mask"].sum(dim=1) > 0).sum()) for mb in rollout_mbs),
-        sum(mb["input_ids"].shape[0] / 2 for mb in pair_mbs),
+        sum(mb.num_rows / 2 for mb in pair_mbs),
         sum(_chosen_tokens(mb) for mb in pair_mbs),
     ], dtype=torch.float64)
     comm.all_reduce_sum(local, groups.dp_group)
@@ -93,7 +97,10 @@ def global_counts(rollout_mbs: Sequence[dict], pair_mbs: Sequence[dict], groups:
 
 def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: GlobalCounts, groups: ParallelGroups,
                      *, vocab_size: int, temperature: float, pair_scale: float = 1.0):
-    """The loss closure of the mixed step; dispatches on ``batch["kind"]`` (``rollout`` or ``pairs``).
+    """The loss closure of the mixed step; dispatches on the micro-batch's ``kind`` (``rollout`` or ``pairs``).
+
+    Per-token quantities (log-probs, entropy) are computed in the model's layout and unpacked to the row
+    layout (``MicroBatch.unpack``), where every loss term reads them: packing changes no term.
 
     Args:
         pair_scale: the balance factor on the pair term (DPO and its anchor): it enters as
@@ -106,18 +113,18 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
     step_weights = dataclasses.asdict(weights)
 
     def rollout_loss(batch, logits, hidden):
-        logp_s = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size,
-                                          temperature=temperature)  # [b, s]
-        logp = logp_s.gather(1, batch["response_index"])  # [b, r]
+        logp_s = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group, vocab_size=vocab_size,
+                                                       temperature=temperature))  # [b, s]
+        logp = batch.response(logp_s)  # [b, r]
         mask = batch["mask"]
         pg, pg_m = policy_loss(batch["old_log_probs"], logp, batch["advantages"], mask, name=ppo.policy_loss,
                                clip_ratio=ppo.clip_ratio, clip_ratio_low=ppo.clip_ratio_low,
                                clip_ratio_high=ppo.clip_ratio_high, clip_ratio_c=ppo.clip_ratio_c,
                                aggregation=aggregation, importance_weights=batch.get("is_weights"))
-        ent_s = vocab_parallel_entropy(logits, groups.tp_group, vocab_size=vocab_size, temperature=temperature)
-        ent, ent_m = entropy_bonus(ent_s.gather(1, batch["response_index"]), mask, weights.entropy_coef,
-                                   aggregation=aggregation)
-        pooled = mean_pool(hidden.float(), batch["pool_mask"])  # [b, h]
+        ent_s = batch.unpack(vocab_parallel_entropy(logits, groups.tp_group, vocab_size=vocab_size,
+                                                    temperature=temperature))  # [b, s]
+        ent, ent_m = entropy_bonus(batch.response(ent_s), mask, weights.entropy_coef, aggregation=aggregation)
+        pooled = mean_pool(batch.unpack(hidden).float(), batch["pool_mask"])  # [b, h]
         hier, hier_m = hierarchical_kl(logp, batch["ref_log_probs"], mask, pooled, batch["ref_pooled"],
                                        lambda_token=weights.lambda_token,
                                        lambda_semantic=weights.lambda_semantic, kind=algo.kl.estimator,
@@ -133,7 +140,8 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
         return total, metrics
 
     def pair_loss(batch, logits, hidden):
-        logp_s = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab_size)
+        logp_s = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group,
+                                                       vocab_size=vocab_size))  # [2m, s]
         seq = (logp_s * batch["label_mask"]).sum(dim=1)  # [2m]
         m = seq.shape[0] // 2
         lengths = batch["label_mask"].sum(dim=1)
@@ -153,7 +161,8 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
         return total, metrics
 
     def loss_fn(batch, logits, hidden):
-        return rollout_loss(batch, logits, hidden) if batch["kind"] == "rollout" else pair_loss(batch, logits, hidden)
+        batch = MicroBatch.of(batch)
+        return rollout_loss(batch, logits, hidden) if batch.kind == "rollout" else pair_loss(batch, logits, hidden)
 
     return loss_fn
 
@@ -164,7 +173,8 @@ def make_critic_loss(algo: AlgorithmConfig, counts: GlobalCounts):
                               loss_scale_factor=algo.ppo.loss_scale_factor)
 
     def loss_fn(batch, values, hidden):
-        vpreds = values[..., 0].gather(1, batch["response_index"])  # [b, r]
+        batch = MicroBatch.of(batch)
+        vpreds = batch.response(batch.unpack(values[..., 0]))  # [b, r]
         loss, m = value_loss(vpreds, batch["returns"], batch["values"], batch["mask"],
                              clip_range_value=algo.ppo.value_clip, aggregation=aggregation)
         return loss, {f"critic/{k}": v for k, v in m.items()}

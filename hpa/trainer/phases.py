@@ -20,6 +20,7 @@ from hpa.config.schema import Config, component_advantages
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine import forward
+from hpa.engine.micro_batch import MicroBatch
 from hpa.engine.optimizer import Trainable
 from hpa.engine.step import (add_grads, forward_backward, gradient_norm, guarded_optimizer_step, optimizer_step,
                              snapshot_grads, zero_grad)
@@ -38,6 +39,7 @@ class StepContext:
         vocab_size: the tokenizer's vocabulary; the embedding rows beyond it (``model.vocab_size`` and
             megatron's padding) are never sampled and never normalised over, in rollout and training alike.
         temperature: the rollout temperature (1 for greedy), which the training log-probs use too.
+        packed: pack the rows of every micro-batch (``trainer.sequence_packing``).
         timer: ``timer(name)`` is a context manager adding the block's wall time to ``timing_s/<name>``.
     """
 
@@ -47,6 +49,7 @@ class StepContext:
     vocab_size: int
     temperature: float
     pad_id: int
+    packed: bool = False
     timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
 
 
@@ -54,7 +57,7 @@ def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepCo
     """Reference and rollout-policy log-probs ``[b, r]`` and response-pooled hidden states ``[b, h]``
     (``ref_*``, ``old_*``), and the truncated importance weights when configured (``is_weights``)."""
     kw = dict(micro_batch_size=ctx.micro_batch_size, vocab_size=ctx.vocab_size, temperature=ctx.temperature,
-              hidden_size=ctx.cfg.model.hidden_size)
+              hidden_size=ctx.cfg.model.hidden_size, lengths=batch.sequence_lengths, packed=ctx.packed)
     with ctx.timer("reference"):
         ref = forward.sequence_log_probs(reference, batch.sequences, batch.response_mask, ctx.groups, **kw)
     with ctx.timer("old_logprob"):
@@ -90,7 +93,8 @@ def score(batch: RolloutBatch, ground_truths, reward, tokenizer, ctx: StepContex
 def critic_values(batch: RolloutBatch, critic, ctx: StepContext) -> None:
     """The critic's values ``[b, r]`` of the rollout (``values``)."""
     batch.set("values", forward.sequence_values(critic, batch.sequences, ctx.groups,
-                                                micro_batch_size=ctx.micro_batch_size))
+                                                micro_batch_size=ctx.micro_batch_size,
+                                                lengths=batch.sequence_lengths, packed=ctx.packed))
 
 
 def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: float,
@@ -149,7 +153,8 @@ def heldout_nll(policy, examples, ctx: StepContext) -> float:
     the sums are reduced over DP, so every rank returns the same number."""
     g = ctx.groups
     mine = [examples[i] for i in range(g.dp_rank, len(examples), g.data_parallel_size)]
-    mbs = micro_batches.chosen_micro_batches(mine, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id)
+    mbs = micro_batches.chosen_micro_batches(mine, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id,
+                                             packed=ctx.packed)
     sums = torch.zeros(2, dtype=torch.float64)
     if mbs:
         with torch.no_grad():
@@ -192,23 +197,24 @@ def reference_pair_log_probs(examples, reference, ctx: StepContext) -> torch.Ten
     changes every step. The reference log-prob cache (``hpa.trainer.reference_cache``) stores what this
     returns, so cached and live values are the same bits.
     """
-    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=1, pad_id=ctx.pad_id)
+    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=1, pad_id=ctx.pad_id, packed=ctx.packed)
     rows = forward.pair_sequence_log_probs(reference, mbs, ctx.groups, vocab_size=ctx.vocab_size)  # [2m]
     return rows.reshape(len(examples), 2)  # one pair a micro-batch: its chosen row, then its rejected row
 
 
 def preference_micro_batches(examples, reference, ctx: StepContext,
-                             ref_log_probs: Optional[torch.Tensor] = None) -> List[dict]:
+                             ref_log_probs: Optional[torch.Tensor] = None) -> List[MicroBatch]:
     """This step's preference pairs as pair micro-batches, with the reference's summed log-probs: the
     cached ones ``ref_log_probs`` ``[m, 2]`` (chosen, rejected) when given, else from a reference forward."""
-    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id)
+    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id,
+                                           packed=ctx.packed)
     if ref_log_probs is None:
         ref_log_probs = reference_pair_log_probs(examples, reference, ctx)
     micro_batches.attach_ref_pair_logps(mbs, micro_batches.pair_rows(ref_log_probs, ctx.micro_batch_size))
     return mbs
 
 
-def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[Tuple[int, int, List[dict]]]:
+def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[Tuple[int, int, List[MicroBatch]]]:
     """Per PPO epoch and mini-batch: its index, the number of mini-batches and the rollout micro-batches
     of its rows (none when ``batch`` is None: a pairs-only step)."""
     t = ctx.cfg.trainer
@@ -218,15 +224,17 @@ def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[T
         for index, rows in enumerate(minis):
             yield index, len(minis), micro_batches.rollout_micro_batches(
                 batch, rows, micro_batch_size=ctx.micro_batch_size, token_budget=t.ppo_max_token_len_per_rank,
-                dp_group=ctx.groups.dp_group) if rows else []
+                dp_group=ctx.groups.dp_group, packed=ctx.packed) if rows else []
 
 
-def update_policy(batch: Optional[RolloutBatch], pairs: List[dict], weights: StepWeights, policy: Trainable, guard,
+def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weights: StepWeights, policy: Trainable, guard,
                   ctx: StepContext, *, wrap_loss=lambda loss_fn: loss_fn,
                   balance: Optional[GradientBalance] = None) -> Dict[str, float]:
     """``ppo_epochs`` x mini-batches of optimizer updates at this step's LR, the preference micro-batches
     dealt round-robin over the mini-batches; the LR schedule then advances once per HPA step (as verl's),
     whatever the number of updates in it. ``guard`` decides what a non-finite or spiking gradient does.
+    The metrics carry ``_tokens`` and ``_padded_tokens``: this rank's real tokens and the positions its
+    updates computed (``tokens_computed``).
 
     Args:
         wrap_loss: applied to each update's loss closure (fault injection).
@@ -235,9 +243,12 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[dict], weights: Ste
             ``grad_norm/rollout`` and ``grad_norm/pairs``.
     """
     steps, grad_norms = [], []
+    tokens = computed = 0.0
     lr = policy.optimizer.param_groups[0]["lr"]
     for index, num_minis, rollout_mbs in _mini_batches(batch, ctx):
         pair_mbs = pairs[index::num_minis]
+        real, positions = tokens_computed(rollout_mbs + pair_mbs)
+        tokens, computed = tokens + real, computed + positions
         counts = objective.global_counts(rollout_mbs, pair_mbs, ctx.groups)
         split = balance is not None and balance.measuring and bool(rollout_mbs) and bool(pair_mbs)
         scale = balance.factor if balance is not None and not split else 1.0
@@ -262,13 +273,14 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[dict], weights: Ste
     finite = [g for g in grad_norms if math.isfinite(g)]
     metrics["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
     metrics["actor/lr"] = lr
+    metrics["_tokens"], metrics["_padded_tokens"] = tokens, computed
     if balance is not None:
         metrics.update(balance.metrics())
     policy.scheduler.step(increment=1)
     return metrics
 
 
-def _measured_backward(policy: Trainable, rollout_mbs: List[dict], pair_mbs: List[dict], loss_fn,
+def _measured_backward(policy: Trainable, rollout_mbs: List[MicroBatch], pair_mbs: List[MicroBatch], loss_fn,
                        ctx: StepContext) -> Tuple[List[Dict], Dict]:
     """The rollout and the pair micro-batches as two backward passes; the pair gradients stay in the
     buffers, the rollout ones come back as a snapshot, with both groups' gradient norms."""
@@ -304,10 +316,8 @@ def update_kl_controller(batch: RolloutBatch, kl_ctrl, weights: StepWeights, ctx
     return {"actor/kl_coef": weights.reward_kl_coef, "actor/reward_kl": current}
 
 
-def tokens_trained(batch: Optional[RolloutBatch], pairs: List[dict], ctx: StepContext) -> Tuple[float, float]:
-    """Tokens this rank's policy update trained on this step, without and with padding (``perf/``)."""
-    tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum()) if batch is not None else 0.0
-    padded = float(batch.sequences.input_ids.numel()) if batch is not None else 0.0
-    tokens += sum(float((mb["input_ids"] != ctx.pad_id).sum()) for mb in pairs)
-    padded += sum(float(mb["input_ids"].numel()) for mb in pairs)
-    return tokens * ctx.cfg.trainer.ppo_epochs, padded * ctx.cfg.trainer.ppo_epochs
+def tokens_computed(micro_batches: List[MicroBatch]) -> Tuple[float, float]:
+    """Real tokens of ``micro_batches`` and the positions the model computes for them (padding included;
+    packed, the two are equal) (``perf/``)."""
+    return (float(sum(mb.tokens for mb in micro_batches)),
+            float(sum(mb.computed_tokens for mb in micro_batches)))

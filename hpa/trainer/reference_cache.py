@@ -43,13 +43,14 @@ KEY = "key.json"
 
 
 def cache_key(pairs: Sequence, reference, groups: ParallelGroups, *, preference_path: str, model_cfg,
-              parallel_cfg, vocab_size: int, pad_id: int) -> Dict:
+              parallel_cfg, vocab_size: int, pad_id: int, packed: bool = False) -> Dict:
     """Everything the cached values depend on.
 
     The pairs' token ids stand for the tokenizer and every data setting that shapes them (lengths,
     truncation, chat template, EOS); the reference's weights are hashed as loaded (``model.reference_path``,
     the initial policy, or a seeded initialisation alike); the model section (dtype, architecture) and the
-    TP/PP layout change the rounding. The DP size does not: each pair is computed alone.
+    TP/PP layout and the packing of the pair (``trainer.sequence_packing``) change the rounding. The DP size
+    does not: each pair is computed alone.
     """
     import megatron.core
 
@@ -61,7 +62,7 @@ def cache_key(pairs: Sequence, reference, groups: ParallelGroups, *, preference_
             "tensor_model_parallel_size": parallel_cfg.tensor_model_parallel_size,
             "pipeline_model_parallel_size": parallel_cfg.pipeline_model_parallel_size,
             "sequence_parallel": parallel_cfg.sequence_parallel, "vocab_size": vocab_size, "pad_id": pad_id,
-            "device": groups.device.type, "torch": torch.__version__, "megatron_core": megatron.core.__version__}
+            "sequence_packing": packed, "device": groups.device.type, "torch": torch.__version__, "megatron_core": megatron.core.__version__}
 
 
 def _pairs_digest(pairs: Sequence) -> str:

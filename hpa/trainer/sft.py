@@ -48,11 +48,13 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     metrics: Dict[str, float] = {}
     for step in range(1, cfg.sft.total_steps + 1):
         examples = [data[i] for i in sampler.next_batch()]
-        mbs = sft_micro_batches(examples, micro_batch_size=cfg.trainer.micro_batch_size, pad_id=tokenizer.pad_id)
-        counts = objective.global_counts([{"mask": mb["label_mask"]} for mb in mbs], [], groups)
+        mbs = sft_micro_batches(examples, micro_batch_size=cfg.trainer.micro_batch_size, pad_id=tokenizer.pad_id,
+                                packed=cfg.trainer.sequence_packing)
+        counts = objective.global_counts([{"input_ids": mb["label_mask"], "mask": mb["label_mask"]} for mb in mbs],
+                                         [], groups)
 
         def nll(batch, logits, hidden):
-            logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=vocab)
+            logp = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group, vocab_size=vocab))
             token_nll = -(logp * batch["label_mask"])
             share = token_nll.sum() / counts.tokens
             return share, {"sft/nll": share.detach()}

@@ -79,14 +79,24 @@ def test_the_kl_controller_follows_the_masked_mean_k1_kl():
     assert metrics == {"actor/kl_coef": 0.05, "actor/reward_kl": pytest.approx(kl)}
 
 
-def test_tokens_trained_counts_prompt_response_and_pair_tokens_per_epoch():
-    """Real tokens, and every position the update computes (padding included: the rollout rows are
-    2 x (2 + 3) wide, the pair micro-batch 2 x 3)."""
-    ctx = _ctx("trainer.ppo_epochs=2")
-    batch = _batch(torch.tensor([[1., 1., 0.], [1., 0., 0.]]), [0, 1])  # 2 x 2 prompt + 3 response tokens
-    pairs = [{"input_ids": torch.tensor([[5, 6, 0], [7, 0, 0]])}]  # 3 non-pad tokens
-    assert phases.tokens_trained(batch, pairs, ctx) == ((4 + 3 + 3) * 2, (2 * 5 + 2 * 3) * 2)
-    assert phases.tokens_trained(None, pairs, ctx) == (3 * 2, 2 * 3 * 2)
+@pytest.mark.parametrize("packed", [False, True])
+def test_tokens_computed_counts_real_tokens_and_the_positions_the_update_computes(packed):
+    """Rows of 2 + 2 and 2 + 1 tokens in one rollout micro-batch (padded: 2 x 4 positions), a pair of
+    3 + 1 tokens (padded: 2 x 3); packed, no pad is computed."""
+    from hpa.trainer import micro_batches
+
+    ctx = _ctx()
+    batch = _batch(torch.tensor([[1., 1., 0.], [1., 0., 0.]]), [0, 1])
+    for k in micro_batches.ROLLOUT_ROW_KEYS:
+        if k not in micro_batches.OPTIONAL_ROW_KEYS:
+            batch.set(k, torch.zeros(2, 3) if k != "ref_pooled" else torch.zeros(2, 4))
+    rollout = micro_batches.rollout_micro_batches(batch, [0, 1], micro_batch_size=2, token_budget=None,
+                                                  dp_group=None, packed=packed)
+    pair = types.SimpleNamespace(chosen_input_ids=[5, 6, 4], chosen_response_mask=[0, 1, 1],
+                                 rejected_input_ids=[7], rejected_response_mask=[0])
+    pairs = micro_batches.pair_micro_batches([pair], micro_batch_size=1, pad_id=ctx.pad_id, packed=packed)
+    real = 4 + 3 + 3 + 1
+    assert phases.tokens_computed(rollout + pairs) == (real, real if packed else 2 * 4 + 2 * 3)
 
 
 def _component_batch(rule, learned, group_ids):
