@@ -4,9 +4,12 @@ Makes the demo task and its tokenizer under ``--run-dir``/data, runs ``hpa train
 Qwen2-0.5B-shaped random model, native engine, local layer spec) in this process, and prints: the update's
 MFU (real and padded tokens), the rollout's generated tokens per second, the measured peak memory against
 ``hpa plan``'s total (both GB = 1e9 bytes) and the bf16 gap between sampling-time and training log-probs.
-The first step (CUDA warm-up, allocator growth) is left out of the rates.
+Then the same run again with ``trainer.sequence_packing=true``: the update's tokens per second and pad share
+with packing on against off (``packing``). The first step (CUDA warm-up, allocator growth) is left out of
+the rates.
 
-Ran on one H100 (README, "GPU check", gives the figures).
+Ran on one H100 (README, "GPU check", gives the figures) before the packing run was added; the packing
+run has not yet run on a GPU.
 """
 
 import argparse
@@ -49,17 +52,19 @@ def main(argv=None) -> int:
     if cli.main(["train", "--config", args.config, *overrides]) != 0:
         print(json.dumps({"ok": False, "error": "hpa train failed (see the log above)"}))
         return 1
-    records = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r.get("step", 0) >= 1]
-    timed = steps[1:] or steps  # the first step warms up CUDA
+    steps, timed = _steps(run / "train")
+    packed_overrides = [o for o in overrides if not o.startswith("trainer.run_dir=")] + \
+        [f"trainer.run_dir={run / 'train_packed'}", "trainer.sequence_packing=true"]
+    packed_ok = cli.main(["train", "--config", args.config, *packed_overrides]) == 0
+    packed_timed = _steps(run / "train_packed")[1] if packed_ok else []
     cfg = load_config(args.config, overrides)
     cuda = torch.cuda.is_available()  # False only when the script itself is tried on a CPU machine
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else 80.0
     planned = plan(cfg, world_size=1, gpu_memory_gb=gpu_gb)
     rows = cfg.trainer.global_batch_size * cfg.rollout.n
 
-    def mean(key):
-        values = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
+    def mean(key, records=timed):
+        values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
         return statistics.fmean(values) if values else float("nan")
 
     rollout_tps = statistics.fmean(r["response_length/mean"] * rows / r["timing_s/rollout"] for r in timed)
@@ -70,10 +75,26 @@ def main(argv=None) -> int:
         "peak_memory_gb": max(r["perf/max_memory_gb"] for r in steps), "plan_total_gb": planned["total_gb"],
         "memory_unit": "GB (1e9 bytes)", "bf16_logprob_gap_mean": mean("rollout/logprob_diff_mean"),
         "bf16_logprob_gap_max": max(r["rollout/logprob_diff_max"] for r in steps),
+        "packing": {"ok": packed_ok, "update_tokens_per_s_off": mean("perf/update_throughput"),
+                    "update_tokens_per_s_on": mean("perf/update_throughput", packed_timed),
+                    "pad_share_off": mean("perf/pad_share"), "pad_share_on": mean("perf/pad_share", packed_timed)},
     }
-    # strict JSON: a figure that could not be computed (MFU without a declared peak) is null, not NaN
-    print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in figures.items()}))
+    print(json.dumps(_strict(figures)))
     return 0
+
+
+def _steps(run_dir: Path):
+    """The training steps' metric records of a run, and those timed (the first step warms up CUDA)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("step", 0) >= 1]
+    return steps, steps[1:] or steps
+
+
+def _strict(value):
+    """Strict JSON: a figure that could not be computed (MFU without a declared peak) is null, not NaN."""
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 ``python tests/device_runs.py ROOT OUT_JSON [COMMAND ...]`` saves a seeded random policy, then runs ``hpa sft``
 (one step), ``hpa generate`` from the saved policy, ``hpa train-rm`` (one step), ``hpa train`` with GAE (the
-critic, and the reward model just trained next to the rule reward) and with group advantages (each one step,
-with evaluation), and writes for each command either its results or the error that stopped it. With
+critic, and the reward model just trained next to the rule reward), the same with sequence packing, and with
+group advantages (each one step, with evaluation), and writes for each command either its results or the error that stopped it. With
 ``HPA_TEST_MODEL_DEVICE=lazy`` the models live on the test device (``hpa/distributed/device_mode.py``).
 """
 
@@ -86,11 +86,11 @@ def run_all(root: Path, out: Path, only=()) -> None:
                          *data, f"model.policy_path={init}"]) == 0
         return [{k: r[k] for k in ("response", "kl")} for r in map(json.loads, output.read_text().splitlines())]
 
-    def train(estimator):
-        run_dir = root / f"train_{estimator}"
+    def train(estimator, *extra):
+        run_dir = root / f"train_{estimator}{'_packed' if extra else ''}"
         rm_args = [f"reward.model_paths=[{root / 'rm_run' / 'reward_model'}]"] if estimator == "gae" else []
         assert cli.main(["train", *data, f"trainer.run_dir={run_dir}", f"algorithm.advantage.estimator={estimator}",
-                         f"model.policy_path={init}", "trainer.eval_interval=1", *rm_args]) == 0
+                         f"model.policy_path={init}", "trainer.eval_interval=1", *rm_args, *extra]) == 0
         return [_numbers(r) for r in _metrics(run_dir)]
 
     def rm():
@@ -99,7 +99,8 @@ def run_all(root: Path, out: Path, only=()) -> None:
         return [_numbers(json.loads(line)) for line in (run_dir / "rm_metrics.jsonl").read_text().splitlines()]
 
     for name, fn in (("sft", sft), ("generate", gen), ("train_rm", rm), ("train_gae", lambda: train("gae")),
-                     ("train_grpo", lambda: train("grpo"))):
+                     ("train_grpo", lambda: train("grpo")),
+                     ("train_packed", lambda: train("gae", "trainer.sequence_packing=true"))):
         if not only or name in only:
             attempt(name, fn)
     out.write_text(json.dumps(results))

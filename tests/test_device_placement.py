@@ -3,8 +3,8 @@
 With ``HPA_TEST_MODEL_DEVICE=lazy`` the models live on a second device with CUDA's rules, so a batch that
 never reaches the model's device, or a model result that meets a host tensor, fails here instead of on the
 first GPU run. One process runs every command that runs a model (``tests/device_runs.py``): ``hpa sft``,
-``hpa generate``, ``hpa train`` with GAE and with group advantages (each with an evaluation) and
-``hpa train-rm``. Before the fixes of issue 21 the first four stopped at their first forward ("GPTModel input
+``hpa generate``, ``hpa train`` with GAE (padded, and packed: ``trainer.sequence_packing``) and with group
+advantages (each with an evaluation) and ``hpa train-rm``. Before the fixes of issue 21 the first four stopped at their first forward ("GPTModel input
 0: a tensor on cpu reached a model on lazy:0"), and with the batches moved but the forward-only results left
 on the device, ``hpa train`` stopped where the rollout's log-probs meet the training ones.
 """
@@ -23,7 +23,7 @@ from demo_data import make_task
 from hpa.distributed.device_mode import StrictDeviceMode, is_device_tensor
 
 DEVICE = torch.device("lazy", 0)
-COMMANDS = ("sft", "generate", "train_gae", "train_grpo", "train_rm")
+COMMANDS = ("sft", "generate", "train_gae", "train_grpo", "train_rm", "train_packed")
 
 
 def _run(root: Path, out: Path, test_device: bool):
