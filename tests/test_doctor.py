@@ -1,15 +1,12 @@
 """``hpa doctor``: its verdict and fix for each pair, on made-up installs; and the real one here."""
 
-import pathlib
-
 import pytest
 from packaging.specifiers import SpecifierSet
 
 from hpa import doctor
 from hpa.cli import main
 from hpa.doctor import Installed, diagnose, report
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from setup_args import setup_kwargs
 
 # torch pinned by each vLLM release (read from the package index's metadata of each release)
 VLLM_TORCH_PINS = {"0.26.0": "2.11.0", "0.27.0": "2.13.0", "0.27.1": "2.13.0", "0.28.0": "2.13.0",
@@ -110,15 +107,11 @@ def test_megatron_core_outside_the_patched_release():
     assert check.status == "FAIL" and check.fix == 'pip install "megatron-core>=0.16,<0.17"'
 
 
-def test_the_gpu_extra_is_the_vllm_range_that_keeps_torch():
+def test_the_gpu_extra_is_the_vllm_range_that_keeps_torch(monkeypatch):
     """setup.py's `gpu` extra admits exactly the vLLM releases that pin hpa's torch, and no
     Transformer Engine (it is built against the installed torch, without build isolation)."""
-    import setuptools  # noqa: F401  (distutils' run_setup through setuptools' shim)
-    from distutils.core import run_setup
-
-    extras = run_setup(str(ROOT / "setup.py"), stop_after="init").extras_require
-    (requirement,) = extras["gpu"]
-    assert requirement.startswith("vllm") and SpecifierSet(requirement[len("vllm"):]) == SpecifierSet(doctor.VLLM)
+    extras = setup_kwargs(monkeypatch)["extras_require"]
+    assert extras["gpu"] == [f"vllm{doctor.VLLM}"]
     admitted = {v for v in VLLM_TORCH_PINS if SpecifierSet(doctor.VLLM).contains(v)}
     assert admitted == {v for v, t in VLLM_TORCH_PINS.items() if t == doctor.TORCH}
 

@@ -14,6 +14,8 @@ import zipfile
 
 import pytest
 
+from setup_args import setup_kwargs
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the source trees the distribution ships (configs/ travels as the data package hpa.configs)
 PACKAGE_ROOTS = ("hpa", "megatron_patches", "data_tools")
@@ -27,17 +29,6 @@ def module_dirs():
             if "__pycache__" not in path.parts:
                 names.add(".".join(path.parent.relative_to(ROOT).parts))
     return names
-
-
-def setup_kwargs(monkeypatch):
-    """The keyword arguments ``setup.py`` passes to ``setup()`` (run with ``setup`` replaced)."""
-    import setuptools
-
-    captured = {}
-    monkeypatch.chdir(ROOT)  # find_packages() looks in the working directory
-    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: captured.update(kwargs))
-    exec(compile((ROOT / "setup.py").read_text(), str(ROOT / "setup.py"), "exec"), {"__name__": "__main__"})
-    return captured
 
 
 def setup_version():

@@ -215,6 +215,18 @@ class RewardConfig:
                                   "trust it, or remove custom_function")
 
 
+def check_diversity_source(shaping: ShapingConfig, has_reward_model: bool) -> None:
+    """Raise a ConfigError when the diversity bonus (``beta > 0``) reads reward-model embeddings but there
+    is no reward model to give them.
+
+    Both the whole-config validation (``reward.model_paths`` empty) and ``hpa.reward.build_reward`` (no
+    reward model passed) call this, so a bare ``reward`` section fails with the same message.
+    """
+    if shaping.beta > 0 and shaping.diversity_source == "reward_model" and not has_reward_model:
+        raise ConfigError("reward.shaping.diversity_source", "'reward_model' embeddings need a reward model "
+                          "(reward.model_paths); set it to 'policy' or reward.shaping.beta: 0")
+
+
 def check_custom_function_spec(key: str, spec: str) -> None:
     """Raise a ConfigError unless ``spec`` reads ``package.module:function``."""
     if not isinstance(spec, str) or not CUSTOM_FUNCTION_PATTERN.match(spec):

@@ -16,7 +16,7 @@ from typing import Optional
 from .algorithm import AlgorithmConfig
 from .data import DataConfig
 from .errors import ConfigError, check_choice, check_range
-from .reward import RewardConfig
+from .reward import RewardConfig, check_diversity_source
 
 BACKENDS = ("auto", "nccl", "gloo")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -449,10 +449,7 @@ def validate(cfg: Config, world_size: int) -> None:
         if algo.hpa.gate.signal == "reward_ceiling" and not cfg.reward.model_paths:
             raise ConfigError("algorithm.hpa.gate.signal", "'reward_ceiling' scores the held-out chosen "
                               "responses with the reward models; set reward.model_paths or signal: heldout_nll")
-    shaping = cfg.reward.shaping
-    if shaping.beta > 0 and shaping.diversity_source == "reward_model" and not cfg.reward.model_paths:
-        raise ConfigError("reward.shaping.diversity_source", "'reward_model' embeddings need a reward model "
-                          "(reward.model_paths); set it to 'policy' or reward.shaping.beta: 0")
+    check_diversity_source(cfg.reward.shaping, has_reward_model=bool(cfg.reward.model_paths))
     rescaled = cfg.reward.shaping.normalize or cfg.reward.shaping.clip is not None
     if algo.advantage.per_component is True and rescaled:
         raise ConfigError("algorithm.advantage.per_component", "the components are group-normalised "

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from hpa.config.errors import ConfigError
-from hpa.config.reward import RewardConfig
+from hpa.config.reward import RewardConfig, check_diversity_source
 from hpa.reward.monitor import RewardHackingMonitor
 from hpa.reward.rules import (RULE_REWARDS, RuleReward, extract_gsm8k_answer, gsm8k_score,
                               load_custom_function)
@@ -44,9 +44,7 @@ def build_reward(cfg: RewardConfig, model_reward: Optional[BaseReward] = None) -
         raise ConfigError("reward", "no reward source; set reward.model_paths, reward.rules "
                                     "(valid: " + ", ".join(RULE_REWARDS.names()) + ") or "
                                     "reward.custom_function")
-    if cfg.shaping.beta > 0 and cfg.shaping.diversity_source == "reward_model" and model_reward is None:
-        raise ConfigError("reward.shaping.diversity_source", "'reward_model' embeddings need a reward "
-                                                            "model; set it to 'policy' or beta: 0")
+    check_diversity_source(cfg.shaping, has_reward_model=model_reward is not None)
     base = parts[0] if len(parts) == 1 else CombinedReward(parts)
     return UncertaintyAwareReward.from_config(cfg.shaping, base)
 

@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -91,13 +91,14 @@ def load_or_build(directory: Path, key: Dict, pairs: Sequence, compute: Callable
     ``directory`` when it verifies and holds ``key``, else computed with ``compute(examples) -> [m, 2]``
     (a collective of every rank) and written there."""
     start = time.perf_counter()
-    reason = _unusable(directory, key, len(pairs)) if groups.is_main else None
+    table, reason = _stored(directory, key, len(pairs)) if groups.is_main else (None, None)
     reason = comm.broadcast_object(reason, src=0)
     if reason is None:
-        table = _read(directory, len(pairs))
-        if groups.is_main:
+        if groups.is_main:  # it keeps the table it checked
             logger.info("reference log-prob cache: reused %s (%d pairs) in %.2f s", directory, len(pairs),
                         time.perf_counter() - start)
+        else:
+            table = _read(directory, len(pairs))
         return table
     table = _build(directory, key, pairs, compute, groups)
     if groups.is_main:
@@ -106,21 +107,22 @@ def load_or_build(directory: Path, key: Dict, pairs: Sequence, compute: Callable
     return table
 
 
-def _unusable(directory: Path, key: Dict, num_pairs: int) -> Optional[str]:
-    """None when ``directory`` verifies, holds ``key`` and every pair; else why not (main rank)."""
+def _stored(directory: Path, key: Dict, num_pairs: int) -> Tuple[Optional[torch.Tensor], Optional[str]]:
+    """``(table, None)`` when ``directory`` verifies, holds ``key`` and every pair; else ``(None, why not)``
+    (main rank). Reading the shards is part of the check, so the table it read is returned rather than read
+    again."""
     if not directory.is_dir():
-        return "none was there"
+        return None, "none was there"
     try:
         verify(directory)
         stored = json.loads((directory / KEY).read_text())
         changed = sorted(k for k in key.keys() | stored.keys() if key.get(k) != stored.get(k))
         if changed:
-            return f"changed: {', '.join(changed)}"
-        _read(directory, num_pairs)
+            return None, f"changed: {', '.join(changed)}"
+        return _read(directory, num_pairs), None
     except Exception as exc:  # a manifest, key or shard that does not read back means: build it again
         logger.warning("reference log-prob cache unusable, rebuilding it: %s", exc)
-        return f"the old one was unusable: {exc}"
-    return None
+        return None, f"the old one was unusable: {exc}"
 
 
 def _read(directory: Path, num_pairs: int) -> torch.Tensor:
