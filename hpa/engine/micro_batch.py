@@ -25,6 +25,8 @@ from typing import Dict, Sequence
 
 import torch
 
+from hpa.rollout.base import gather_positions
+
 
 @dataclasses.dataclass
 class MicroBatch:
@@ -174,11 +176,7 @@ class MicroBatch:
 
     def response(self, per_position: torch.Tensor) -> torch.Tensor:
         """Row-layout ``[n, s, ...]`` -> ``[n, r, ...]`` at the response positions (``response_index``)."""
-        index = self.rows["response_index"].to(per_position.device)
-        if per_position.dim() > 2:
-            index = index.view(*index.shape, *([1] * (per_position.dim() - 2))).expand(
-                *index.shape, *per_position.shape[2:])
-        return per_position.gather(1, index)
+        return gather_positions(per_position, self.rows["response_index"])
 
     def to(self, device: torch.device) -> "MicroBatch":
         """A copy with every tensor on ``device`` (the one host-to-device point of a micro-batch)."""

@@ -34,6 +34,7 @@ from hpa.algorithms.masked import mean_pool
 from hpa.reward.shaping import BaseRewardOutput, RewardInputs
 from hpa.models.weights import load_model_weights
 from hpa.engine.forward import forward_only
+from hpa.engine.micro_batch import MicroBatch
 
 # Written next to megatron's files in a saved reward model directory.
 REWARD_MODEL_INFO = "hpa_reward_model.json"
@@ -107,7 +108,8 @@ def join_prompt_response(response_ids: torch.Tensor, response_mask: torch.Tensor
 
 def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: ParallelGroups, *,
                     num_heads: int, micro_batch_size: int, pool_mask: Optional[torch.Tensor] = None,
-                    hidden_size: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    hidden_size: Optional[int] = None, packed: bool = False
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Forward-only scores of right-padded sequences, the same on every rank of the model replica.
 
     Every rank of a model replica (all TP and PP ranks) must call this with the same tensors.
@@ -116,6 +118,7 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         model: a reward model (``build_reward``), possibly DDP-wrapped.
         input_ids, attention_mask: ``[b, s]`` right-padded.
         num_heads: K of the model.
+        packed: pack each micro-batch's rows (``trainer.sequence_packing``).
         micro_batch_size: sequences per pipeline micro-batch (the last one is padded with empty rows).
         pool_mask: ``[b, s]`` positions to mean-pool the final hidden state over; None: no embeddings.
         hidden_size: h; required with ``pool_mask``.
@@ -139,19 +142,18 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         return torch.cat([x, x.new_zeros((pad_rows, s))]) if pad_rows else x
 
     ids, mask, pool = extend(input_ids), extend(attention_mask), extend(pool_mask)
-    positions = torch.arange(s, device=ids.device).expand(micro_batch_size, s).contiguous()  # [mb, s]
+    lengths = mask.sum(dim=1).clamp(min=1)  # the filler rows score one pad token
     micro_batches = []  # on the inputs' device; forward_backward moves them to the model's
     for j in range(num_micro):
         rows = slice(j * micro_batch_size, (j + 1) * micro_batch_size)
-        mb = {"input_ids": ids[rows], "position_ids": positions, "attention_mask": mask[rows]}
-        if want_hidden:
-            mb["pool_mask"] = pool[rows]
-        micro_batches.append(mb)
+        extra = {"pool_mask": pool[rows]} if want_hidden else {}
+        micro_batches.append(MicroBatch.from_padded("rows", ids[rows], torch.zeros_like(ids[rows]), lengths[rows],
+                                                    packed=packed, attention_mask=mask[rows], **extra))
 
     def read_scores(batch, output, hidden):
-        out = {"rewards": gather_last_token(output, batch["attention_mask"]).float()}  # [mb, K]
+        out = {"rewards": gather_last_token(batch.unpack(output), batch["attention_mask"]).float()}  # [mb, K]
         if want_hidden:
-            out["embeddings"] = mean_pool(hidden, batch["pool_mask"]).float()  # [mb, h]
+            out["embeddings"] = mean_pool(batch.unpack(hidden), batch["pool_mask"]).float()  # [mb, h]
         return out
 
     shapes = {"rewards": (num_heads,)}
@@ -208,11 +210,13 @@ class ModelReward:
         hidden_size: h of the models.
         pad_id: any valid token id; padding is masked.
         micro_batch_size: sequences per pipeline micro-batch.
+        packed: pack each micro-batch's sequences (``trainer.sequence_packing``).
         with_embeddings: also compute the embeddings (needed for the diversity term).
     """
 
     def __init__(self, models: Sequence[torch.nn.Module], groups: ParallelGroups, *, num_heads: int,
-                 hidden_size: int, pad_id: int = 0, micro_batch_size: int = 8, with_embeddings: bool = True):
+                 hidden_size: int, pad_id: int = 0, micro_batch_size: int = 8, with_embeddings: bool = True,
+                 packed: bool = False):
         if not models:
             raise ValueError("ModelReward needs at least one reward model")
         if micro_batch_size < 1:
@@ -224,11 +228,12 @@ class ModelReward:
         self.pad_id = pad_id
         self.micro_batch_size = micro_batch_size
         self.with_embeddings = with_embeddings
+        self.packed = packed
 
     @classmethod
     def from_config(cls, reward: RewardConfig, model: ModelConfig, parallel: ParallelConfig,
                     groups: ParallelGroups, *, pad_id: int = 0, micro_batch_size: int = 8,
-                    with_embeddings: Optional[bool] = None) -> "ModelReward":
+                    with_embeddings: Optional[bool] = None, packed: bool = False) -> "ModelReward":
         """Load every checkpoint of ``reward.model_paths`` (each with ``reward.num_heads`` heads).
 
         Embeddings are computed when ``with_embeddings`` is True; by default (None) only when the
@@ -241,7 +246,7 @@ class ModelReward:
         if with_embeddings is None:
             with_embeddings = reward.shaping.beta > 0 and reward.shaping.diversity_source == "reward_model"
         return cls(models, groups, num_heads=reward.num_heads, hidden_size=model.hidden_size, pad_id=pad_id,
-                   micro_batch_size=micro_batch_size, with_embeddings=with_embeddings)
+                   micro_batch_size=micro_batch_size, with_embeddings=with_embeddings, packed=packed)
 
     @property
     def num_outputs(self) -> int:
@@ -258,7 +263,8 @@ class ModelReward:
             want = self.with_embeddings and i == 0
             r, e = score_sequences(rm, input_ids, attention_mask, self.groups, num_heads=self.num_heads,
                                    micro_batch_size=self.micro_batch_size,
-                                   pool_mask=response_mask if want else None, hidden_size=self.hidden_size)
+                                   pool_mask=response_mask if want else None, hidden_size=self.hidden_size,
+                                   packed=self.packed)
             rewards.append(r)
             if want:
                 embeddings = e

@@ -96,6 +96,15 @@ class TokenizerInfo:
         return cls(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
 
 
+def gather_positions(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[i, index[i, j], ...]``: per-position values ``[b, s, ...]`` at the positions ``index`` ``[b, r]``
+    (the response tokens' positions) -> ``[b, r, ...]``."""
+    index = index.to(values.device)
+    if values.dim() > 2:
+        index = index.view(*index.shape, *([1] * (values.dim() - 2))).expand(*index.shape, *values.shape[2:])
+    return values.gather(1, index)
+
+
 @dataclass
 class TrainingSequences:
     """Right-padded ``prompt + response`` rows for the training forward (``forward_backward``).
@@ -121,11 +130,7 @@ class TrainingSequences:
 
     def to_response(self, values: torch.Tensor) -> torch.Tensor:
         """Per-position values ``[b, s, ...]`` (log-probs, values, KL...) -> ``[b, r, ...]``."""
-        index = self.response_index.to(values.device)
-        if values.dim() > 2:
-            index = index.view(*index.shape, *([1] * (values.dim() - 2))).expand(
-                *index.shape, *values.shape[2:])
-        return values.gather(1, index)
+        return gather_positions(values, self.response_index)
 
     def micro_batch(self, rows=None) -> Dict[str, torch.Tensor]:
         """The dict ``forward_backward`` takes (optionally only ``rows``)."""

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from hpa.data.collate import balanced_micro_batches, token_budget_micro_batches
+from hpa.data.collate import balanced_micro_batches, pad_right, token_budget_micro_batches
 from hpa.distributed import comm
 from hpa.engine.forward import chunks, response_token_mask
 from hpa.engine.micro_batch import MicroBatch
@@ -62,12 +62,9 @@ def rollout_micro_batches(batch: RolloutBatch, rows: Sequence[int], *, micro_bat
 def _right_padded(kind: str, seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[float]], pad_id: int, *,
                   packed: bool, **rows) -> MicroBatch:
     """Next-token rows (``label_mask`` is 1 where the label is a masked-in token), right-padded or packed."""
-    s = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), s + 1), pad_id, dtype=torch.long)
-    resp = torch.zeros((len(seqs), s + 1), dtype=torch.float32)
-    for i, (seq, m) in enumerate(zip(seqs, masks)):
-        ids[i, :len(seq)] = torch.tensor(seq)
-        resp[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
+    s = max(len(x) for x in seqs) + 1  # one more column: the last token's label is a pad
+    ids, _ = pad_right(seqs, pad_id, length=s)
+    resp = pad_right(masks, 0, length=s)[0].float()
     return MicroBatch.from_padded(kind, ids[:, :-1], ids[:, 1:], torch.tensor([len(x) for x in seqs]),
                                   packed=packed, label_mask=resp[:, 1:], **rows)
 

@@ -75,7 +75,7 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
         from hpa.reward.model import ModelReward
 
         model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups, pad_id=tokenizer.pad_id,
-                                               micro_batch_size=t.micro_batch_size)
+                                               micro_batch_size=t.micro_batch_size, packed=t.sequence_packing)
     reward = build_reward(cfg.reward, model_reward)
     evaluator = Evaluator(cfg.data, cfg.rollout, cfg.reward, groups, tokenizer, rejects_dir=rejects, reward=reward,
                           model_reward=model_reward, micro_batch_size=t.micro_batch_size)

@@ -1,6 +1,6 @@
 """Sequence packing is invisible to the numbers: the same rows packed into one sequence (megatron's THD
 packed-sequence parameters, attention kept inside each row) give, within 1e-5 in fp32, the padded layout's
-log-probs, pooled hidden states, critic values, every loss term of the mixed HPA step and the critic, and
+log-probs, pooled hidden states, critic values, reward-model scores and embeddings, every loss term of the mixed HPA step and the critic, and
 the parameters after one optimizer step -- at TP1, TP2 with sequence parallelism and PP2. Plus the layout
 itself (``MicroBatch``) against hand-built values."""
 
@@ -63,24 +63,26 @@ PAIRS = [_Pair([5, 6, 7], [8, 9], [10, 11, 12, 3, 4]), _Pair([13, 14], [15], [16
          _Pair([18], [19, 20, 21, 22, 23, 24, 25], [26]), _Pair([27, 28, 29, 30], [31, 32], [33])]
 
 
-def save_initial_worker(groups, policy_dir, critic_dir):
+def save_initial_worker(groups, policy_dir, critic_dir, reward_dir):
     from hpa.config.schema import ParallelConfig
-    from hpa.models import build_policy, build_value
+    from hpa.models import build_policy, build_reward, build_value
     from hpa.models.weights import save_model_weights
 
     torch.manual_seed(0)
     save_model_weights(build_policy(_model_cfg(), ParallelConfig(), groups), policy_dir, groups)
     save_model_weights(build_value(_model_cfg(), ParallelConfig(), groups), critic_dir, groups)
+    save_model_weights(build_reward(_model_cfg(), ParallelConfig(), groups, num_heads=3), reward_dir, groups)
 
 
-def packing_worker(groups, policy_dir, critic_dir, sequence_parallel):
+def packing_worker(groups, policy_dir, critic_dir, reward_dir, sequence_parallel):
     from hpa.config.algorithm import AlgorithmConfig
     from hpa.config.schema import OptimConfig, ParallelConfig
     from hpa.engine import forward
     from hpa.engine.optimizer import build_optimizer, wrap_ddp
     from hpa.engine.step import forward_backward, optimizer_step, zero_grad
-    from hpa.models import build_policy, build_value
+    from hpa.models import build_policy, build_reward, build_value
     from hpa.models.weights import load_model_weights
+    from hpa.reward.model import join_prompt_response, score_sequences
     from hpa.trainer import micro_batches, objective
 
     parallel = ParallelConfig(tensor_model_parallel_size=groups.tensor_model_parallel_size,
@@ -101,6 +103,13 @@ def packing_worker(groups, policy_dir, critic_dir, sequence_parallel):
         res = forward.sequence_log_probs(policy, ts, batch.response_mask, groups, vocab_size=VOCAB, temperature=1.0,
                                          hidden_size=HIDDEN, **kw)
         res["values"] = forward.sequence_values(critic, ts, groups, **kw)
+        reward = build_reward(_model_cfg(), parallel, groups, num_heads=3)
+        load_model_weights(reward, reward_dir, groups)
+        ids, attention, response = join_prompt_response(batch.response_ids, batch.response_mask, 0, batch.prompt_ids,
+                                                        batch.prompt_mask)
+        res["rewards"], res["embeddings"] = score_sequences(reward, ids, attention, groups, num_heads=3,
+                                                            micro_batch_size=4, pool_mask=response,
+                                                            hidden_size=HIDDEN, packed=packed)
         pair_mbs = micro_batches.pair_micro_batches(PAIRS, micro_batch_size=2, pad_id=0, packed=packed)
         res["pair_logp"] = forward.pair_sequence_log_probs(policy, pair_mbs, groups, vocab_size=VOCAB)
         micro_batches.attach_ref_pair_logps(pair_mbs, torch.tensor([-6.0, -5.0, -7.0, -8.0, -4.5, -6.5, -3.0, -2.0]))
@@ -132,9 +141,9 @@ LAYOUTS = [dict(tp=1, pp=1, sp=False), dict(tp=2, pp=1, sp=True), dict(tp=1, pp=
 @pytest.fixture(scope="module")
 def initial(tmp_path_factory):
     root = tmp_path_factory.mktemp("packing")
-    policy_dir, critic_dir = str(root / "policy"), str(root / "critic")
-    run_ranks(save_initial_worker, args=(policy_dir, critic_dir))
-    return policy_dir, critic_dir
+    dirs = tuple(str(root / name) for name in ("policy", "critic", "reward"))
+    run_ranks(save_initial_worker, args=dirs)
+    return dirs
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: layout_id(l["tp"], l["pp"]) + ("_sp" if l["sp"] else ""))
@@ -145,7 +154,7 @@ def test_packed_equals_padded(initial, layout):
         padded = out["padded"]
         for name in ("packed", "packed_budget"):
             got = out[name]
-            for key in ("log_probs", "pooled", "values", "pair_logp", "params"):
+            for key in ("log_probs", "pooled", "values", "pair_logp", "rewards", "embeddings", "params"):
                 scale = mask if key in ("log_probs", "values") else 1.0
                 np.testing.assert_allclose(got[key] * scale, padded[key] * scale, atol=ATOL, rtol=0,
                                            err_msg=f"rank {rank}, {name}: {key}")
