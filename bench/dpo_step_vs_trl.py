@@ -3,7 +3,7 @@
 Usage::
 
     python bench/dpo_step_vs_trl.py [--steps N --warmup W --batch B --seq S --hidden H --layers L
-                                     --vocab V --threads T]
+                                     --vocab V --threads T] [--varied-lengths (below)]
 
 Both sides train the same Llama-style architecture (RMSNorm, SwiGLU, RoPE, untied embeddings; random
 weights, not equal across sides) on the same synthetic preference pairs, in the same order, with the
@@ -33,12 +33,71 @@ implementations run the prompt once per sequence); the counts of the two sides a
 
 Prints one JSON object: ``{"hpa_tokens_per_s", "trl_tokens_per_s", "ratio" (hpa / trl), "config",
 "torch", "trl", ...}``.
+
+``--varied-lengths``: pairs of varied length, each side in its fastest configuration
+---------------------------------------------------------------------------------------
+
+Usage::
+
+    python bench/dpo_step_vs_trl.py --varied-lengths [--seq 512 --trl-config precompute --hpa-layout auto ...]
+
+The default mode above gives both sides uniform lengths and a reference forward every step. This mode
+asks what each side does with a real preference set's lengths when it runs as fast as it can on CPU.
+
+- Lengths (``LENGTHS``, also in the JSON ``config``): for every pair, independently, the prompt length
+  is log-normal with median 64 tokens and sigma 1.0 (in log space), rounded and clipped to
+  ``[4, seq // 2]`` (a ``max_prompt_length`` of half the sequence); the chosen and the rejected
+  response lengths (EOS included) are each log-normal with median 80 and sigma 0.9, clipped to
+  ``[2, seq - prompt]`` (truncation at ``max_length = --seq``, which defaults to 512 in this mode).
+  The parameters are chosen to resemble, not fitted to, HH-RLHF's and UltraFeedback's token counts
+  (heavy-tailed, lengths varying 10x and more within a batch): the middle 80 % of prompts
+  spans 18..230 tokens, of responses 25..253, and the tails reach the clip (the JSON's
+  ``config.lengths`` reports the drawn min / median / p90 / max). The same pairs, in the same order,
+  on both sides, as in the default mode.
+- Reference log-probs once, before the timed steps, on both sides. hpa: as its trainer's reference
+  cache (``hpa.trainer.reference_cache``, the default ``data.cache_reference_log_probs=true``)
+  computes them, with ``phases.reference_pair_log_probs`` (one pair a reference micro-batch) over all
+  pairs; a timed step attaches its pairs' cached values (``micro_batches.attach_ref_pair_logps`` of
+  ``micro_batches.pair_rows``) and runs the policy forward/backward, the optimizer step and the step
+  metrics. TRL: ``precompute_ref_log_probs=True`` and no ``ref_model`` (TRL then computes them with
+  the initial policy in ``DPOTrainer.__init__`` and keeps no reference model), so its timed step
+  has no reference forward either.
+- hpa's layout (``--hpa-layout``, JSON ``hpa_layout``): ``auto`` (the default) collates with
+  ``micro_batches.pair_micro_batches(..., packed=True)`` when that function takes a ``packed``
+  keyword (sequence packing; checked with ``inspect.signature``), else right-padded as today;
+  ``padded`` / ``packed`` force one (``packed`` fails where it does not exist).
+- TRL's configuration (``--trl-config``, JSON ``trl_config``): TRL 1.16 offers, for a CPU run, the
+  reference's log-probs precomputed or a reference forward each step, and padding or padding-free.
+  ``padding_free=True`` is not available: TRL 1.16's ``DPOTrainer`` warns that it is "temporarily
+  unavailable after a refactor" and sets it back to ``False`` (the bench records the trainer's
+  effective settings). The model side would allow it on CPU: HF Llama with SDPA, given
+  ``position_ids`` that restart at 0 and no attention mask, builds a block-diagonal causal mask
+  (``masking_utils.find_packed_sequence_indices``), so attention stays within each sequence (checked
+  against separate forwards to 4e-7); but TRL does not send such batches. So TRL's fastest valid CPU
+  configuration is ``precompute``: ``precompute_ref_log_probs=True``, ``padding_free=False``, SDPA,
+  fp32, no gradient checkpointing, no ``pad_to_multiple_of`` (``"auto"`` pads only on Neuron), the
+  batch right-padded to its longest sequence. ``ref-forward`` (``precompute_ref_log_probs=False``,
+  a reference model and a reference forward every step, as the default mode) and ``padding-free``
+  (``precompute`` plus ``padding_free=True``, which TRL turns off) can be measured with the flag.
+  Not tried: ``group_by_length`` / length-sorted sampling (it changes which pairs share a step, and
+  the bench keeps the order fixed on both sides), ``torch_compile`` (recompiles for each batch shape
+  with varied lengths), Liger kernels (GPU only; deprecated in TRL 1.16).
+- Timing as in the default mode, plus one untimed setup turn per side before the first step (hpa,
+  then TRL): everything a side does before its first step (imports, model building, tokenisation,
+  the reference log-probs, TRL's trainer set-up and first batch) runs in it, so neither side's
+  precomputation overlaps the other side's steps.
+- Pad share (JSON ``pad_share``) over the measured steps: TRL ``1 - sum(attention_mask) / numel`` of
+  its padded batches; hpa ``1 - real tokens / tokens the model computed on`` (the elements of its
+  micro-batches' ``input_ids``). Tokens per step are the non-pad tokens as in the default mode,
+  checked equal on both sides.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import math
 import os
 import random
 import socket
@@ -50,6 +109,15 @@ from typing import Dict, List, Tuple
 
 PAD, UNK, EOS = 0, 1, 2  # token ids; words "t3".."t{V-1}" are ids 3..V-1
 BETA, LR, CLIP = 0.1, 1e-6, 1.0
+DEFAULT_SEQ, VARIED_DEFAULT_SEQ = 128, 512
+# --varied-lengths: log-normal token counts (median, sigma of the log), per pair, independently
+LENGTHS = {"prompt": {"median": 64, "sigma": 1.0, "min": 4, "max": "seq // 2"},
+           "response": {"median": 80, "sigma": 0.9, "min": 2, "max": "seq - prompt", "eos": "included"}}
+TRL_CONFIGS = {  # --trl-config: name -> DPOConfig settings (a reference model is passed only without precompute)
+    "precompute": {"precompute_ref_log_probs": True, "padding_free": False},
+    "ref-forward": {"precompute_ref_log_probs": False, "padding_free": False},
+    "padding-free": {"precompute_ref_log_probs": True, "padding_free": True},
+}
 
 Pair = Tuple[List[int], List[int], List[int]]  # prompt ids, chosen ids (EOS last), rejected ids (EOS last)
 
@@ -59,14 +127,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="measured optimizer steps per side")
     p.add_argument("--warmup", type=int, default=2, help="steps run first and not measured")
     p.add_argument("--batch", type=int, default=8, help="preference pairs per step (one micro-batch)")
-    p.add_argument("--seq", type=int, default=128, help="longest prompt+response (tokens)")
+    p.add_argument("--seq", type=int, default=None,
+                   help=f"longest prompt+response (tokens; default {DEFAULT_SEQ}, {VARIED_DEFAULT_SEQ} with "
+                        "--varied-lengths)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=None, help="default hidden / 64")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--varied-lengths", action="store_true",
+                   help="pairs of varied (log-normal) length, reference log-probs precomputed on both sides")
+    p.add_argument("--trl-config", choices=sorted(TRL_CONFIGS), default=None,
+                   help="with --varied-lengths: TRL's configuration (default: precompute, its fastest on CPU)")
+    p.add_argument("--hpa-layout", choices=("auto", "padded", "packed"), default="auto",
+                   help="with --varied-lengths: hpa's pair micro-batches (auto: packed where hpa has it)")
     args = p.parse_args(argv)
+    if args.seq is None:
+        args.seq = VARIED_DEFAULT_SEQ if args.varied_lengths else DEFAULT_SEQ
+    if not args.varied_lengths and (args.trl_config is not None or args.hpa_layout != "auto"):
+        p.error("--trl-config and --hpa-layout go with --varied-lengths")
+    if args.varied_lengths and args.trl_config is None:
+        args.trl_config = "precompute"
     if args.heads is None:
         args.heads = max(1, args.hidden // 64)
     if args.hidden % args.heads:
@@ -88,7 +170,10 @@ def model_sizes(args) -> Dict[str, int]:
 
 
 def make_pairs(args) -> List[Pair]:
-    """``(warmup + steps) · batch`` random pairs; prompt ``[s/4, s/2]``, each response up to the rest."""
+    """``(warmup + steps) · batch`` random pairs; prompt ``[s/4, s/2]``, each response up to the rest
+    (with ``--varied-lengths``: ``make_varied_pairs``)."""
+    if args.varied_lengths:
+        return make_varied_pairs(args)
     rng = random.Random(args.seed)
     s = args.seq
     word = lambda: rng.randrange(3, args.vocab)  # noqa: E731
@@ -100,6 +185,40 @@ def make_pairs(args) -> List[Pair]:
         rejected = [word() for _ in range(rng.randint(max(1, s // 8), s - p - 1))] + [EOS]
         pairs.append((prompt, chosen, rejected))
     return pairs
+
+
+def _lognormal_length(rng: random.Random, spec: Dict, low: int, high: int) -> int:
+    return min(high, max(low, round(rng.lognormvariate(math.log(spec["median"]), spec["sigma"]))))
+
+
+def make_varied_pairs(args) -> List[Pair]:
+    """``(warmup + steps) · batch`` random pairs with lengths as ``LENGTHS`` states: prompt log-normal
+    (median 64, sigma 1.0) in ``[4, seq // 2]``, each response (EOS last) log-normal (median 80, sigma
+    0.9) in ``[2, seq - prompt]``."""
+    rng = random.Random(args.seed)
+    s = args.seq
+    word = lambda: rng.randrange(3, args.vocab)  # noqa: E731
+    pl, rl = LENGTHS["prompt"], LENGTHS["response"]
+    pairs = []
+    for _ in range((args.warmup + args.steps) * args.batch):
+        p = _lognormal_length(rng, pl, pl["min"], s // 2)
+        c = _lognormal_length(rng, rl, rl["min"], s - p)
+        r = _lognormal_length(rng, rl, rl["min"], s - p)
+        pairs.append(([word() for _ in range(p)], [word() for _ in range(c - 1)] + [EOS],
+                      [word() for _ in range(r - 1)] + [EOS]))
+    return pairs
+
+
+def length_summary(pairs: List[Pair]) -> Dict[str, Dict[str, int]]:
+    """min / median / p90 / max of the prompt, response and prompt+response lengths of ``pairs``."""
+    def stats(xs: List[int]) -> Dict[str, int]:
+        xs = sorted(xs)
+        return {"min": xs[0], "median": xs[len(xs) // 2], "p90": xs[min(len(xs) - 1, (9 * len(xs)) // 10)],
+                "max": xs[-1]}
+
+    return {"prompt": stats([len(p) for p, _, _ in pairs]),
+            "response": stats([len(x) for _, c, r in pairs for x in (c, r)]),
+            "sequence": stats([len(p) + len(x) for p, c, r in pairs for x in (c, r)])}
 
 
 def pair_tokens(pairs: List[Pair]) -> int:
@@ -122,7 +241,26 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------------------------------- hpa
 
 
+def hpa_pair_micro_batches(examples, *, micro_batch_size: int, pad_id: int, layout: str = "auto"
+                           ) -> Tuple[List[dict], str]:
+    """hpa's pair micro-batches of ``examples`` and their layout, ``"packed"`` or ``"padded"``.
+
+    ``layout="auto"`` packs where ``micro_batches.pair_micro_batches`` takes a ``packed`` keyword
+    (hpa's sequence packing) and right-pads where it does not; ``"packed"`` / ``"padded"`` force one."""
+    from hpa.trainer import micro_batches
+
+    fn = micro_batches.pair_micro_batches
+    can_pack = "packed" in inspect.signature(fn).parameters
+    if layout == "packed" and not can_pack:
+        raise RuntimeError("--hpa-layout packed: this hpa's micro_batches.pair_micro_batches has no `packed` keyword")
+    if layout == "packed" or (layout == "auto" and can_pack):
+        return fn(examples, micro_batch_size=micro_batch_size, pad_id=pad_id, packed=True), "packed"
+    return fn(examples, micro_batch_size=micro_batch_size, pad_id=pad_id), "padded"
+
+
 def run_hpa(args, turn: "Turn") -> Dict:
+    if args.varied_lengths:
+        turn.begin()  # the setup turn: everything before the first step, the reference log-probs included
     _set_threads(args.threads)
     import torch
 
@@ -132,7 +270,7 @@ def run_hpa(args, turn: "Turn") -> Dict:
     from hpa.distributed import LaunchEnv, destroy, initialize
     from hpa.models import build_policy, build_reference
     from hpa.engine import forward
-    from hpa.trainer import micro_batches, objective
+    from hpa.trainer import micro_batches, objective, phases
     from hpa.engine.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
     from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
@@ -155,14 +293,29 @@ def run_hpa(args, turn: "Turn") -> Dict:
         opt = build_optimizer(policy, optim, parallel, groups)
         sched = build_lr_scheduler(opt, optim, total)
         examples = [PreferenceExample(prompt_ids=p, chosen_ids=c, rejected_ids=r) for p, c, r in make_pairs(args)]
-        times, tokens = [], []
+        ref_table, layout = None, "padded"
+        if args.varied_lengths:  # as the trainer's reference cache: every pair's values once, one pair a micro-batch
+            ctx = phases.StepContext(cfg=None, groups=groups, micro_batch_size=args.batch,
+                                     vocab_size=model_cfg.vocab_size, temperature=1.0, pad_id=PAD)
+            ref_table = phases.reference_pair_log_probs(examples, reference, ctx)  # [N, 2] (chosen, rejected)
+            del reference
+            turn.end()
+        times, tokens, computed = [], [], []
         for step in range(total):
             turn.begin()
             batch = examples[step * args.batch:(step + 1) * args.batch]
-            mbs = micro_batches.pair_micro_batches(batch, micro_batch_size=args.batch, pad_id=PAD)  # collation
+            if ref_table is None:
+                mbs = micro_batches.pair_micro_batches(batch, micro_batch_size=args.batch, pad_id=PAD)  # collation
+            else:
+                mbs, layout = hpa_pair_micro_batches(batch, micro_batch_size=args.batch, pad_id=PAD,
+                                                     layout=args.hpa_layout)
             start = time.perf_counter()
-            ref = forward.pair_sequence_log_probs(reference, mbs, groups, vocab_size=model_cfg.vocab_size)
-            micro_batches.attach_ref_pair_logps(mbs, ref)
+            if ref_table is None:
+                ref = forward.pair_sequence_log_probs(reference, mbs, groups, vocab_size=model_cfg.vocab_size)
+                micro_batches.attach_ref_pair_logps(mbs, ref)
+            else:
+                cached = ref_table[step * args.batch:(step + 1) * args.batch]  # [B, 2]
+                micro_batches.attach_ref_pair_logps(mbs, micro_batches.pair_rows(cached, args.batch))
             counts = objective.global_counts([], mbs, groups)
             loss_fn = objective.make_policy_loss(algo, weights, counts, groups, vocab_size=model_cfg.vocab_size,
                                               temperature=1.0)
@@ -173,10 +326,11 @@ def run_hpa(args, turn: "Turn") -> Dict:
             times.append(time.perf_counter() - start)
             # non-pad tokens of prompt+chosen and prompt+rejected, as TRL's attention_mask counts them
             tokens.append(sum(len(e.chosen_input_ids) + len(e.rejected_input_ids) for e in batch))
+            computed.append(sum(mb["input_ids"].numel() for mb in mbs))  # what the model ran on, padding included
             turn.end()
         turn.begin()  # the finishing turn: teardown never overlaps the other side's steps
-        return {"times": times, "tokens": tokens, "last_loss": metrics.get("dpo/loss"),
-                "torch_threads": torch.get_num_threads()}
+        return {"times": times, "tokens": tokens, "computed": computed, "layout": layout,
+                "last_loss": metrics.get("dpo/loss"), "torch_threads": torch.get_num_threads()}
     finally:
         destroy()
 
@@ -203,6 +357,8 @@ def _text(ids: List[int]) -> str:
 
 
 def run_trl(args, turn: "Turn") -> Dict:
+    if args.varied_lengths:
+        turn.begin()  # the setup turn: up to the first step, the precomputed reference log-probs included
     _set_threads(args.threads)
     import copy
 
@@ -214,6 +370,7 @@ def run_trl(args, turn: "Turn") -> Dict:
     sizes = model_sizes(args)
     pairs = make_pairs(args)
     total = args.warmup + args.steps
+    settings = TRL_CONFIGS[args.trl_config if args.varied_lengths else "ref-forward"]
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = _tokenizer(args.vocab, os.path.join(tmp, "tokenizer"))
         # the response strings start with a space: TRL tokenises prompt + chosen as one string
@@ -227,17 +384,20 @@ def run_trl(args, turn: "Turn") -> Dict:
                              rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
                              pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
         model = LlamaForCausalLM(config).float()
-        ref_model = copy.deepcopy(model)
+        # precomputing, TRL takes the reference's log-probs from the initial policy and keeps no reference model
+        ref_model = None if settings["precompute_ref_log_probs"] else copy.deepcopy(model)
         dpo_args = DPOConfig(
             output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=args.batch,
             gradient_accumulation_steps=1, max_steps=total, learning_rate=LR, lr_scheduler_type="constant",
             weight_decay=0.0, max_grad_norm=CLIP, beta=BETA, loss_type=["sigmoid"],
-            precompute_ref_log_probs=False, max_length=None, bf16=False, fp16=False,
+            precompute_ref_log_probs=settings["precompute_ref_log_probs"], padding_free=settings["padding_free"],
+            max_length=None, bf16=False, fp16=False,
             gradient_checkpointing=False, use_cpu=True, report_to=[], save_strategy="no", eval_strategy="no",
             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,
             train_sampling_strategy="sequential")
         times: List[float] = []
         tokens: List[int] = []
+        numels: List[int] = []
 
         class Timer(TrainerCallback):
             """All of TRL's work between steps (logging, the next batch's collation) runs inside its
@@ -246,6 +406,8 @@ def run_trl(args, turn: "Turn") -> Dict:
 
             def on_step_begin(self, *a, **k):
                 if not times:
+                    if args.varied_lengths:
+                        turn.end()  # the setup turn, which ran TRL's train() up to here
                     turn.begin()
                 self.start = time.perf_counter()
 
@@ -267,12 +429,16 @@ def run_trl(args, turn: "Turn") -> Dict:
         def counting_collator(examples):
             batch = collate(examples)
             tokens.append(int(batch["attention_mask"].sum()))
+            numels.append(batch["attention_mask"].numel())
             return batch
 
         trainer.data_collator = counting_collator
         trainer.train()
-        return {"times": times, "tokens": tokens[:len(times)], "torch_threads": torch.get_num_threads(),
-                "attn_implementation": model.config._attn_implementation}
+        return {"times": times, "tokens": tokens[:len(times)], "computed": numels[:len(times)],
+                "torch_threads": torch.get_num_threads(), "attn_implementation": model.config._attn_implementation,
+                "effective": {"precompute_ref_log_probs": bool(trainer.precompute_ref_logps),
+                              "padding_free": bool(trainer.padding_free),
+                              "ref_model": trainer.ref_model is not None}}
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -330,17 +496,23 @@ def run_both(args, argv: List[str]) -> Dict[str, Dict]:
             out[side] = value
             block = False
 
+    def take_turn(side: str, what) -> None:
+        go, done = events[side]
+        go.set()
+        while not done.wait(timeout=5):
+            if not procs[side].is_alive():
+                collect(block=False)
+                raise RuntimeError(f"the {side} side exited (code {procs[side].exitcode}) at step {what}")
+        done.clear()
+        collect(block=False)
+
     try:
+        if args.varied_lengths:  # the setup turns (--varied-lengths), one side at a time
+            for side in ("hpa", "trl"):
+                take_turn(side, "setup")
         for step in range(args.warmup + args.steps):
             for side in (("hpa", "trl") if step % 2 == 0 else ("trl", "hpa")):
-                go, done = events[side]
-                go.set()
-                while not done.wait(timeout=5):
-                    if not procs[side].is_alive():
-                        collect(block=False)
-                        raise RuntimeError(f"the {side} side exited (code {procs[side].exitcode}) at step {step}")
-                done.clear()
-                collect(block=False)
+                take_turn(side, step)
         for side in ("hpa", "trl"):  # the finishing turns, one side at a time
             events[side][0].set()
             while side not in out:
@@ -356,6 +528,42 @@ def run_both(args, argv: List[str]) -> Dict[str, Dict]:
 def _throughput(result: Dict, warmup: int) -> Tuple[float, int, float]:
     times, tokens = result["times"][warmup:], result["tokens"][warmup:]
     return sum(tokens) / sum(times), sum(tokens), statistics.median(times)
+
+
+def _pad_share(result: Dict, warmup: int) -> float:
+    """1 - real tokens / tokens the model computed on, over the measured steps."""
+    return 1.0 - sum(result["tokens"][warmup:]) / sum(result["computed"][warmup:])
+
+
+def varied_output(args, hpa_result: Dict, trl_result: Dict, torch_version: str, trl_version: str) -> Dict:
+    """The JSON of ``--varied-lengths``."""
+    hpa_tps, tokens, hpa_med = _throughput(hpa_result, args.warmup)
+    trl_tps, _, trl_med = _throughput(trl_result, args.warmup)
+    settings = TRL_CONFIGS[args.trl_config]
+    return {
+        "hpa_tokens_per_s": round(hpa_tps, 1),
+        "trl_tokens_per_s": round(trl_tps, 1),
+        "ratio": round(hpa_tps / trl_tps, 3),
+        "trl_config": {"name": args.trl_config, **settings, "effective": trl_result["effective"],
+                       "attn_implementation": trl_result.get("attn_implementation")},
+        "hpa_layout": hpa_result["layout"],
+        "pad_share": {"hpa": round(_pad_share(hpa_result, args.warmup), 4),
+                      "trl": round(_pad_share(trl_result, args.warmup), 4)},
+        "config": {**model_sizes(args), "batch_pairs": args.batch, "max_seq": args.seq, "steps": args.steps,
+                   "warmup_steps": args.warmup, "threads": args.threads, "dtype": "float32", "device": "cpu",
+                   "dpo": f"sigmoid beta={BETA}", "varied_lengths": True,
+                   "lengths": {"distribution": LENGTHS, "drawn": length_summary(make_pairs(args))},
+                   "ref_log_probs": {"hpa": "cached before the timed steps (one pair a reference micro-batch)",
+                                     "trl": "precomputed before the timed steps"
+                                     if settings["precompute_ref_log_probs"] else "reference forward every step"},
+                   "measured_tokens": tokens, "cpu_count": os.cpu_count()},
+        "step_s_median": {"hpa": round(hpa_med, 4), "trl": round(trl_med, 4)},
+        "step_s": {"hpa": [round(t, 3) for t in hpa_result["times"][args.warmup:]],
+                   "trl": [round(t, 3) for t in trl_result["times"][args.warmup:]]},
+        "computed_tokens": {"hpa": hpa_result["computed"][args.warmup:], "trl": trl_result["computed"][args.warmup:]},
+        "torch": torch_version,
+        "trl": trl_version,
+    }
 
 
 def main(argv=None) -> int:
@@ -374,6 +582,9 @@ def main(argv=None) -> int:
         raise RuntimeError(f"token counts differ: hpa {hpa_result['tokens']} vs trl {trl_result['tokens']}")
     hpa_tps, tokens, hpa_med = _throughput(hpa_result, args.warmup)
     trl_tps, _, trl_med = _throughput(trl_result, args.warmup)
+    if args.varied_lengths:
+        print(json.dumps(varied_output(args, hpa_result, trl_result, torch.__version__, trl.__version__)))
+        return 0
     out = {
         "hpa_tokens_per_s": round(hpa_tps, 1),
         "trl_tokens_per_s": round(trl_tps, 1),
