@@ -131,14 +131,16 @@ def pair_sequence_log_probs(model, micro_batches: List[MicroBatch], groups: Para
 
 
 def response_kl(policy, reference, batch, groups: ParallelGroups, *, micro_batch_size: int,
-                vocab_size: int) -> torch.Tensor:
+                vocab_size: int, packed: bool = False) -> torch.Tensor:
     """The k1 KL to the reference of every sampled response token ``[b, r]`` (temperature 1; 0 on padding).
 
     ``batch`` is a ``RolloutBatch``; with ``reference is policy`` the KL is 0 without a second forward.
+    Each micro-batch is cut to its longest row, or ``packed``.
     """
     from hpa.algorithms.kl import kl_penalty
 
-    kw = dict(micro_batch_size=micro_batch_size, vocab_size=vocab_size, temperature=1.0)
+    kw = dict(micro_batch_size=micro_batch_size, vocab_size=vocab_size, temperature=1.0,
+              lengths=batch.sequence_lengths, packed=packed)
     ts = batch.sequences
     logp = sequence_log_probs(policy, ts, batch.response_mask, groups, **kw)["log_probs"].cpu()  # [b, r]
     ref = logp if reference is policy else \

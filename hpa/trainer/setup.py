@@ -78,7 +78,7 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
                                                micro_batch_size=t.micro_batch_size, packed=t.sequence_packing)
     reward = build_reward(cfg.reward, model_reward)
     evaluator = Evaluator(cfg.data, cfg.rollout, cfg.reward, groups, tokenizer, rejects_dir=rejects, reward=reward,
-                          model_reward=model_reward, micro_batch_size=t.micro_batch_size)
+                          model_reward=model_reward, micro_batch_size=t.micro_batch_size, packed=t.sequence_packing)
     return RunParts(tokenizer=tokenizer, prompts=prompts, pairs=pairs, heldout_pairs=heldout, prompt_sampler=prompt_sampler,
                     pair_sampler=pair_sampler, policy=policy, reference=reference, critic=critic, engine=engine,
                     reward=reward, evaluator=evaluator, model_reward=model_reward)
