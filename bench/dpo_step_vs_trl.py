@@ -107,6 +107,8 @@ import tempfile
 import time
 from typing import Dict, List, Tuple
 
+from lockstep import Turn  # bench/lockstep.py (scripts run from bench/)
+
 PAD, UNK, EOS = 0, 1, 2  # token ids; words "t3".."t{V-1}" are ids 3..V-1
 BETA, LR, CLIP = 0.1, 1e-6, 1.0
 DEFAULT_SEQ, VARIED_DEFAULT_SEQ = 128, 512
@@ -442,21 +444,6 @@ def run_trl(args, turn: "Turn") -> Dict:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-
-
-class Turn:
-    """Lock-step between the two sides: a side runs a step only when the driver says so, so both
-    see the same background load (this bench is meant for shared 2-core machines)."""
-
-    def __init__(self, go, done):
-        self.go, self.done = go, done
-
-    def begin(self) -> None:
-        self.go.wait()
-        self.go.clear()
-
-    def end(self) -> None:
-        self.done.set()
 
 
 def _child(side: str, argv: List[str], go, done, results) -> None:

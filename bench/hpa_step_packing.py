@@ -76,6 +76,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from lockstep import Turn  # bench/lockstep.py (scripts run from bench/)
+
 SIDES = ("off", "on")
 PHASES = ("rollout", "reference", "old_logprob", "reward", "update_actor", "step")
 COMPARED = ("actor/pg_loss", "dpo/loss", "kl/token", "kl/semantic", "actor/entropy", "actor/grad_norm",
@@ -186,20 +188,6 @@ def train_overrides(args, side: str) -> List[str]:
 
 
 # ---------------------------------------------------------------------------------------------- one side
-
-
-class Turn:
-    """Lock-step between the two sides: a side runs only when the driver says so."""
-
-    def __init__(self, go, done):
-        self.go, self.done = go, done
-
-    def begin(self) -> None:
-        self.go.wait()
-        self.go.clear()
-
-    def end(self) -> None:
-        self.done.set()
 
 
 def _digest(batch) -> str:
