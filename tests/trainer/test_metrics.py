@@ -107,6 +107,7 @@ def test_update_mfu_uses_the_update_time_and_padded_tokens():
                        model_parallel_size=2, peak_tflops=1.0)
     assert perf["perf/mfu"] == pytest.approx(6 * n * (tokens / 2.0) / 2 / 1e12)  # the update's 2 s, not the step's 10
     assert perf["perf/mfu_padded"] == pytest.approx(6 * n * (padded / 2.0) / 2 / 1e12)
+    assert perf["perf/pad_share"] == pytest.approx(1 - tokens / padded)
     assert perf["perf/throughput"] == 300.0 and perf["perf/update_throughput"] == 1500.0
     nan = update_perf(n, tokens=tokens, padded_tokens=padded, update_seconds=2.0, step_seconds=10.0,
                       model_parallel_size=1, peak_tflops=None)
