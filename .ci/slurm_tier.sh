@@ -175,6 +175,14 @@ until scontrol show job "$pre" | grep -qE 'Restarts=[1-9]'; do
     [[ $(state "$pre") =~ ^(COMPLETED|FAILED|CANCELLED|TIMEOUT)$ ]] && fail "job $pre ended $(state "$pre") instead of requeueing"
     sleep 1
 done
+# ... but only once the old instance's steps (its batch step included) are gone: started while they are still
+# being torn down, slurmctld kills the relaunch ("Killing non-startable batch JobId=N: Job credential revoked")
+# and the job ends FAILED (seen once in CI)
+for _ in $(seq 60); do
+    [[ $(state "$pre") == PENDING ]] && ! squeue -h -s -j "$pre" -o %i 2>/dev/null | grep -qE "^${pre}\." && break
+    sleep 1
+done
+sleep 2
 scontrol update JobId="$pre" StartTime=now
 # 3. a rank dies mid-step; torchrun restarts the workers
 kil=$(HPA_MAX_RESTARTS=1 HPA_INJECT_FAULT=kill@6:1 submit rankdeath)
