@@ -21,7 +21,7 @@ attention already keeps pads out of every real position.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Sequence
+from typing import Dict
 
 import torch
 
@@ -206,11 +206,3 @@ class MicroBatch:
 
     def get(self, key: str, default=None):
         return self[key] if key in self else default
-
-
-def pad_shares(micro_batches: Sequence[MicroBatch]) -> Dict[str, float]:
-    """Real and computed positions of ``micro_batches`` (``perf/``)."""
-    return {"tokens": float(sum(mb.tokens for mb in micro_batches)),
-            "computed": float(sum(mb.computed_tokens for mb in micro_batches))}
-
-
