@@ -16,7 +16,6 @@ reduce them across ranks.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -93,11 +92,12 @@ def gspo_policy_loss(
     ``s_t = sg[s]·π_t/sg[π_t]`` with ``log s = mean over the response of (log_prob − old_log_prob)``, so
     the value of every token's ratio is the sequence's and its gradient is the token's; ``log s_t`` is
     clamped at 10; ``L_t = max(−A_t·s_t, −A_t·clip(s_t, 1 − low, 1 + high))``; no dual clip
-    (``clip_ratio_c`` is unused). The loss is always aggregated ``seq-mean-token-mean`` (verl hard-codes it;
-    ``aggregation.mode`` is ignored, its global counts are used). Where verl differs from the paper, this
-    follows verl: the paper clips one sequence-level ratio times a sequence-level advantage, verl (and
-    this) takes per-token advantages (equal for outcome rewards, where both agree) and clamps ``log s`` at
-    10, which the paper does not. The paper's clip ranges are tiny (3e-4 / 4e-4), not PPO's 0.2.
+    (``clip_ratio_c`` is unused). The loss is aggregated by ``aggregation`` (its mode and global counts), as
+    verl 0.9.1 passes the configured ``loss_agg_mode``; the paper's sequence-level objective is
+    ``seq-mean-token-mean``. Where verl differs from the paper, this follows verl: the paper clips one
+    sequence-level ratio times a sequence-level advantage, verl (and this) takes per-token advantages
+    (equal for outcome rewards, where both agree) and clamps ``log s`` at 10, which the paper does not. The
+    paper's clip ranges are tiny (3e-4 / 4e-4), not PPO's 0.2.
 
     Metrics: ``pg_clipfrac`` (tokens where the clipped term is active), ``pg_clipfrac_lower`` (always 0),
     ``ppo_kl`` (mean of ``old_log_prob − log_prob``, unclamped), ``pg_loss``.
@@ -114,7 +114,7 @@ def gspo_policy_loss(
     pg_losses = torch.maximum(losses_unclipped, losses_clipped)  # [b, r]
     if importance_weights is not None:
         pg_losses = pg_losses * importance_weights
-    loss = dataclasses.replace(aggregation, mode="seq-mean-token-mean")(pg_losses, mask)
+    loss = aggregation(pg_losses, mask)
     metrics = {
         "pg_loss": loss.detach(),
         "pg_clipfrac": masked_mean(torch.gt(losses_clipped, losses_unclipped).float(), mask).detach(),

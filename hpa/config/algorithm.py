@@ -130,8 +130,8 @@ class PPOConfig:
     """The PPO policy and value losses.
 
     Attributes:
-        policy_loss: vanilla (clipped surrogate with dual-clip) | gspo (sequence-level ratio; always
-            aggregated seq-mean-token-mean, as verl) | cispo (clipped, detached IS weight times log-prob) |
+        policy_loss: vanilla (clipped surrogate with dual-clip) | gspo (sequence-level ratio; aggregated
+            by loss_agg_mode, as verl; the paper's form is seq-mean-token-mean) | cispo (clipped, detached IS weight times log-prob) |
             geo_mean (GMPO: geometric mean of log-space-clipped token ratios; a mean over sequences, as
             verl, whatever loss_agg_mode). loss_agg_mode still aggregates the entropy and KL terms.
         clip_ratio: symmetric clip ε (0.18 on math tasks in the recipe).

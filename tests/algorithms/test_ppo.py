@@ -168,8 +168,9 @@ def test_rollout_is_threshold_is_reachable_from_yaml():
 
 # -- GSPO, CISPO, GMPO against transcriptions of verl's functions -------------------------------------
 # verl/trainer/ppo/core_algos.py (compute_policy_loss_gspo, compute_policy_loss_cispo,
-# compute_policy_loss_geo_mean, agg_loss) and verl/utils/torch_functional.py (masked_sum, masked_mean),
-# transcribed with verl's variable names; config.global_batch_info is empty (one micro-batch, DP 1).
+# compute_policy_loss_geo_mean, agg_loss) and verl/utils/torch_functional.py (masked_sum, masked_mean) of
+# verl 0.9.1, transcribed with verl's variable names; config.global_batch_info is empty (one micro-batch,
+# DP 1) unless a test passes it (dp_size, batch_num_tokens, global_batch_size).
 
 
 def verl_masked_sum(values, mask, axis=None):
@@ -186,6 +187,8 @@ def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_token
                   loss_scale_factor=None):
     if loss_agg_mode == "token-mean":
         if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
             batch_num_tokens = loss_mask.sum()
         return verl_masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
     if loss_agg_mode == "token-sum":
@@ -194,6 +197,8 @@ def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_token
         seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
         seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()
         if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError("global_batch_size is required when dp_size > 1")
             global_batch_size = seq_mask.sum()
         loss = verl_masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
         if loss_agg_mode == "seq-mean-token-sum-norm":  # 0.9.1: the seq-mean over the scale factor
@@ -204,13 +209,15 @@ def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_token
         seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
         seq_mask = (seq_mask > 0).float()
         if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError("global_batch_size is required when dp_size > 1")
             global_batch_size = seq_mask.sum()
         return verl_masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
     raise ValueError(loss_agg_mode)
 
 
 def verl_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_ratio_low, clip_ratio_high,
-              rollout_is_weights=None):
+              rollout_is_weights=None, global_batch_info=None):
     negative_approx_kl = log_prob - old_log_prob
     seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
     negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
@@ -222,7 +229,8 @@ def verl_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, 
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
-    pg_loss = verl_agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
+    # 0.9.1 aggregates by the configured mode (it only recommends seq-mean-token-mean)
+    pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode, **(global_batch_info or {}))
     pg_clipfrac = verl_masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     ppo_kl = verl_masked_mean(-negative_approx_kl, response_mask)
     return pg_loss, {"pg_clipfrac": pg_clipfrac, "ppo_kl": ppo_kl, "pg_clipfrac_lower": torch.tensor(0.0)}
@@ -269,10 +277,10 @@ def verl_geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mo
 
 
 VERL_LOSSES = {"gspo": verl_gspo, "cispo": verl_cispo, "geo_mean": verl_geo_mean}
-# the aggregation modes verl's function honours: GSPO hard-codes seq-mean-token-mean, GMPO ignores the mode
-VERL_MODES = {"gspo": ["seq-mean-token-mean", "token-mean"], "geo_mean": ["token-mean", "seq-mean-token-sum"],
-              "cispo": ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                        "seq-mean-token-sum-norm"]}
+ALL_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# the aggregation modes verl's function honours (GMPO ignores the mode)
+VERL_MODES = {"gspo": ["seq-mean-token-mean"] + [m for m in ALL_MODES if m != "seq-mean-token-mean"],
+              "geo_mean": ["token-mean", "seq-mean-token-sum"], "cispo": ALL_MODES}
 CLIPS = {"gspo": (3e-3, 4e-3), "cispo": (10.0, 0.2), "geo_mean": (0.4, 0.4)}
 
 
@@ -387,6 +395,28 @@ def test_sequence_level_losses_add_up_over_micro_batches_with_global_counts(name
     torch.testing.assert_close(split_lp.grad, full_lp.grad, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_gspo_matches_verl_with_global_batch_info(mode):
+    """Each micro-batch of a DP-2 batch, normalised by the global counts, as verl 0.9.1 with
+    ``config.global_batch_info`` (dp_size, batch_num_tokens, global_batch_size): values and gradients."""
+    old, new, adv, mask, w = _case(8, b=8, fully_masked_row=True, with_is=True)
+    low, high = CLIPS["gspo"]
+    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    info = dict(dp_size=2, batch_num_tokens=num_tokens, global_batch_size=num_seqs)
+    aggregation = Aggregation(mode=mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs, dp_size=2)
+    for rows in (slice(0, 3), slice(3, 8)):
+        ours_lp = new[rows].clone().requires_grad_()
+        ours, _ = policy_loss(old[rows], ours_lp, adv[rows], mask[rows], name="gspo", clip_ratio_low=low,
+                              clip_ratio_high=high, aggregation=aggregation, importance_weights=w[rows])
+        ours.backward()
+        theirs_lp = new[rows].clone().requires_grad_()
+        theirs, _ = verl_gspo(old[rows], theirs_lp, adv[rows], mask[rows], mode, low, high,
+                              rollout_is_weights=w[rows], global_batch_info=info)
+        theirs.backward()
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ours_lp.grad, theirs_lp.grad, atol=1e-6, rtol=1e-6)
+
+
 def test_gspo_by_hand():
     """One sequence of two tokens with log-ratios 0.1 and 0.3: s = exp(0.2) for both tokens; A = 1 and the
     clip at 1.1 binds (s = 1.2214), so the loss is -1.1 and no gradient flows."""
@@ -394,7 +424,7 @@ def test_gspo_by_hand():
     new = torch.tensor([[0.1, 0.3]], dtype=torch.float64, requires_grad=True)
     adv = torch.ones(1, 2, dtype=torch.float64)
     loss, m = policy_loss(old, new, adv, torch.ones(1, 2), name="gspo", clip_ratio=0.1)
-    # (seq-mean-token-mean and the clip fraction divide by count + 1e-8)
+    # (the clip fraction divides by count + 1e-8)
     assert loss.item() == pytest.approx(-1.1, abs=1e-7) and m["pg_clipfrac"].item() == pytest.approx(1.0)
     loss.backward()
     assert not new.grad.any()
