@@ -8,6 +8,11 @@ recorded in its ``ablate_run.json`` and never rerun; an interrupted one resumes 
 checkpoint. When every run is done the summary is written: ``<out_dir>/ablation.md`` (mean and 95%
 t-interval over seeds per variant, and the per-seed numbers) and ``<out_dir>/curves_*.png``.
 
+Stopping (Ctrl-C or SIGTERM): no further run starts; every running one gets SIGTERM, which ``hpa train``
+answers by checkpointing at the end of its step; one still running ``stop_timeout_s`` later, or at a
+second signal, is killed (it resumes from its last periodic checkpoint). Runs are started in sessions of
+their own, so a terminal's Ctrl-C reaches them only through this forwarding.
+
 The ablation file has one section, ``ablate`` (``AblateConfig``); dotted overrides on the command
 line (``ablate.seeds=[1,2,3]``) are checked against it like any config key::
 
@@ -23,13 +28,16 @@ line (``ablate.seeds=[1,2,3]``) are checked against it like any config key::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -109,6 +117,8 @@ class AblateConfig:
         metric: the held-out gold score (a key of the run's metrics).
         collapse_margin: a seed has collapsed when its run failed, its final gold score is not finite, or it
             ends more than this below the starting policy's gold score.
+        stop_timeout_s: after Ctrl-C or SIGTERM, how long the running runs have to checkpoint and exit
+            before they are killed.
     """
 
     config: Optional[str] = None
@@ -122,6 +132,7 @@ class AblateConfig:
     max_parallel: int = 1
     metric: str = "eval/score"
     collapse_margin: float = 0.1
+    stop_timeout_s: float = 300.0
 
     def __post_init__(self):
         for name in self.variants:
@@ -147,6 +158,7 @@ class AblateConfig:
             raise ConfigError("nproc_per_node", "the sequential launcher runs one process per run; use "
                                                 "launcher=torchrun for more")
         check_range("collapse_margin", self.collapse_margin, low=0.0)
+        check_range("stop_timeout_s", self.stop_timeout_s, low=0.0)
 
     def variant_overrides(self) -> Dict[str, Tuple[str, ...]]:
         """Every variant's own overrides, in order (built-in first)."""
@@ -233,44 +245,128 @@ def is_done(run: Run) -> bool:
     return True
 
 
+class AblationStopped(Exception):
+    """``hpa ablate`` was stopped by a signal; every run it started has ended.
+
+    Attributes:
+        signum: the (first) signal received.
+        states: every run of the plan with what became of it, in plan order.
+    """
+
+    def __init__(self, signum: int, states: List[Tuple[Run, str]]):
+        self.signum, self.states = signum, states
+        super().__init__(f"hpa ablate stopped by {signal.Signals(signum).name}")
+
+
+class _StopSignals:
+    """Records SIGINT/SIGTERM instead of dying of them (main thread only; restored on exit)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self.count = 0
+        self._previous: Dict[int, object] = {}
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+        self.count += 1
+
+
+def read_exit_status(run: Run) -> dict:
+    """The run's ``exit_status.json`` (written by ``hpa train`` when it stops), or ``{}``."""
+    path = run.run_dir / "exit_status.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def execute(cfg: AblateConfig, runs: Sequence[Run], env: Optional[Dict[str, str]] = None) -> Dict[str, int]:
-    """Run every run that is not done, ``max_parallel`` at a time; returns ``{"ran", "skipped", "failed"}``.
+    """Run every run that is not done, ``max_parallel`` at a time; returns ``{"ran", "skipped", "failed",
+    "stopped"}``.
 
     A run's stdout and stderr go to ``<run_dir>/train.log``. A finished run writes ``ablate_run.json``
     (its overrides, return code and wall time); a failed one does not, so the next call retries it
-    (resuming from its last checkpoint).
+    (resuming from its last checkpoint), nor does one that exited early but resumable (a signal,
+    ``trainer.max_steps_per_run``: ``stopped``).
+
+    Raises:
+        AblationStopped: on SIGINT/SIGTERM, once every run it started has ended (see the module docstring).
     """
     env = dict(os.environ if env is None else env)
     pending = [r for r in runs if not is_done(r)]
-    counts = {"ran": 0, "skipped": len(runs) - len(pending), "failed": 0}
+    states: Dict[Run, str] = {r: "done before" for r in runs if r not in pending}
+    counts = {"ran": 0, "skipped": len(runs) - len(pending), "failed": 0, "stopped": 0}
     active: List[Tuple[Run, subprocess.Popen, float, object]] = []
-    while pending or active:
-        while pending and len(active) < cfg.max_parallel:
-            run = pending.pop(0)
-            run.run_dir.mkdir(parents=True, exist_ok=True)
-            log = open(run.run_dir / "train.log", "a")
-            logger.info("ablate: starting %s seed %d -> %s", run.variant, run.seed, run.run_dir)
-            proc = subprocess.Popen(run_command(cfg, run), stdout=log, stderr=subprocess.STDOUT, env=env)
-            active.append((run, proc, time.time(), log))
-        time.sleep(0.2)
-        for item in list(active):
-            run, proc, start, log = item
-            if proc.poll() is None:
-                continue
-            active.remove(item)
-            log.close()
-            wall = time.time() - start
-            counts["ran"] += 1
-            if proc.returncode != 0:
-                counts["failed"] += 1
-                logger.error("ablate: %s seed %d failed (exit %d) after %.0f s; see %s", run.variant, run.seed,
-                             proc.returncode, wall, run.run_dir / "train.log")
-                continue
-            (run.run_dir / RUN_RECORD).write_text(json.dumps(
-                {"variant": run.variant, "seed": run.seed, "overrides": list(run.overrides),
-                 "returncode": proc.returncode, "wall_s": wall}))
-            logger.info("ablate: %s seed %d finished in %.0f s", run.variant, run.seed, wall)
+    deadline, killed = math.inf, False
+    with _StopSignals() as stop:
+        while active or (pending and stop.signum is None):
+            while stop.signum is None and pending and len(active) < cfg.max_parallel:
+                run = pending.pop(0)
+                run.run_dir.mkdir(parents=True, exist_ok=True)
+                log = open(run.run_dir / "train.log", "a")
+                logger.info("ablate: starting %s seed %d -> %s", run.variant, run.seed, run.run_dir)
+                # a session of its own: a terminal's Ctrl-C reaches the run only as the SIGTERM forwarded below
+                proc = subprocess.Popen(run_command(cfg, run), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+                active.append((run, proc, time.time(), log))
+            if stop.signum is not None and deadline == math.inf:
+                logger.warning("ablate: %s received: stopping %d running run(s) (SIGTERM: each checkpoints at the "
+                               "end of its step; killed after %.0f s or at a second signal)",
+                               signal.Signals(stop.signum).name, len(active), cfg.stop_timeout_s)
+                for _, proc, _, _ in active:
+                    proc.send_signal(signal.SIGTERM)
+                deadline = time.time() + cfg.stop_timeout_s
+            if not killed and (time.time() > deadline or stop.count > 1):
+                killed = True
+                for run, proc, _, _ in active:
+                    logger.warning("ablate: killing %s seed %d (it did not exit in time)", run.variant, run.seed)
+                    with contextlib.suppress(ProcessLookupError):  # (it may have exited meanwhile)
+                        os.killpg(proc.pid, signal.SIGKILL)  # the run's whole session: torchrun's workers too
+            time.sleep(0.2)
+            for item in list(active):
+                run, proc, start, log = item
+                if proc.poll() is None:
+                    continue
+                active.remove(item)
+                log.close()
+                states[run] = _finish(run, proc.returncode, time.time() - start, counts, stopping=stop.signum is not None)
+        if stop.signum is not None:
+            states.update({r: "not started" for r in pending})
+            raise AblationStopped(stop.signum, [(r, states[r]) for r in runs])
     return counts
+
+
+def _finish(run: Run, returncode: int, wall: float, counts: Dict[str, int], *, stopping: bool) -> str:
+    """Records a run that exited, counts it, and says what became of it."""
+    counts["ran"] += 1
+    status = read_exit_status(run) if returncode == 0 else {}
+    if returncode == 0 and not status.get("resumable", False):
+        (run.run_dir / RUN_RECORD).write_text(json.dumps(
+            {"variant": run.variant, "seed": run.seed, "overrides": list(run.overrides),
+             "returncode": returncode, "wall_s": wall}))
+        logger.info("ablate: %s seed %d finished in %.0f s", run.variant, run.seed, wall)
+        return f"finished in {wall:.0f} s"
+    if returncode == 0:
+        counts["stopped"] += 1
+        state = f"stopped at step {status.get('step')} ({status.get('reason')}); the next hpa ablate resumes it"
+    elif stopping:
+        counts["stopped"] += 1
+        state = f"ended by the stop (exit {returncode}); the next hpa ablate resumes it from its last checkpoint"
+    else:
+        counts["failed"] += 1
+        logger.error("ablate: %s seed %d failed (exit %d) after %.0f s; see %s", run.variant, run.seed,
+                     returncode, wall, run.run_dir / "train.log")
+        return f"failed (exit {returncode})"
+    logger.warning("ablate: %s seed %d %s", run.variant, run.seed, state)
+    return state
 
 
 # ------------------------------------------------------------------------------------- statistics
@@ -551,7 +647,11 @@ def _plots(cfg: AblateConfig, runs: Sequence[Run], out_dir: Path) -> List[Path]:
 
 
 def run_ablation(cfg: AblateConfig, command: str = "") -> Tuple[Dict[str, int], Path]:
-    """Run what is not done, then write the report; returns the run counts and the report path."""
+    """Run what is not done, then write the report; returns the run counts and the report path.
+
+    Raises:
+        AblationStopped: on SIGINT/SIGTERM (no report is written then).
+    """
     from hpa.config import load_config
 
     runs = plan_runs(cfg)

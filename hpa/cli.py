@@ -110,14 +110,22 @@ def sft(argv: List[str]) -> int:
 def ablate(argv: List[str]) -> int:
     args = config_parser("ablate").parse_args(argv)
     import logging
+    import signal
 
-    from hpa.ablate import load_ablate_config, run_ablation
+    from hpa.ablate import AblationStopped, load_ablate_config, run_ablation
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_ablate_config(args.config, args.overrides)
-    counts, report = run_ablation(cfg, command=" ".join(["hpa", "ablate", *argv]))
-    print(f"hpa ablate: {counts['ran']} runs ran ({counts['failed']} failed), {counts['skipped']} were done "
-          f"before; summary in {report}")
+    try:
+        counts, report = run_ablation(cfg, command=" ".join(["hpa", "ablate", *argv]))
+    except AblationStopped as stopped:
+        print(f"hpa ablate: stopped by {signal.Signals(stopped.signum).name}; every run it started has ended:")
+        for run, state in stopped.states:
+            print(f"  {run.variant} seed {run.seed}: {state}")
+        print("run the same command again to continue where it stopped")
+        return 128 + stopped.signum
+    print(f"hpa ablate: {counts['ran']} runs ran ({counts['failed']} failed, {counts['stopped']} stopped early and "
+          f"resumable), {counts['skipped']} were done before; summary in {report}")
     return 1 if counts["failed"] else 0
 
 

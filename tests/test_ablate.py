@@ -121,14 +121,14 @@ def test_runs_resume_and_report_by_hand(tmp_path, fake_train):
     cfg = AblateConfig(variants=("hpa", "ppo"), custom=(CustomVariant(name="broken"),), seeds=(1, 2, 3),
                        out_dir=str(tmp_path), max_parallel=2)
     runs = plan_runs(cfg)
-    assert ablate.execute(cfg, runs) == {"ran": 9, "skipped": 0, "failed": 1}
+    assert ablate.execute(cfg, runs) == {"ran": 9, "skipped": 0, "failed": 1, "stopped": 0}
     # resumption: finished runs are not rerun, the failed one is retried
-    assert ablate.execute(cfg, runs) == {"ran": 1, "skipped": 8, "failed": 1}
+    assert ablate.execute(cfg, runs) == {"ran": 1, "skipped": 8, "failed": 1, "stopped": 0}
     calls = {(r.variant, r.seed): len((r.run_dir / "calls").read_text().split()) for r in runs}
     assert calls[("hpa", 1)] == 1 and calls[("broken", 2)] == 2
     (tmp_path / "runs" / "ppo" / "seed2" / ablate.RUN_RECORD).unlink()
     (tmp_path / "runs" / "ppo" / "seed2" / "metrics.jsonl").unlink()
-    assert ablate.execute(cfg, runs) == {"ran": 2, "skipped": 7, "failed": 1}
+    assert ablate.execute(cfg, runs) == {"ran": 2, "skipped": 7, "failed": 1, "stopped": 0}
 
     md = ablate.write_report(cfg, runs).read_text()
     rows = _table_rows(md)
@@ -226,3 +226,134 @@ def test_single_component_baselines_start_from_the_recipe():
     for name in ("ppo", "dpo", "dpo-rpo", "hpa-recipe", "hpa-anchor", "hpa-components", "hpa-gate", "hpa-balance"):
         assert BUILTIN_VARIANTS[name][:len(recipe)] == recipe, name
     assert BUILTIN_VARIANTS["hpa"] == ()
+
+
+# a stand-in for ``hpa train`` that answers SIGTERM as it does (exit_status.json, exit 0) or ignores it
+STOPPABLE = r"""
+import json, signal, sys, time
+from pathlib import Path
+run_dir, ignore = Path(sys.argv[1]), sys.argv[2] == "ignore"
+def on_term(signum, frame):
+    if not ignore:
+        (run_dir / "exit_status.json").write_text(json.dumps({"reason": "signal", "step": 3, "resumable": True}))
+        sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+(run_dir / "ready").write_text("1")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_stopped_ablation_ends_every_run_it_started(tmp_path, monkeypatch):
+    """SIGTERM to the ablation: the run that checkpoints on SIGTERM exits by itself, the one that ignores it is
+    killed at the stop timeout, the third never starts; nothing is recorded as finished, so all three rerun."""
+    import os
+    import signal
+    import threading
+    import time
+
+    pids = []
+
+    def command(cfg, run):
+        return [sys.executable, "-c", STOPPABLE, str(run.run_dir), "ignore" if run.variant == "ppo" else "checkpoint"]
+
+    real_popen = ablate.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        pids.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(ablate, "run_command", command)
+    monkeypatch.setattr(ablate.subprocess, "Popen", popen)
+    cfg = AblateConfig(variants=("hpa", "ppo", "dpo"), seeds=(1,), out_dir=str(tmp_path), max_parallel=2,
+                       stop_timeout_s=2.0)
+    runs = plan_runs(cfg)
+
+    def stop_when_ready():
+        deadline = time.time() + 30
+        while not all((r.run_dir / "ready").exists() for r in runs[:2]) and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    handler_before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    start = time.time()
+    with pytest.raises(ablate.AblationStopped) as stopped:
+        ablate.execute(cfg, runs)
+    assert time.time() - start < 20
+    assert stopped.value.signum == signal.SIGTERM
+    states = {run.variant: state for run, state in stopped.value.states}
+    assert states["hpa"].startswith("stopped at step 3 (signal)")
+    assert states["ppo"].startswith("ended by the stop (exit -9)")
+    assert states["dpo"] == "not started"
+    assert len(pids) == 2
+    for pid in pids:  # both reaped: no process left
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not any((r.run_dir / ablate.RUN_RECORD).exists() for r in runs)
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # restored
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_real_ablation_checkpoints_its_runs_and_a_rerun_resumes_them(tmp_path):
+    """``hpa ablate`` with two runs in flight on the tiny config gets SIGTERM: both runs checkpoint and end
+    (no process of the ablation is left), it says so and exits 128 + 15; the same command then resumes both
+    from their checkpoints and finishes them."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "trainer"))
+    from multirank import run_ranks
+    from trainer_runs import make_task, overrides, save_initial_policy
+
+    make_task(tmp_path, 64, 6)
+    run_ranks(save_initial_policy, args=(str(tmp_path / "init"),))
+    train = [o for o in overrides(tmp_path, tmp_path / "unused", ["trainer.total_steps=16", "trainer.eval_interval=0",
+                                                                  "checkpoint.save_interval=100"])
+             if not o.startswith("trainer.run_dir")]
+    spec = tmp_path / "ablate.yaml"
+    spec.write_text(json.dumps({"ablate": {"overrides": train, "variants": ["hpa", "hpa-no-uncertainty"],
+                                           "seeds": [1], "max_parallel": 2, "out_dir": str(tmp_path / "out")}}))
+    run_dirs = [tmp_path / "out" / "runs" / v / "seed1" for v in ("hpa", "hpa-no-uncertainty")]
+    cmd = [sys.executable, "-m", "hpa.cli", "ablate", "--config", str(spec)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # each run is paused (SIGSTOP) once it has trained a step, until the other has too: then both are in
+    # their training loops when the ablation gets SIGTERM, whichever started faster
+    paused, deadline = {}, time.time() + 240
+    while len(paused) < len(run_dirs):
+        assert proc.poll() is None and time.time() < deadline, "the runs did not reach their first step"
+        for d in run_dirs:
+            if d not in paused and (d / "metrics.jsonl").exists():
+                train, = [p for p in psutil.Process(proc.pid).children() if f"trainer.run_dir={d}" in p.cmdline()]
+                train.suspend()
+                paused[d] = train
+        time.sleep(0.1)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    for train in paused.values():
+        train.resume()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-4000:]
+    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    steps = {}
+    for d in run_dirs:
+        status = json.loads((d / "exit_status.json").read_text())
+        assert status["reason"] == "signal" and 1 <= status["step"] < 16
+        steps[d] = status["step"]
+        assert (d / "checkpoints" / "latest").read_text().strip() == f"step_{status['step']:08d}"
+        assert not (d / ablate.RUN_RECORD).exists()
+        assert f"{d.parent.name} seed 1: stopped at step {status['step']} (signal)" in out
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert rerun.returncode == 0 and "2 runs ran (0 failed" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr[-4000:]
+    for d in run_dirs:
+        history = [json.loads(line) for line in (d / "exit_history.jsonl").read_text().splitlines()]
+        assert [(h["reason"], h["step"]) for h in history] == [("signal", steps[d]), ("done", 16)]
+        logged = [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+        assert logged == list(range(1, 17))  # resumed after the checkpoint's step: nothing trained twice
+        assert (d / ablate.RUN_RECORD).exists()
