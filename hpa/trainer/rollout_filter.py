@@ -17,7 +17,6 @@ every rank cuts the same number of micro-batches.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -76,7 +75,7 @@ def apply(batch: RolloutBatch, cfg: RolloutFilterConfig, groups: ParallelGroups,
         ``filter/*`` metrics over every DP rank: ``kept_fraction`` (rows that train / rows of the batch),
         ``threshold`` (mean over the valid rows; reward_above_mean_std), ``refill_rounds`` (dapo_groups),
         ``kept_reward`` and ``dropped_reward`` (mean metric of the valid rows generated this step that train
-        and that do not; NaN when there are none).
+        and that do not). A mean over no rows is left out.
     """
     b = batch.batch_size
     rounds: List[Tuple[RolloutBatch, torch.Tensor, torch.Tensor]] = [(batch, *keep_rows(batch, cfg, groups))]
@@ -134,13 +133,13 @@ def _metrics(rounds, out: RolloutBatch, trains: torch.Tensor, cfg: RolloutFilter
     comm.all_reduce_sum(totals, groups.dp_group)
     kept_n, rows, kept_sum, dropped_sum, dropped_n, t_sum, t_n = totals.tolist()
 
-    def mean(total, n):
-        return total / n if n else math.nan
-
-    metrics = {"filter/kept_fraction": kept_n / rows, "filter/kept_reward": mean(kept_sum, kept_n),
-               "filter/dropped_reward": mean(dropped_sum, dropped_n)}
-    if cfg.name == "reward_above_mean_std":
-        metrics["filter/threshold"] = mean(t_sum, t_n)
+    # a mean over no rows is left out, not logged as NaN (the counts are global, so every rank agrees);
+    # only reward_above_mean_std has thresholds
+    metrics = {"filter/kept_fraction": kept_n / rows}
+    for key, total, n in (("kept_reward", kept_sum, kept_n), ("dropped_reward", dropped_sum, dropped_n),
+                          ("threshold", t_sum, t_n)):
+        if n:
+            metrics[f"filter/{key}"] = total / n
     if cfg.name == "dapo_groups":
         metrics["filter/refill_rounds"] = float(len(rounds) - 1)
     return metrics

@@ -60,7 +60,15 @@ def test_none_keeps_the_valid_rows():
     batch = _batch([1.0, 0.0, 1.0, 1.0], valid=[True, False, True, True])
     out, m = rollout_filter.apply(batch, RolloutFilterConfig(), ONE_PROCESS, None)
     assert m["filter/kept_fraction"] == pytest.approx(3 / 4) and m["filter/kept_reward"] == pytest.approx(1.0)
-    assert math.isnan(m["filter/dropped_reward"]) and "filter/threshold" not in m
+    # nothing valid was dropped: no dropped_reward (a metric is logged only where it is defined)
+    assert set(m) == {"filter/kept_fraction", "filter/kept_reward"}
+
+
+def test_metrics_without_rows_to_average_are_left_out():
+    """No valid row at all: nothing kept, nothing dropped, no threshold; only the kept fraction (0) is defined."""
+    batch = _batch([1.0, 2.0, 3.0, 4.0], valid=[False] * 4)
+    _, m = rollout_filter.apply(batch, RolloutFilterConfig(name="reward_above_mean_std"), ONE_PROCESS, None)
+    assert m == {"filter/kept_fraction": 0.0}
 
 
 def test_dapo_refill_that_needs_two_rounds():
