@@ -2,7 +2,8 @@
 
 Writes one PNG per panel group into ``<run_dir>/report/`` and ``<run_dir>/report/summary.md``
 (steps, first / last / best values of the key metrics, the plots written and the panels skipped).
-A panel whose keys are all absent is skipped and listed as such; non-finite values (``"nan"``,
+A panel whose keys are all absent is skipped and listed as such; a key of a part the run does not have
+(a critic, the trust gate, the balance) is not listed as lacking; non-finite values (``"nan"``,
 ``"inf"`` strings, as :class:`~hpa.trainer.metrics.MetricsWriter` writes them) are left out of the
 lines and of first / last / best, and counted in the summary. matplotlib is imported lazily, with
 the Agg backend, so nothing else in hpa needs it.
@@ -24,12 +25,22 @@ REPORT_DIR = "report"
 
 @dataclasses.dataclass(frozen=True)
 class Panel:
-    """One PNG: the series of ``keys`` (``(key, label)``) against the step."""
+    """One PNG: the series of ``keys`` (``(key, label)``) against the step.
+
+    ``parts``: ``(key, prefix)`` for keys that only a part some runs lack logs (a critic, the trust gate);
+    such a key is expected only when the log has a key starting with ``prefix`` (the part ran).
+    """
 
     name: str
     title: str
     keys: Tuple[Tuple[str, str], ...]
     ylabel: str = ""
+    parts: Tuple[Tuple[str, str], ...] = ()
+
+    def expected(self, series: "Series") -> List[str]:
+        """The keys this run should have logged."""
+        part = dict(self.parts)
+        return [k for k, _ in self.keys if k not in part or any(name.startswith(part[k]) for name in series)]
 
 
 PANELS: Tuple[Panel, ...] = (
@@ -39,13 +50,16 @@ PANELS: Tuple[Panel, ...] = (
     Panel("grad_norm", "Policy gradient norm", (("actor/grad_norm", "grad norm"),), "L2 norm"),
     Panel("clip_fractions", "Clip fractions",
           (("actor/pg_clipfrac", "policy (upper)"), ("actor/pg_clipfrac_lower", "policy (lower, dual-clip)"),
-           ("critic/vf_clipfrac", "value")), "fraction"),
+           ("critic/vf_clipfrac", "value")), "fraction", parts=(("critic/vf_clipfrac", "critic/"),)),
     Panel("response_length", "Response length",
           (("response_length/mean", "mean"), ("response/length_mean", "mean")), "tokens"),
     Panel("dpo_accuracy", "DPO reward accuracy", (("dpo/reward_acc", "accuracy"),), "fraction"),
-    Panel("weights", "HPA weight schedules",
+    Panel("weights", "HPA weights: schedules, trust gate, balance",
           (("hpa/w_ppo", "w_ppo"), ("hpa/w_dpo", "w_dpo"), ("hpa/w_kl", "w_kl"),
-           ("hpa/lambda_token", "lambda_token"), ("hpa/lambda_semantic", "lambda_semantic")), "weight"),
+           ("hpa/lambda_token", "lambda_token"), ("hpa/lambda_semantic", "lambda_semantic"),
+           ("gate/gate", "trust gate (learned-reward weight)"), ("hpa/balance_factor", "balance (pair-term factor)")),
+          # (the balance logs nothing else: its factor is expected only where it is logged)
+          "weight", parts=(("gate/gate", "gate/"), ("hpa/balance_factor", "hpa/balance_factor"))),
     Panel("eval_score", "Evaluation score", (("eval/score", "eval score"),), "score"),
 )
 
@@ -221,8 +235,9 @@ def run_report(run_dir) -> Path:
         if not present:
             skipped.append(panel)
             continue
-        if panel.name != "response_length" and len(present) < len(panel.keys):
-            partial[panel.name] = [k for k, _ in panel.keys if k not in series]
+        lacking = [k for k in panel.expected(series) if k not in series]
+        if panel.name != "response_length" and lacking:
+            partial[panel.name] = lacking
         plots.append(_plot(panel, series, out_dir))
     return write_summary(series, run_dir, plots, skipped, partial)
 

@@ -22,7 +22,8 @@ def _full_records(num_steps=12):
              "actor/grad_norm": 1.0 / step, "actor/pg_clipfrac": 0.1, "actor/pg_clipfrac_lower": 0.01,
              "critic/vf_clipfrac": 0.2, "response_length/mean": 10.0 + step, "dpo/reward_acc": 0.5 + 0.03 * step,
              "hpa/w_ppo": 1.0, "hpa/w_dpo": 1.0 - step / num_steps, "hpa/w_kl": 0.1,
-             "hpa/lambda_token": 1.0, "hpa/lambda_semantic": 0.5}
+             "hpa/lambda_token": 1.0, "hpa/lambda_semantic": 0.5, "gate/gate": 1.0 / (1.0 + 0.1 * step),
+             "gate/lambda": 0.1 * step, "hpa/balance_factor": 1.7}
         if step % 4 == 0:
             r["eval/score"] = 0.1 * step  # 0.4, 0.8, 1.2
         out.append(r)
@@ -67,6 +68,31 @@ def test_missing_keys_are_skipped_and_reported(tmp_path):
     assert "`reward.png` lacks `reward/shaped_mean`" in text
     assert "`kl.png` lacks `kl/semantic`" in text
     assert "eval score: not logged" in text
+
+
+def test_weights_plot_shows_the_trust_gate_and_the_balance():
+    """The two weights that move in a default run: the learned reward's gate and the pair term's factor."""
+    weights, = [p for p in PANELS if p.name == "weights"]
+    keys = [k for k, _ in weights.keys]
+    assert "gate/gate" in keys and "hpa/balance_factor" in keys
+    assert {"hpa/w_ppo", "hpa/w_dpo", "hpa/w_kl", "hpa/lambda_token", "hpa/lambda_semantic"} <= set(keys)
+
+
+def _without(records, prefixes):
+    return [{k: v for k, v in r.items() if not k.startswith(prefixes)} for r in records]
+
+
+def test_metrics_of_parts_a_run_does_not_have_are_not_reported_missing(tmp_path):
+    """A group-advantage run has no critic, a run may have no trust gate or balance: their panels do not say
+    they lack those metrics; a run that has the part but not the metric still hears of it."""
+    _write(tmp_path / "grpo", _without(_full_records(), ("critic/", "gate/", "hpa/balance_factor")))
+    text = run_report(tmp_path / "grpo").read_text()
+    assert "lacks" not in text
+    _write(tmp_path / "gae", [{**r, "critic/vf_loss": 0.5, "gate/lambda": 0.0}
+                              for r in _without(_full_records(), ("critic/", "gate/gate"))])
+    text = run_report(tmp_path / "gae").read_text()
+    assert "`clip_fractions.png` lacks `critic/vf_clipfrac`" in text
+    assert "`weights.png` lacks `gate/gate`" in text
 
 
 def test_all_non_finite_series_and_unsorted_duplicate_steps(tmp_path):
