@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 import sys
+import warnings
 from typing import List, Optional
 
 import hpa
@@ -142,8 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# megatron says at import, per module and process, that Apex / Transformer Engine are missing and what it
+# falls back to: the expected case on CPU; on a GPU, the launch says it once (distributed.init.launched)
+MEGATRON_FALLBACK_WARNING = r"(Transformer Engine and Apex are|Apex is) not installed"
+MEGATRON_FALLBACK_LOGGER = "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision"
+
+
+def _not_a_fallback_notice(record: logging.LogRecord) -> bool:
+    return "without Transformer Engine" not in record.getMessage()
+
+
+def quiet_megatron_fallbacks() -> None:
+    """Silence megatron's Apex / Transformer Engine fallback notices, and nothing else."""
+    warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNING, category=UserWarning, module="megatron")
+    fallback_logger = logging.getLogger(MEGATRON_FALLBACK_LOGGER)
+    if _not_a_fallback_notice not in fallback_logger.filters:
+        fallback_logger.addFilter(_not_a_fallback_notice)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_megatron_fallbacks()
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv[:1])  # --help, --version, or an error that lists the commands (exit 2)
         return 2

@@ -58,3 +58,54 @@ def test_a_command_parses_its_own_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["check-config", "--help"])
     assert "--world-size" in capsys.readouterr().out
+
+
+def test_megatron_fallback_warnings_are_not_printed_on_cpu(tmp_path):
+    """On CPU, megatron's "Apex / Transformer Engine not installed, falling back to ..." (several per process,
+    at import) is the expected case: ``hpa train`` prints none of it. The run stops at its missing tokenizer,
+    after megatron was imported and initialised."""
+    import os
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)
+    proc = subprocess.run([sys.executable, "-m", "hpa.cli", "train", f"trainer.run_dir={tmp_path / 'run'}",
+                           f"data.tokenizer_path={tmp_path / 'missing.model'}", "logging.wandb.mode=disabled"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert "initialised tp1_pp1_dp1 on cpu" in proc.stderr and "missing.model" in proc.stderr, proc.stderr[-3000:]
+    noise = [line for line in proc.stderr.splitlines() if "Apex" in line or "Transformer Engine" in line]
+    assert not noise, noise
+
+
+def test_the_fallback_filter_silences_only_megatrons_fallback_warnings():
+    import warnings
+
+    from hpa.cli import quiet_megatron_fallbacks
+
+    def shown(message, module):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_megatron_fallbacks()
+            warnings.warn_explicit(message, UserWarning, "x.py", 1, module=module)
+        return bool(caught)
+
+    assert not shown("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+                     "megatron.core.optimizer")
+    assert not shown("Apex is not installed. Falling back to Torch Norm", "megatron.core.models.backends")
+    assert shown("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+                 "megatron.core.transformer.transformer_config")
+    assert shown("Apex is not installed. Falling back to Torch Norm", "someone_else")
+
+
+def test_a_gpu_run_without_transformer_engine_hears_once_what_runs_in_its_place(monkeypatch):
+    import torch
+
+    from hpa.distributed import init
+
+    assert init.megatron_fallback_note(torch.device("cpu")) is None  # the expected case: nothing
+    monkeypatch.setattr(init, "_importable", lambda module: False)
+    note = init.megatron_fallback_note(torch.device("cuda", 0))
+    assert "Transformer Engine and Apex are not installed" in note and "torch" in note and "hpa doctor" in note
+    monkeypatch.setattr(init, "_importable", lambda module: module.startswith("apex"))
+    assert "Transformer Engine is not installed" in init.megatron_fallback_note(torch.device("cuda", 0))
+    monkeypatch.setattr(init, "_importable", lambda module: True)
+    assert init.megatron_fallback_note(torch.device("cuda", 0)) is None

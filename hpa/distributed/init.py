@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import datetime
+import importlib
 import logging
 import os
 import re
@@ -106,10 +107,34 @@ def launched(cfg):
     validate(cfg, launch.world_size)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
+    note = megatron_fallback_note(groups.device)
+    if note and groups.rank == 0:
+        logger.warning("%s", note)
     try:
         yield cfg, groups
     finally:
         destroy()
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def megatron_fallback_note(device: torch.device) -> Optional[str]:
+    """On a GPU without Transformer Engine, what megatron runs in its place (its own import-time warnings,
+    several per process, are silenced at hpa's entry); None on CPU, where the fallbacks are expected."""
+    if device.type != "cuda" or _importable("transformer_engine.pytorch"):
+        return None
+    if _importable("apex.optimizers"):
+        return ("Transformer Engine is not installed: megatron's local layers run in its place, with Apex's fused "
+                "norms and optimizers (slower on GPUs); `hpa doctor` prints the install command")
+    return ("Transformer Engine and Apex are not installed: megatron's local layers, torch's norms and optimizers "
+            "and its own multi-tensor kernels run in their place (slower on GPUs); `hpa doctor` prints the "
+            "install command")
 
 
 def _free_port() -> int:
