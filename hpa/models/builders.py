@@ -73,6 +73,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, groups: Par
         recompute_granularity=model.recompute_granularity,
         recompute_method="uniform" if model.recompute_granularity == "full" else None,
         recompute_num_layers=1 if model.recompute_granularity == "full" else None,
+        cuda_graph_scope=[],  # megatron's default "full", spelled as it now wants (else it warns per config)
     )
 
 

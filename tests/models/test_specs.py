@@ -60,3 +60,22 @@ def test_no_cuda_means_local(monkeypatch):
     assert specs.use_transformer_engine("auto") is False
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         specs.use_transformer_engine("transformer_engine")
+
+
+def test_the_transformer_config_raises_no_deprecation_of_megatrons_own_default():
+    """megatron 0.16 defaults ``cuda_graph_scope`` to "full", then warns that "full" is deprecated (once per
+    config built) and turns it into ``[]``; hpa passes ``[]``, the same scope (the whole layer)."""
+    import types
+    import warnings
+
+    from hpa.config import load_config
+    from hpa.models.builders import transformer_config
+
+    cfg = load_config(None, [])
+    groups = types.SimpleNamespace(device=torch.device("cpu"), tensor_model_parallel_size=1,
+                                   pipeline_model_parallel_size=1, context_parallel_size=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = transformer_config(cfg.model, cfg.parallel, groups)
+    assert config.cuda_graph_scope == []
+    assert not [w for w in caught if "cuda_graph_scope" in str(w.message)]
