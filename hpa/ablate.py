@@ -326,8 +326,9 @@ def execute(cfg: AblateConfig, runs: Sequence[Run], env: Optional[Dict[str, str]
                 deadline = time.time() + cfg.stop_timeout_s
             if not killed and (time.time() > deadline or stop.count > 1):
                 killed = True
+                why = "a second signal" if stop.count > 1 else f"still running after {cfg.stop_timeout_s:.0f} s"
                 for run, proc, _, _ in active:
-                    logger.warning("ablate: killing %s seed %d (it did not exit in time)", run.variant, run.seed)
+                    logger.warning("ablate: killing %s seed %d (%s)", run.variant, run.seed, why)
                     with contextlib.suppress(ProcessLookupError):  # (it may have exited meanwhile)
                         os.killpg(proc.pid, signal.SIGKILL)  # the run's whole session: torchrun's workers too
             time.sleep(0.2)
@@ -337,7 +338,8 @@ def execute(cfg: AblateConfig, runs: Sequence[Run], env: Optional[Dict[str, str]
                     continue
                 active.remove(item)
                 log.close()
-                states[run] = _finish(run, proc.returncode, time.time() - start, counts, stopping=stop.signum is not None)
+                states[run] = _finish(run, proc.returncode, time.time() - start, counts,
+                                      stopping=stop.signum is not None)
         if stop.signum is not None:
             states.update({r: "not started" for r in pending})
             raise AblationStopped(stop.signum, [(r, states[r]) for r in runs])
