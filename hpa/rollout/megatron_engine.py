@@ -40,7 +40,8 @@ Decode modes (``decode=``; the ``"hpa"`` cache at TP 1 and PP 1 only, the others
 - ``"graph"``: ``"static"`` with the step captured in a CUDA graph once per bucket and weight version,
   replayed per token. A version ends with ``sync_weights`` (the trainer calls it before every rollout),
   with ``sleep`` (which frees the caches for training), or when a parameter gets new storage.
-- ``"auto"`` (default): ``"graph"`` on CUDA where it applies, else ``"eager"``.
+- ``"auto"`` (default): ``"graph"`` on CUDA where it applies, else ``"eager"``; a capture that fails
+  logs a warning and the engine decodes eagerly from then on.
 
 Sampling runs after the step, eagerly and on the real rows only, so a bucket's padding rows change
 neither the tokens nor the random stream.
@@ -161,6 +162,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self.max_sequence_length = self.module.max_sequence_length
         self.masks_padding = kv_cache == "hpa" or _attention_honours_masks(self.module)
         self.decode = self._decode_mode(decode)
+        self._graph_by_default = decode == "auto" and self.decode == "graph"  # a failed capture falls back
         self._steps = {}  # (rows, slots) -> StaticDecodeStep of the current weight version
         self._weights_version = 0
         self._steps_version = None
@@ -200,7 +202,16 @@ class MegatronRolloutEngine(RolloutEngine):
             self._steps.clear()
             self._steps_version = version
         if (rows, slots) not in self._steps:
-            self._steps[(rows, slots)] = StaticDecodeStep(self.module, rows, slots, capture=self.decode == "graph")
+            try:
+                self._steps[(rows, slots)] = StaticDecodeStep(self.module, rows, slots,
+                                                              capture=self.decode == "graph")
+            except RuntimeError as err:
+                if not self._graph_by_default:
+                    raise
+                logger.warning("native rollout engine: capturing the decode step in a CUDA graph failed (%s); "
+                               "decoding eagerly from now on (rollout.cuda_graphs=false skips the attempt)", err)
+                self.decode = "eager"
+                return None
         return self._steps[(rows, slots)]
 
     # ----------------------------------------------------------------------------------------------
@@ -227,9 +238,13 @@ class MegatronRolloutEngine(RolloutEngine):
         was_training = self.module.training
         self.module.eval()  # before a graph is captured
         static = None
-        if self.decode != "eager":
+        if self.decode != "eager":  # None when the capture failed
             # b_pad rows of the bucket: all padding, finished from the start
-            static = self._static_step(row_bucket(b), slot_bucket(total, self.max_sequence_length))
+            try:
+                static = self._static_step(row_bucket(b), slot_bucket(total, self.max_sequence_length))
+            except BaseException:
+                self.module.train(was_training)
+                raise
         b_pad = static.key_valid.shape[0] if static is not None else b
         tokens = torch.full((b_pad, total), info.pad_token_id, dtype=torch.long, device=device)  # [b_pad, p + r]
         if static is not None:
