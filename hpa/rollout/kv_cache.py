@@ -22,6 +22,10 @@ the padded row (as megatron does when it ignores ``position_ids``), padded keys 
 the softmax scale is the core attention's. Left-padding rows (all of whose keys are padding) attend
 to themselves only, which keeps them finite; nothing attends to them.
 
+``CachedDecoder.decode_step`` is the same layer walk for one token with static shapes (every cache
+slot attended under a mask, the position a device tensor): ``StaticDecodeStep`` captures it in a CUDA
+graph; the engine's ``decode`` modes say when.
+
 ``unsupported_reason(module)`` names what this decoder does not implement (sliding windows, output
 gates, MLA, ...); the engine then falls back to megatron's inference context.
 """
