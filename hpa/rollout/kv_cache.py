@@ -162,9 +162,14 @@ class CachedDecoder:
         def attend(i, query, key, value):
             self.keys[i].index_copy_(2, position, key.permute(1, 2, 0, 3))
             self.values[i].index_copy_(2, position, value.permute(1, 2, 0, 3))
-            return F.scaled_dot_product_attention(
-                query.permute(1, 2, 0, 3), self.keys[i], self.values[i], attn_mask=allowed, scale=self.scale,
-                enable_gqa=True)  # [b, heads/tp, 1, d]
+            b, heads, d = query.shape[1], query.shape[2], query.shape[3]
+            groups = self.keys[i].shape[1]
+            # one query per row: a group's heads (consecutive, as megatron splits them) become the query
+            # positions of that group, so each key and value is read once, without SDPA's GQA support
+            context = F.scaled_dot_product_attention(
+                query.reshape(b, groups, heads // groups, d), self.keys[i], self.values[i], attn_mask=allowed,
+                scale=self.scale)  # [b, g/tp, heads/g, d]
+            return context.reshape(b, heads, 1, d)  # [b, heads/tp, 1, d]
 
         for i, layer in enumerate(module.decoder.layers):
             hidden = self._layer(i, layer, hidden, rope, attend)
@@ -351,7 +356,7 @@ class StaticDecodeStep:
                 self.decoder.decode_step(self.input_ids, self.position, self.key_valid)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # as megatron: NCCL's watchdog
             self.logits = self.decoder.decode_step(self.input_ids, self.position, self.key_valid)
 
     def __call__(self) -> torch.Tensor:
