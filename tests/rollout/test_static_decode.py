@@ -6,7 +6,8 @@ One TP1/PP1 spawn runs every generate call; the tests compare what it returned:
   row buckets (1, 3, 5, 9 rows: buckets 1, 4, 8, 16), and EOS / stop ids that end rows at different steps;
 - seeded sampling draws the same tokens (padding rows of a bucket are not sampled);
 - the decode loop reads the device (``.item``, ``.tolist``, tensor ``bool``, device-to-host copies,
-  data-dependent shapes) about once per ``FINISHED_CHECK_EVERY`` steps, where eager decode reads it every step;
+  data-dependent shapes) about once per ``FINISHED_CHECK_EVERY`` steps, where eager decode reads it every step
+  (counted in the test device mode, ``hpa/distributed/device_mode.py``);
 - a bucket's step is built once per weight version: reused across calls, rebuilt after ``sync_weights``
   and after a parameter gets new storage, freed by ``sleep``.
 
@@ -91,18 +92,6 @@ def worker(groups):
         for name, params, e in [("greedy", greedy, 1), ("stopped", stopping, eos), ("sampled", sampled, eos)]:
             out[(n, name)] = {mode: pack(engine(mode, e).generate(ps, params)) for mode in ("eager", "static")}
 
-    def syncs(decode, max_new):
-        e = engine(decode)
-        params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
-        ps = prompt_lists(3)
-        e.generate(ps, params)  # build the bucket's step first
-        with SyncCounter() as counter:
-            e.generate(ps, params)
-        return len(counter.calls)
-
-    out["syncs"] = {(d, m): syncs(d, m) for d in ("eager", "static") for m in (8, 16, 32)}
-    out["check_every"] = me.FINISHED_CHECK_EVERY
-
     e = engine("static")
     ps, params = prompt_lists(3), greedy
     e.generate(ps, params)
@@ -126,6 +115,30 @@ def worker(groups):
     except ValueError as err:
         out["graph_on_cpu_error"] = str(err)
     return out
+
+
+def sync_worker(groups):
+    """Host reads of whole generate calls (prompts built outside), in the test device mode."""
+    from hpa.config.schema import ParallelConfig
+    from hpa.models import build_policy
+    from hpa.rollout import SamplingParams, TokenizerInfo
+    from hpa.rollout import megatron_engine as me
+
+    torch.manual_seed(0)
+    model = build_policy(tiny_model_config(), ParallelConfig(), groups)
+    info = TokenizerInfo(vocab_size=VOCAB, eos_token_id=1, pad_token_id=PAD)
+
+    def syncs(decode, max_new):
+        e = me.MegatronRolloutEngine(model, groups, info, decode=decode)
+        params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+        ps = prompt_lists(3)
+        e.generate(ps, params)  # build the bucket's step first
+        with SyncCounter() as counter:
+            e.generate(ps, params)
+        return len(counter.calls)
+
+    return {"device": groups.device.type, "check_every": me.FINISHED_CHECK_EVERY,
+            "syncs": {(d, m): syncs(d, m) for d in ("eager", "static") for m in (8, 16, 32)}}
 
 
 @pytest.fixture(scope="module")
@@ -154,11 +167,15 @@ def test_stops_end_rows_at_different_steps(res):
     assert len(lengths) >= 3 and min(lengths) < MAX_NEW
 
 
-def test_decode_loop_reads_the_device_once_per_check_interval(res):
+def test_decode_loop_reads_the_device_once_per_check_interval(monkeypatch):
+    monkeypatch.setenv("HPA_TEST_MODEL_DEVICE", "lazy")
+    res = run_ranks(sync_worker)[0]
+    assert res["device"] == "lazy"
     syncs, k = res["syncs"], res["check_every"]
     # eager: at least one read per step (the finished check, and the attention mask's all-valid check)
     assert syncs[("eager", 16)] - syncs[("eager", 8)] >= 8
-    # static: one read per k steps, plus a constant (prefill mask, results to the host)
+    # static: one read per k >= 8 steps, plus a constant (prefill mask, results to the host)
+    assert k >= 8
     for short, long in [(8, 16), (16, 32)]:
         assert syncs[("static", long)] - syncs[("static", short)] == (long - short) // k
     assert syncs[("static", 32)] <= 32 // k + 9, syncs
