@@ -308,8 +308,8 @@ class MegatronRolloutEngine(RolloutEngine):
         active_steps = response_mask.any(dim=0).nonzero()
         steps = int(active_steps[-1]) + 1 if len(active_steps) else 0
         response_mask = response_mask[:, :steps].float()
-        response_ids = tokens[:b, p:p + steps].cpu()  # [b, r]
-        prompt_ids, prompt_mask = tokens[:b, :p].cpu(), key_valid[:b, :p].long().cpu()
+        response_ids = tokens[:b, p:p + steps].clone().cpu()  # [b, r]
+        prompt_ids, prompt_mask = tokens[:b, :p].clone().cpu(), key_valid[:b, :p].long().cpu()
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
                             response_ids=response_ids, response_mask=response_mask,
                             log_probs=log_probs[:b, :steps].cpu(),
