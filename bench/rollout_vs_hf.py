@@ -7,7 +7,8 @@ Usage::
 
     python bench/rollout_vs_hf.py [--repeats N --batch B --prompt-len P --new-tokens T --hidden H
                                    --layers L --heads A --kv-heads G --ffn F --vocab V --threads N
-                                   --profile --vllm --device cpu|cuda --dtype float32|bfloat16]
+                                   --profile --vllm --device cpu|cuda --dtype float32|bfloat16
+                                   --no-cuda-graphs]
 
 Both sides decode the same Llama-style architecture (RMSNorm, SwiGLU, RoPE, grouped-query attention,
 untied embeddings, no biases; random weights, not equal across sides: a speed test) from the same
@@ -17,7 +18,9 @@ early stop: EOS is ignored on both sides), with a KV cache, in one process, fp32
 
 - hpa: ``hpa.distributed.initialize`` (TP1/PP1/DP1, gloo, one process), ``build_policy`` from the
   ``ModelConfig`` (``transformer_impl="local"``, the CPU spec), ``build_rollout_engine(RolloutConfig(),
-  ...)`` (the native ``megatron`` engine with its default KV cache, ``hpa.rollout.kv_cache``), and
+  ...)`` (the native ``megatron`` engine with its default KV cache, ``hpa.rollout.kv_cache``; on CUDA its
+  decode step replayed from a CUDA graph, captured in the warm-up call, or eager with
+  ``--no-cuda-graphs``: ``rollout.cuda_graphs``), and
   ``engine.generate(prompts, SamplingParams(n=1, temperature=0, max_new_tokens=T, ignore_eos=True))``
   under ``torch.no_grad``.
 - HF: ``LlamaForCausalLM(LlamaConfig(same sizes))`` in eval mode,
@@ -75,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: both sides on the first GPU (hpa over NCCL), timed to the GPU's finish")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="native engine: eager decode on CUDA (rollout.cuda_graphs=false)")
     args = p.parse_args(argv)
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
@@ -142,7 +147,7 @@ class HpaSide:
         self.model = build_policy(model_cfg, parallel, self.groups)
         self.model_cfg = model_cfg
         self.model.eval()
-        self.engine = build_rollout_engine(RolloutConfig(), self.model, self.groups,
+        self.engine = build_rollout_engine(RolloutConfig(cuda_graphs=args.cuda_graphs), self.model, self.groups,
                                            TokenizerInfo(vocab_size=args.vocab, eos_token_id=EOS, pad_token_id=PAD))
         self.params = SamplingParams(n=1, temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
         self.num_params = _num_params(self.model)
@@ -288,7 +293,7 @@ def main(argv=None) -> int:
                    "new_tokens": args.new_tokens, "generated_tokens_per_call": tokens,
                    "hpa_params": hpa.num_params, "hf_params": hf.num_params, "threads": torch.get_num_threads(),
                    "cpu_count": os.cpu_count(), "dtype": args.dtype, "device": args.device, "greedy": True,
-                   "hf_attn_implementation": hf.attn_implementation},
+                   "hf_attn_implementation": hf.attn_implementation, "hpa_decode": hpa.engine.decode},
         "call_s": {name: [round(t, 3) for t in ts] for name, ts in times.items()},
         "call_s_median": {name: round(t, 3) for name, t in med.items()},
         "torch": torch.__version__,

@@ -127,7 +127,13 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """Sampling for the online (PPO) part."""
+    """Sampling for the online (PPO) part.
+
+    ``cuda_graphs`` (native engine): on CUDA at tensor and pipeline parallel size 1, decode with static
+    shapes (rows and KV-cache slots padded to powers of two) and replay each token's step from a CUDA
+    graph captured once per batch bucket and weight version; ignored on CPU and where it does not
+    apply (``hpa/rollout/megatron_engine.py``). ``false`` decodes eagerly, one launch per op.
+    """
 
     engine: str = "megatron"
     n: int = 4
@@ -140,6 +146,7 @@ class RolloutConfig:
     vllm_tensor_parallel_size: Optional[int] = None
     gpu_memory_utilization: float = 0.85
     colocate: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         check_choice("engine", self.engine, ROLLOUT_ENGINES)

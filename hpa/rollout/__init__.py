@@ -44,7 +44,7 @@ def build_rollout_engine(rollout_cfg, model, groups, tokenizer_info: TokenizerIn
             from it and requires it.
         checkpoint_path: the policy checkpoint (``model.policy_path``); the vllm engine reads the HF
             family of an ``hpa convert`` import there.
-        **kwargs: engine-specific (``use_kv_cache`` for megatron; ``hf_model_path``, ``llm_kwargs``
+        **kwargs: engine-specific (``kv_cache``, ``decode`` for megatron; ``hf_model_path``, ``llm_kwargs``
             for vllm).
     """
     return ROLLOUT_ENGINES.get(rollout_cfg.engine)(rollout_cfg, model, groups, tokenizer_info, model_cfg=model_cfg,

@@ -22,6 +22,10 @@ the padded row (as megatron does when it ignores ``position_ids``), padded keys 
 the softmax scale is the core attention's. Left-padding rows (all of whose keys are padding) attend
 to themselves only, which keeps them finite; nothing attends to them.
 
+``CachedDecoder.decode_step`` is the same layer walk for one token with static shapes (every cache
+slot attended under a mask, the position a device tensor): ``StaticDecodeStep`` captures it in a CUDA
+graph; the engine's ``decode`` modes say when.
+
 ``unsupported_reason(module)`` names what this decoder does not implement (sliding windows, output
 gates, MLA, ...); the engine then falls back to megatron's inference context.
 """
@@ -85,8 +89,9 @@ class CachedDecoder:
         for layer in layers:
             a = layer.self_attention
             shape = (batch_size, a.num_query_groups_per_partition, max_sequence_length, a.hidden_size_per_attention_head)
-            self.keys.append(torch.empty(shape, dtype=dtype, device=device))  # [b, g/tp, S, d]
-            self.values.append(torch.empty(shape, dtype=dtype, device=device))  # [b, g/tp, S, d]
+            # zeros, not empty: the static decode step reads every slot (masked), and 0 * NaN is NaN
+            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))  # [b, g/tp, S, d]
+            self.values.append(torch.zeros(shape, dtype=dtype, device=device))  # [b, g/tp, S, d]
         # [S, 1, 1, d_rot]; megatron computes the same table for a training forward of length S
         self.rotary = module.rotary_pos_emb(max_sequence_length) if layers else None
         self.rope_tables = None
@@ -118,8 +123,62 @@ class CachedDecoder:
         if hidden is None:
             hidden = module.embedding(input_ids=input_ids, position_ids=None)  # [s_q, b, h]
         allowed = self._allowed(key_valid, start, end)  # [b, 1, s_q, end], or None: plain causal
+        rope = self._rope_slice(start, end)
+
+        def attend(i, query, key, value):
+            self.keys[i][:, :, start:end] = key.permute(1, 2, 0, 3)
+            self.values[i][:, :, start:end] = value.permute(1, 2, 0, 3)
+            return F.scaled_dot_product_attention(
+                query.permute(1, 2, 0, 3), self.keys[i][:, :, :end], self.values[i][:, :, :end],  # [b, heads, s, d]
+                attn_mask=allowed, is_causal=allowed is None and end - start > 1, scale=self.scale,
+                enable_gqa=True)  # [b, heads/tp, s_q, d]
+
         for i, layer in enumerate(module.decoder.layers):
-            hidden = self._layer(i, layer, hidden, start, end, allowed)
+            hidden = self._layer(i, layer, hidden, rope, attend)
+        return self._head(hidden)
+
+    @torch.no_grad()
+    def decode_step(self, input_ids: torch.Tensor, position: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+        """One decode step with static shapes: what the native engine captures in a CUDA graph.
+
+        Every shape is the cache's (``b`` rows, ``S`` slots) whatever the step; the step's position is a
+        device tensor, its keys and values go into the cache with ``index_copy_``, and attention reads all
+        ``S`` slots under a mask, so nothing depends on a host value and the same call replays at every step.
+
+        Args:
+            input_ids: ``[b, 1]`` the tokens at ``position`` (first stage only).
+            position: ``[1]`` int64, the step's position in the padded rows.
+            key_valid: ``[b, S]`` bool, True where a slot holds a real token; False beyond ``position``.
+
+        Returns:
+            ``[b, v_padded]`` logits of ``position`` (this is the last stage: the engine runs it at PP 1).
+        """
+        module = self.module
+        hidden = module.embedding(input_ids=input_ids, position_ids=None)  # [1, b, h]
+        # real keys, and always the query itself (rows of padding only attend to themselves, as in forward)
+        allowed = key_valid.index_fill(1, position, True)[:, None, None, :]  # [b, 1, 1, S]
+        rope = self._rope_at(position)
+
+        def attend(i, query, key, value):
+            self.keys[i].index_copy_(2, position, key.permute(1, 2, 0, 3))
+            self.values[i].index_copy_(2, position, value.permute(1, 2, 0, 3))
+            b, heads, d = query.shape[1], query.shape[2], query.shape[3]
+            groups = self.keys[i].shape[1]
+            # one query per row: a group's heads (consecutive, as megatron splits them) become the query
+            # positions of that group, so each key and value is read once, without SDPA's GQA support
+            context = F.scaled_dot_product_attention(
+                query.reshape(b, groups, heads // groups, d), self.keys[i], self.values[i], attn_mask=allowed,
+                scale=self.scale)  # [b, g/tp, heads/g, d]
+            return context.reshape(b, heads, 1, d)  # [b, heads/tp, 1, d]
+
+        for i, layer in enumerate(module.decoder.layers):
+            hidden = self._layer(i, layer, hidden, rope, attend)
+        return self._head(hidden)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s_q, b, h]`` -> ``[b, v_padded]`` logits of the last position (gathered over TP) on the last
+        stage; the activations unchanged on the others."""
+        module = self.module
         if not module.post_process:
             return hidden
         last = hidden[-1:]  # [1, b, h]
@@ -142,13 +201,30 @@ class CachedDecoder:
         allowed |= (k == q).unsqueeze(0)
         return allowed.unsqueeze(1)
 
-    def _rope(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Rotate ``[s_q, b, heads, d]`` by positions ``[start, end)`` as megatron's unfused RoPE does."""
+    def _rope_slice(self, start: int, end: int):
+        """The rotation of positions ``[start, end)``: ``(cos, sin)`` ``[s_q, 1, 1, d_rot]`` each, or
+        megatron's ``[s_q, 1, 1, d_rot]`` frequencies (interleaved RoPE), or None without RoPE."""
+        if self.rotary is None:
+            return None
+        if self.rope_tables is None:
+            return self.rotary[start:end]
+        return self.rope_tables[0][start:end], self.rope_tables[1][start:end]
+
+    def _rope_at(self, position: torch.Tensor):
+        """``_rope_slice`` of the one position in the device tensor ``position`` ``[1]`` (no host read)."""
+        if self.rotary is None:
+            return None
+        if self.rope_tables is None:
+            return self.rotary.index_select(0, position)
+        return self.rope_tables[0].index_select(0, position), self.rope_tables[1].index_select(0, position)
+
+    def _rope(self, t: torch.Tensor, rope) -> torch.Tensor:
+        """Rotate ``[s_q, b, heads, d]`` by ``rope`` (``_rope_slice``) as megatron's unfused RoPE does."""
         if self.rope_tables is None:
             from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
-            return apply_rotary_pos_emb(t, self.rotary[start:end], config=self.config)
-        cos, sin = self.rope_tables[0][start:end], self.rope_tables[1][start:end]  # [s_q, 1, 1, d_rot]
+            return apply_rotary_pos_emb(t, rope, config=self.config)
+        cos, sin = rope  # [s_q, 1, 1, d_rot]
         rot_dim = cos.shape[-1]
         t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
         x1, x2 = torch.chunk(t, 2, dim=-1)
@@ -191,20 +267,19 @@ class CachedDecoder:
         out_with_bias = _linear(mlp.linear_fc2, inter)
         return layer.mlp_bda(False, config.bias_dropout_fusion)(out_with_bias, hidden, layer.hidden_dropout)
 
-    def _layer(self, i: int, layer, hidden: torch.Tensor, start: int, end: int, allowed: torch.Tensor):
-        """One ``TransformerLayer``: megatron's modules, with the attention core over the cache."""
+    def _layer(self, i: int, layer, hidden: torch.Tensor, rope, attend):
+        """One ``TransformerLayer``: megatron's modules, with the attention core over the cache.
+
+        ``rope``: ``_rope_slice`` of the queries' positions; ``attend(i, query, key, value)``: writes the
+        rotated ``[s_q, b, groups/tp, d]`` keys and values into layer ``i``'s cache and returns the
+        attention ``[b, heads/tp, s_q, d]`` of the ``[s_q, b, heads/tp, d]`` queries over it."""
         attn = layer.self_attention
         residual = hidden
         normed = layer.input_layernorm(hidden)  # [s_q, b, h]
         query, key, value = self._qkv(i, attn, normed)  # [s_q, b, heads/tp, d], [s_q, b, groups/tp, d]
         if self.rotary is not None:
-            query, key = self._rope(query, start, end), self._rope(key, start, end)
-        self.keys[i][:, :, start:end] = key.permute(1, 2, 0, 3)
-        self.values[i][:, :, start:end] = value.permute(1, 2, 0, 3)
-        context = F.scaled_dot_product_attention(
-            query.permute(1, 2, 0, 3), self.keys[i][:, :, :end], self.values[i][:, :, :end],  # [b, heads, s, d]
-            attn_mask=allowed, is_causal=allowed is None and end - start > 1, scale=self.scale,
-            enable_gqa=True)  # [b, heads/tp, s_q, d]
+            query, key = self._rope(query, rope), self._rope(key, rope)
+        context = attend(i, query, key, value)  # [b, heads/tp, s_q, d]
         s_q, b = hidden.shape[0], hidden.shape[1]
         context = context.permute(2, 0, 1, 3).reshape(s_q, b, -1)  # [s_q, b, heads/tp * d]
         out_with_bias = _linear(attn.linear_proj, context) if self.plain[i] else attn.linear_proj(context)
@@ -240,3 +315,54 @@ def _linear(module, x: torch.Tensor):
     if module.bias is None or module.skip_bias_add:
         return out, module.bias
     return out + module.bias, None
+
+
+class StaticDecodeStep:
+    """The native engine's decode step for one bucket of ``b`` rows and ``S`` cache slots: the cache,
+    the step's input buffers, and on CUDA the step captured once in a CUDA graph and replayed per token.
+
+    The engine writes the step's tokens, position and valid keys into ``input_ids`` ``[b, 1]``,
+    ``position`` ``[1]`` and ``key_valid`` ``[b, S]`` and calls the object; the same
+    ``CachedDecoder.decode_step`` runs eagerly when not captured (on CPU, and to check the graph). A
+    captured step reads the parameters through their storage: in-place updates are seen, a
+    parameter given new storage is not (the engine keys its steps on the storage addresses).
+
+    Args:
+        module: the unwrapped GPTModel (one stage holding every layer), in eval mode when captured.
+        batch_size: rows ``b`` (the bucket).
+        max_sequence_length: slots ``S``.
+        capture: capture a CUDA graph (the parameters must be on CUDA).
+    """
+
+    warmup_steps = 3  # eager runs on a side stream before capture, as torch's CUDA-graph notes ask
+
+    def __init__(self, module, batch_size: int, max_sequence_length: int, *, capture: bool):
+        self.decoder = CachedDecoder(module, batch_size, max_sequence_length)
+        device = next(module.parameters()).device
+        self.input_ids = torch.zeros((batch_size, 1), dtype=torch.long, device=device)  # [b, 1]
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+        self.key_valid = torch.zeros((batch_size, max_sequence_length), dtype=torch.bool, device=device)  # [b, S]
+        self.graph = None
+        self.logits = None
+        if capture:
+            self._capture()
+
+    def _capture(self):
+        # warm-up and capture write position 0 of the cache: every prefill overwrites it
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup_steps):
+                self.decoder.decode_step(self.input_ids, self.position, self.key_valid)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # as megatron: NCCL's watchdog
+            self.logits = self.decoder.decode_step(self.input_ids, self.position, self.key_valid)
+
+    def __call__(self) -> torch.Tensor:
+        """``[b, v_padded]`` logits of the step; from a graph, one buffer overwritten by the next replay."""
+        if self.graph is None:
+            return self.decoder.decode_step(self.input_ids, self.position, self.key_valid)
+        self.graph.replay()
+        return self.logits
+

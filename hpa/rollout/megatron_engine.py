@@ -29,6 +29,23 @@ Layout of one ``generate`` call (``b = prompts · n`` rows, ``p`` = longest prom
 - A row stops on EOS, a stop id or ``max_new_tokens``; finished rows are fed padding (masked, never
   attended to by other rows) until every row has stopped.
 
+Decode modes (``decode=``; the ``"hpa"`` cache at TP 1 and PP 1 only, the others decode eagerly):
+
+- ``"eager"``: every step is a forward of ``[b, 1]`` over the cache prefix, one launch per op: on a GPU
+  the host is the bottleneck (about 25 ms per step for 24 layers at any batch on an H100).
+- ``"static"``: the rows are padded up to a power-of-two bucket and the cache slots to a multiple of
+  ``SLOT_BLOCK``; after an eager prefill, each step is ``CachedDecoder.decode_step`` with those fixed shapes,
+  its position a device tensor (``kv_cache.StaticDecodeStep``). The loop reads the device only to check
+  whether every row has finished, every ``FINISHED_CHECK_EVERY`` steps.
+- ``"graph"``: ``"static"`` with the step captured in a CUDA graph once per bucket and weight version,
+  replayed per token. A version ends with ``sync_weights`` (the trainer calls it before every rollout),
+  with ``sleep`` (which frees the caches for training), or when a parameter gets new storage.
+- ``"auto"`` (default): ``"graph"`` on CUDA where it applies, else ``"eager"``; a capture that fails
+  logs a warning and the engine decodes eagerly from then on.
+
+Sampling runs after the step, eagerly and on the real rows only, so a bucket's padding rows change
+neither the tokens nor the random stream.
+
 Limits: in the ``"megatron"`` and ``"none"`` modes Transformer Engine attention drops
 ``attention_mask`` under a causal mask type, so with the TE spec prompts of different lengths are
 refused there (the ``"hpa"`` mode masks padding itself); sequence parallelism is refused (a decode
@@ -43,6 +60,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from hpa.distributed.groups import ParallelGroups
 from hpa.models.builders import compute_device
@@ -56,6 +74,19 @@ from .sampling import sample_tokens
 logger = logging.getLogger(__name__)
 
 KV_CACHE_MODES = ("hpa", "megatron", "none")
+DECODE_MODES = ("auto", "eager", "static", "graph")
+FINISHED_CHECK_EVERY = 8  # static decode: steps between the host reads of "has every row finished"
+SLOT_BLOCK = 128  # static decode: cache slots are a multiple of this (or the model's context)
+
+
+def row_bucket(n: int) -> int:
+    """The power of two at or above ``n``: the rows of a static decode step."""
+    return 1 << (n - 1).bit_length()
+
+
+def slot_bucket(n: int, max_sequence_length: int) -> int:
+    """``n`` rounded up to a multiple of ``SLOT_BLOCK``, at most ``max_sequence_length``: the cache slots."""
+    return min(-(-n // SLOT_BLOCK) * SLOT_BLOCK, max_sequence_length)
 
 
 def _group_size(group) -> int:
@@ -101,11 +132,13 @@ class MegatronRolloutEngine(RolloutEngine):
             group, and every DP rank samples its own prompts.
         tokenizer_info: vocab size, EOS and pad ids.
         kv_cache: ``"hpa"`` (default), ``"megatron"`` or ``"none"`` (see the module docstring).
+        decode: ``"auto"`` (default), ``"eager"``, ``"static"`` or ``"graph"`` (see the module docstring).
     """
 
     name = "megatron"
 
-    def __init__(self, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo, *, kv_cache: str = "hpa"):
+    def __init__(self, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo, *, kv_cache: str = "hpa",
+                 decode: str = "auto"):
         from hpa.models.heads import unwrap
 
         self.model = model
@@ -128,6 +161,58 @@ class MegatronRolloutEngine(RolloutEngine):
         self.kv_cache = kv_cache
         self.max_sequence_length = self.module.max_sequence_length
         self.masks_padding = kv_cache == "hpa" or _attention_honours_masks(self.module)
+        self.decode = self._decode_mode(decode)
+        self._graph_by_default = decode == "auto" and self.decode == "graph"  # a failed capture falls back
+        self._steps = {}  # (rows, slots) -> StaticDecodeStep of the current weight version
+        self._weights_version = 0
+        self._steps_version = None
+
+    def _decode_mode(self, decode: str) -> str:
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        g = self.groups
+        why_not = ("it needs kv_cache='hpa'" if self.kv_cache != "hpa" else
+                   "it runs at tensor and pipeline parallel size 1" if (g.tensor_model_parallel_size,
+                                                                         g.pipeline_model_parallel_size) != (1, 1)
+                   else None)
+        cuda = self.device.type == "cuda"
+        if decode == "auto":
+            return "graph" if why_not is None and cuda else "eager"
+        if decode in ("static", "graph") and why_not is not None:
+            raise ValueError(f"{decode} decode: {why_not}; set rollout.cuda_graphs=false")
+        if decode == "graph" and not cuda:
+            raise ValueError(f"graph decode needs the parameters on CUDA, they are on {self.device}; "
+                             f"set rollout.cuda_graphs=false")
+        return decode
+
+    def sync_weights(self, *args, **kwargs) -> None:
+        """The weights are used in place; a sync starts a new weight version (graphs are captured again)."""
+        self._weights_version += 1
+
+    def sleep(self) -> None:
+        """Free the static caches and graphs, so the training step gets their memory."""
+        self._steps.clear()
+
+    def _static_step(self, rows: int, slots: int):
+        """The ``StaticDecodeStep`` of a bucket, captured once per weight version (see the module docstring)."""
+        from .kv_cache import StaticDecodeStep
+
+        version = (self._weights_version, tuple(p.data_ptr() for p in self.module.parameters()))
+        if version != self._steps_version:
+            self._steps.clear()
+            self._steps_version = version
+        if (rows, slots) not in self._steps:
+            try:
+                self._steps[(rows, slots)] = StaticDecodeStep(self.module, rows, slots,
+                                                              capture=self.decode == "graph")
+            except RuntimeError as err:
+                if not self._graph_by_default:
+                    raise
+                logger.warning("native rollout engine: capturing the decode step in a CUDA graph failed (%s); "
+                               "decoding eagerly from now on (rollout.cuda_graphs=false skips the attempt)", err)
+                self.decode = "eager"
+                return None
+        return self._steps[(rows, slots)]
 
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -150,35 +235,58 @@ class MegatronRolloutEngine(RolloutEngine):
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {info.eos_token_id})
         stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
-        tokens = torch.full((b, total), info.pad_token_id, dtype=torch.long, device=device)  # [b, p + r]
-        key_valid = torch.zeros((b, total), dtype=torch.bool, device=device)  # [b, p + r]
+        was_training = self.module.training
+        self.module.eval()  # before a graph is captured
+        static = None
+        if self.decode != "eager":  # None when the capture failed
+            # b_pad rows of the bucket: all padding, finished from the start
+            try:
+                static = self._static_step(row_bucket(b), slot_bucket(total, self.max_sequence_length))
+            except BaseException:
+                self.module.train(was_training)
+                raise
+        b_pad = static.key_valid.shape[0] if static is not None else b
+        tokens = torch.full((b_pad, total), info.pad_token_id, dtype=torch.long, device=device)  # [b_pad, p + r]
+        if static is not None:
+            static.key_valid.zero_()
+            key_valid = static.key_valid[:, :total]  # [b_pad, p + r], a view: the step reads it
+        else:
+            key_valid = torch.zeros((b_pad, total), dtype=torch.bool, device=device)  # [b_pad, p + r]
         for i, seq in enumerate(rows):
             tokens[i, p - len(seq):p] = torch.tensor(seq, dtype=torch.long)
             key_valid[i, p - len(seq):p] = True
-        positions = (key_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [b, p + r]; unused by RoPE
-        log_probs = torch.zeros((b, r_max), dtype=torch.float32, device=device)  # [b, r]
-        finished = torch.zeros(b, dtype=torch.bool, device=device)
-        stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        positions = (key_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [b_pad, p + r]; unused by RoPE
+        log_probs = torch.zeros((b_pad, r_max), dtype=torch.float32, device=device)  # [b_pad, r]
+        finished = torch.arange(b_pad, device=device) >= b  # [b_pad]
+        stopped = torch.zeros(b_pad, dtype=torch.bool, device=device)
+        check_every = FINISHED_CHECK_EVERY if static is not None else 1
 
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=device)
             generator.manual_seed(int(params.seed))
-        context = self._new_context(b, total)
+        context = static.decoder if static is not None else self._new_context(b, total)
 
-        was_training = self.module.training
-        self.module.eval()
         try:
             steps = 0
             for step in range(r_max):
                 end = p + step
-                start = 0 if (step == 0 or context is None) else end - 1
-                logits = self._forward(tokens[:, start:end], positions[:, start:end], key_valid, start, end,
-                                       context)  # [b, v_padded] or None
+                if static is not None and step > 0:
+                    static.input_ids.copy_(tokens[:, end - 1:end])
+                    static.position.fill_(end - 1)
+                    logits = static()  # [b_pad, v_padded]
+                else:
+                    start = 0 if (step == 0 or context is None) else end - 1
+                    logits = self._forward(tokens[:, start:end], positions[:, start:end], key_valid, start, end,
+                                           context)  # [b_pad, v_padded] or None
                 if self.kv_cache == "megatron":
                     context.increment_sequence_len_offset(end - start)
                     context.enable_decode_mode()
-                new_tokens, new_log_probs = self._sample_and_broadcast(logits, params, generator, b)
+                new_tokens, new_log_probs = self._sample_and_broadcast(
+                    logits[:b] if logits is not None else None, params, generator, b)  # the real rows only
+                if b_pad > b:
+                    new_tokens = F.pad(new_tokens, (0, b_pad - b), value=info.pad_token_id)
+                    new_log_probs = F.pad(new_log_probs, (0, b_pad - b))
                 active = ~finished
                 new_tokens = torch.where(active, new_tokens, torch.full_like(new_tokens, info.pad_token_id))
                 tokens[:, end] = new_tokens
@@ -188,19 +296,24 @@ class MegatronRolloutEngine(RolloutEngine):
                 stopped |= hit_stop
                 finished |= hit_stop
                 steps = step + 1
-                if bool(finished.all()):
+                if steps % check_every == 0 and bool(finished.all()):
                     break
         finally:
             self.module.set_input_tensor(None)
             self.module.train(was_training)
 
-        response_ids = tokens[:, p:p + steps].clone()  # [b, r]
-        response_mask = key_valid[:, p:p + steps].float()  # [b, r]
-        prompt_ids, prompt_mask = tokens[:, :p].clone(), key_valid[:, :p].long()
-        return RolloutBatch(prompt_ids=prompt_ids.cpu(), prompt_mask=prompt_mask.cpu(),
-                            response_ids=response_ids.cpu(), response_mask=response_mask.cpu(),
-                            log_probs=log_probs[:, :steps].cpu(),
-                            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped.tolist()],
+        # the responses end at the last step any row was active in (steps after that, checked only
+        # every check_every steps, fed padding)
+        response_mask = key_valid[:b, p:p + steps].cpu()  # [b, r]
+        active_steps = response_mask.any(dim=0).nonzero()
+        steps = int(active_steps[-1]) + 1 if len(active_steps) else 0
+        response_mask = response_mask[:, :steps].float()
+        response_ids = tokens[:b, p:p + steps].clone().cpu()  # [b, r]
+        prompt_ids, prompt_mask = tokens[:b, :p].clone().cpu(), key_valid[:b, :p].long().cpu()
+        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                            response_ids=response_ids, response_mask=response_mask,
+                            log_probs=log_probs[:b, :steps].cpu(),
+                            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped[:b].tolist()],
                             group_ids=group_ids, pad_token_id=info.pad_token_id)
 
     # ----------------------------------------------------------------------------------------------
@@ -268,5 +381,6 @@ class MegatronRolloutEngine(RolloutEngine):
 
 def build_megatron_engine(rollout_cfg, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo,
                           **kwargs) -> MegatronRolloutEngine:
-    """``ROLLOUT_ENGINES["megatron"]``."""
+    """``ROLLOUT_ENGINES["megatron"]``; ``rollout.cuda_graphs=false`` decodes eagerly."""
+    kwargs.setdefault("decode", "auto" if rollout_cfg.cuda_graphs else "eager")
     return MegatronRolloutEngine(model, groups, tokenizer_info, **kwargs)

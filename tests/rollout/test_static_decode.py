@@ -1,0 +1,191 @@
+"""Static-shape decode (issue 30 item 6): the step that the native engine captures in a CUDA graph on a GPU,
+run eagerly on CPU, against today's eager decode.
+
+One TP1/PP1 spawn runs every generate call; the tests compare what it returned:
+- greedy tokens equal and log-probs within 1e-6 for prompts of mixed lengths, batch sizes that cross the
+  row buckets (1, 3, 5, 9 rows: buckets 1, 4, 8, 16), and EOS / stop ids that end rows at different steps;
+- seeded sampling draws the same tokens (padding rows of a bucket are not sampled);
+- the decode loop reads the device (``.item``, ``.tolist``, tensor ``bool``, device-to-host copies,
+  data-dependent shapes) about once per ``FINISHED_CHECK_EVERY`` steps, where eager decode reads it every step
+  (counted in the test device mode, ``hpa/distributed/device_mode.py``);
+- a bucket's step is built once per weight version: reused across calls, rebuilt after ``sync_weights``
+  and after a parameter gets new storage, freed by ``sleep``.
+
+The CUDA graph capture itself runs only on a GPU: ``tests/gpu/test_graph_decode.py``.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from multirank import run_ranks
+
+VOCAB = 64
+PAD = 0
+MAX_NEW = 12
+BATCH_SIZES = (1, 3, 5, 9)
+
+
+def tiny_model_config():
+    from hpa.config.schema import ModelConfig
+
+    # init std 0.1: greedy picks far from ties, logits small enough that fp32 rounding stays below 1e-6
+    # (at 0.3 the eager cache and a full recompute differ by 1e-5 already)
+    return ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=48, vocab_size=VOCAB, max_sequence_length=48,
+                       make_vocab_size_divisible_by=16, init_method_std=0.1)
+
+
+def prompt_lists(n):
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(2, VOCAB, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy", "nonzero",
+                "masked_select", "unique")
+
+
+class SyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts reads of tensor values by the host: what is a host-device sync on a GPU. The engine computes
+    on the CPU in the test device mode, so every tensor counts (a boolean-mask index too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNC_METHODS or (name == "__getitem__" and isinstance(args[1], torch.Tensor)
+                                    and args[1].dtype == torch.bool):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def worker(groups):
+    from hpa.config.schema import ParallelConfig
+    from hpa.models import build_policy
+    from hpa.rollout import SamplingParams, TokenizerInfo
+    from hpa.rollout import megatron_engine as me
+
+    torch.manual_seed(0)
+    model = build_policy(tiny_model_config(), ParallelConfig(), groups)
+
+    def engine(decode, eos=1):
+        return me.MegatronRolloutEngine(model, groups, TokenizerInfo(vocab_size=VOCAB, eos_token_id=eos,
+                                                                     pad_token_id=PAD), decode=decode)
+
+    def pack(batch):
+        return {k: getattr(batch, k).numpy() for k in ("response_ids", "response_mask", "log_probs", "prompt_ids",
+                                                       "prompt_mask")} | {"finish_reasons": list(batch.finish_reasons)}
+
+    out = {"auto_on_cpu": engine("auto").decode}
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+    for n in BATCH_SIZES:
+        ps = prompt_lists(n)
+        full = engine("eager").generate(ps, greedy)
+        # an EOS and a stop id taken from the responses, so rows end at different steps
+        seen = [t for row in full.response_ids.tolist() for t in row[2:]]
+        eos, stop = seen[0], seen[len(seen) // 2]
+        stopping = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=(stop,))
+        sampled = SamplingParams(n=2, temperature=1.0, top_k=20, max_new_tokens=MAX_NEW, seed=3)
+        for name, params, e in [("greedy", greedy, 1), ("stopped", stopping, eos), ("sampled", sampled, eos)]:
+            out[(n, name)] = {mode: pack(engine(mode, e).generate(ps, params)) for mode in ("eager", "static")}
+
+    e = engine("static")
+    ps, params = prompt_lists(3), greedy
+    e.generate(ps, params)
+    first = e._steps[(4, 48)]
+    e.generate(prompt_lists(4), params)
+    out["reused"] = e._steps[(4, 48)] is first
+    e.sync_weights()
+    e.generate(ps, params)
+    out["new_after_sync"] = e._steps[(4, 48)] is not first
+    second = e._steps[(4, 48)]
+    with torch.no_grad():
+        p = next(model.parameters())
+        p.data = p.data.clone()  # same values, new storage: a captured graph would read the old one
+    e.generate(ps, params)
+    out["new_after_storage"] = e._steps[(4, 48)] is not second
+    e.sleep()
+    out["empty_after_sleep"] = not e._steps
+    try:
+        me.MegatronRolloutEngine(model, groups, TokenizerInfo(vocab_size=VOCAB, eos_token_id=1, pad_token_id=PAD),
+                                 decode="graph")
+    except ValueError as err:
+        out["graph_on_cpu_error"] = str(err)
+    return out
+
+
+def sync_worker(groups):
+    """Host reads of whole generate calls (prompts built outside), in the test device mode."""
+    from hpa.config.schema import ParallelConfig
+    from hpa.models import build_policy
+    from hpa.rollout import SamplingParams, TokenizerInfo
+    from hpa.rollout import megatron_engine as me
+
+    torch.manual_seed(0)
+    model = build_policy(tiny_model_config(), ParallelConfig(), groups)
+    info = TokenizerInfo(vocab_size=VOCAB, eos_token_id=1, pad_token_id=PAD)
+
+    def syncs(decode, max_new):
+        e = me.MegatronRolloutEngine(model, groups, info, decode=decode)
+        params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+        ps = prompt_lists(3)
+        e.generate(ps, params)  # build the bucket's step first
+        with SyncCounter() as counter:
+            e.generate(ps, params)
+        return len(counter.calls)
+
+    return {"device": groups.device.type, "check_every": me.FINISHED_CHECK_EVERY,
+            "syncs": {(d, m): syncs(d, m) for d in ("eager", "static") for m in (8, 16, 32)}}
+
+
+@pytest.fixture(scope="module")
+def res():
+    return run_ranks(worker)[0]
+
+
+@pytest.mark.parametrize("n", BATCH_SIZES)
+@pytest.mark.parametrize("name", ["greedy", "stopped", "sampled"])
+def test_static_decode_equals_eager(res, n, name):
+    eager, static = res[(n, name)]["eager"], res[(n, name)]["static"]
+    for key in ("response_ids", "response_mask", "prompt_ids", "prompt_mask"):
+        np.testing.assert_array_equal(static[key], eager[key], err_msg=key)
+    assert static["finish_reasons"] == eager["finish_reasons"]
+    # fp32 rounding: attention sums over every static slot (masked) where eager sums over the prefix
+    np.testing.assert_allclose(static["log_probs"], eager["log_probs"], atol=1e-6, rtol=0)
+
+
+def test_stops_end_rows_at_different_steps(res):
+    """The stopping cases are not vacuous: some rows stop, at more than one step, and before MAX_NEW."""
+    lengths = set()
+    for n in BATCH_SIZES[1:]:
+        got = res[(n, "stopped")]["static"]
+        assert "stop" in got["finish_reasons"]
+        lengths |= set(got["response_mask"].sum(1).astype(int).tolist())
+    assert len(lengths) >= 3 and min(lengths) < MAX_NEW
+
+
+def test_decode_loop_reads_the_device_once_per_check_interval(monkeypatch):
+    monkeypatch.setenv("HPA_TEST_MODEL_DEVICE", "lazy")
+    res = run_ranks(sync_worker)[0]
+    assert res["device"] == "lazy"
+    syncs, k = res["syncs"], res["check_every"]
+    # eager: at least one read per step (the finished check, and the attention mask's all-valid check)
+    assert syncs[("eager", 16)] - syncs[("eager", 8)] >= 8
+    # static: one read per k >= 8 steps, plus a constant (prefill mask, results to the host)
+    assert k >= 8
+    for short, long in [(8, 16), (16, 32)]:
+        assert syncs[("static", long)] - syncs[("static", short)] == (long - short) // k
+    assert syncs[("static", 32)] <= 32 // k + 9, syncs
+
+
+def test_a_bucket_step_is_built_once_per_weight_version(res):
+    assert res["reused"] and res["new_after_sync"] and res["new_after_storage"] and res["empty_after_sleep"]
+
+
+def test_graph_decode_is_off_on_cpu(res):
+    assert res["auto_on_cpu"] == "eager"
+    assert "needs the parameters on CUDA" in res["graph_on_cpu_error"]
+    assert "rollout.cuda_graphs=false" in res["graph_on_cpu_error"]
