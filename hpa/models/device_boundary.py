@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from hpa.distributed.device_mode import is_device_tensor, on_device, on_host
+from hpa.distributed.device_mode import enter_model, is_device_tensor, leave_model, on_device, on_host
 
 
 def _require(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
@@ -38,9 +38,11 @@ def install(gpt, device: torch.device):
                      for i, a in enumerate(args))
         kwargs = {k: _require(v, device, f"{name} input {k}") if torch.is_tensor(v) else
                   _packed(v, device, f"{name} input {k}") for k, v in kwargs.items()}
+        enter_model()
         return args, kwargs
 
     def outputs(_module, _args, _kwargs, output):
+        leave_model()
         return on_device(output) if torch.is_tensor(output) else output
 
     def decoder_output(_module, _args, output):
