@@ -24,8 +24,13 @@ def _packed(value, device: torch.device, what: str):
     """megatron's ``PackedSeqParams`` with its tensors checked and taken to the host, like any input."""
     if not dataclasses.is_dataclass(value) or isinstance(value, type):
         return value
-    changes = {f.name: _require(getattr(value, f.name), device, f"{what}.{f.name}")
-               for f in dataclasses.fields(value) if torch.is_tensor(getattr(value, f.name))}
+    changes, seen = {}, {}  # one tensor in two fields (cu_seqlens_q and _kv) stays one tensor
+    for f in dataclasses.fields(value):
+        tensor = getattr(value, f.name)
+        if torch.is_tensor(tensor):
+            if id(tensor) not in seen:
+                seen[id(tensor)] = _require(tensor, device, f"{what}.{f.name}")
+            changes[f.name] = seen[id(tensor)]
     return dataclasses.replace(value, **changes)
 
 
