@@ -29,7 +29,7 @@ issues one kernel per operation whatever the widths, and the small model's opera
 - ``syncs_per_step``: the syncs of one step's worth of model passes through hpa's engine
   (``hpa.engine.step.forward_backward``, megatron's schedule): 4 micro-batches of 8 rows forward-only
   (old policy), the same for the reference, and 4 with the backward pass (the update), with a
-  log-prob loss and its metrics (one ``.item()``-free loss). The test device mode's one
+  log-prob loss whose metric stays on the device. The test device mode's one
   device-to-host copy per micro-batch of the engine's loss (``loss.to(parameters' device)``, the CPU
   there) is counted too: a real device makes no copy there.
 
