@@ -209,3 +209,23 @@ def test_host_cost_of_a_micro_batch_does_not_grow_with_its_rows():
                  for rows in ("rows8", "rows32")}
         assert syncs == {0}, (phase, syncs)
     assert two["syncs_per_step"]["packed"] == two["syncs_per_step"]["padded"], two["syncs_per_step"]
+
+
+def test_gpu_check_phase_figures_and_sync_count_run_without_a_gpu():
+    """``bench/gpu_check.py``'s CPU-runnable parts: per-phase seconds and update tokens/s from step records,
+    and no sync count (None, not 0) where CUDA's sync debug mode does not exist."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    records = [{"timing_s/rollout": 2.0, "timing_s/old_logprob": 0.5, "timing_s/reference": 0.25,
+                "timing_s/update_actor": 1.0, "perf/update_throughput": 1000.0},
+               {"timing_s/rollout": 4.0, "timing_s/old_logprob": 1.5, "timing_s/reference": 0.75,
+                "timing_s/update_actor": 3.0, "perf/update_throughput": 3000.0}]
+    assert gpu_check.phase_figures(records) == {"rollout_s": 3.0, "old_policy_s": 1.0, "reference_s": 0.5,
+                                                "update_s": 2.0, "update_tokens_per_s": 2000.0}
+    if not torch.cuda.is_available():
+        assert gpu_check._counting_syncs(lambda: 7) == (7, None)
+        assert gpu_check._per_step(None, [{}]) is None
+    assert gpu_check._per_step(12, [{}, {}, {}]) == 4.0
