@@ -6,7 +6,11 @@ MFU (real and padded tokens), the rollout's generated tokens per second, the mea
 ``hpa plan``'s total (both GB = 1e9 bytes) and the bf16 gap between sampling-time and training log-probs.
 Then the same run again with ``trainer.sequence_packing=true``: the update's tokens per second and pad share
 with packing on against off (``packing``). The first step (CUDA warm-up, allocator growth) is left out of
-the rates.
+the rates. After those keys: ``phases``, each phase's seconds per step (rollout, old-policy forward, reference
+forward, update) and the update's tokens/s, packing off and on; ``syncs``, the host-device syncs that
+``torch.cuda.set_sync_debug_mode("warn")`` reported over each whole run (start-up included) per step; and, with
+``--tokens-per-micro-batch N``, ``token_budget``: the packed run again with ``trainer.ppo_max_token_len_per_rank=N``
+(micro-batches of N real tokens), with the same figures.
 
 Ran on one H100 (README, "GPU check", gives the figures) before the packing run was added; the packing
 run has not yet run on a GPU.
@@ -28,6 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=str(ROOT / "configs" / "qwen2_0.5b_gpu_check.yaml"))
     parser.add_argument("--run-dir", default="runs/gpu_check")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--tokens-per-micro-batch", type=int, default=None,
+                        help="also run packed with trainer.ppo_max_token_len_per_rank=N (a realistic token budget)")
     args = parser.parse_args(argv)
 
     import torch
@@ -49,13 +55,15 @@ def main(argv=None) -> int:
                  f"data.preference_path={data / 'preferences.jsonl'}",
                  f"data.eval_prompt_path={data / 'eval_prompts.jsonl'}", f"trainer.run_dir={run / 'train'}",
                  f"trainer.total_steps={args.steps}", "checkpoint.resume=never"]
-    if cli.main(["train", "--config", args.config, *overrides]) != 0:
+    rc, syncs_off = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *overrides]))
+    if rc != 0:
         print(json.dumps({"ok": False, "error": "hpa train failed (see the log above)"}))
         return 1
     steps, timed = _steps(run / "train")
-    packed_overrides = [o for o in overrides if not o.startswith("trainer.run_dir=")] + \
-        [f"trainer.run_dir={run / 'train_packed'}", "trainer.sequence_packing=true"]
-    packed_ok = cli.main(["train", "--config", args.config, *packed_overrides]) == 0
+    base = [o for o in overrides if not o.startswith("trainer.run_dir=")]
+    packed_overrides = base + [f"trainer.run_dir={run / 'train_packed'}", "trainer.sequence_packing=true"]
+    rc, syncs_on = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *packed_overrides]))
+    packed_ok = rc == 0
     packed_timed = _steps(run / "train_packed")[1] if packed_ok else []
     cfg = load_config(args.config, overrides)
     cuda = torch.cuda.is_available()  # False only when the script itself is tried on a CPU machine
@@ -78,9 +86,60 @@ def main(argv=None) -> int:
         "packing": {"ok": packed_ok, "update_tokens_per_s_off": mean("perf/update_throughput"),
                     "update_tokens_per_s_on": mean("perf/update_throughput", packed_timed),
                     "pad_share_off": mean("perf/pad_share"), "pad_share_on": mean("perf/pad_share", packed_timed)},
+        "phases": {"packing_off": phase_figures(timed), "packing_on": phase_figures(packed_timed)},
+        "syncs": {"per_step_off": _per_step(syncs_off, steps),
+                  "per_step_on": _per_step(syncs_on, _steps(run / "train_packed")[0] if packed_ok else [])},
     }
+    if args.tokens_per_micro_batch:
+        budget_dir = run / "train_budget"
+        budget_overrides = base + [f"trainer.run_dir={budget_dir}", "trainer.sequence_packing=true",
+                                   f"trainer.ppo_max_token_len_per_rank={args.tokens_per_micro_batch}"]
+        rc, syncs_budget = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *budget_overrides]))
+        budget_steps, budget_timed = _steps(budget_dir) if rc == 0 else ([], [])
+        figures["token_budget"] = {"ok": rc == 0, "tokens_per_micro_batch": args.tokens_per_micro_batch,
+                                   "update_mfu": mean("perf/mfu", budget_timed),
+                                   "phases": phase_figures(budget_timed),
+                                   "syncs_per_step": _per_step(syncs_budget, budget_steps)}
     print(json.dumps(_strict(figures)))
     return 0
+
+
+PHASES = {"rollout": "timing_s/rollout", "old_policy": "timing_s/old_logprob", "reference": "timing_s/reference",
+          "update": "timing_s/update_actor"}
+
+
+def phase_figures(records) -> dict:
+    """Mean seconds per step of each phase (``PHASES``) and the update's tokens/s, over timed step records."""
+    def mean(key):
+        values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+        return statistics.fmean(values) if values else float("nan")
+
+    out = {f"{name}_s": mean(key) for name, key in PHASES.items()}
+    out["update_tokens_per_s"] = mean("perf/update_throughput")
+    return out
+
+
+def _counting_syncs(fn):
+    """``(fn(), host-device syncs during it)``: ``torch.cuda.set_sync_debug_mode("warn")`` warns once per sync;
+    ``None`` for the count without CUDA."""
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return fn(), None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            rc = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return rc, sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _per_step(count, steps):
+    return count / len(steps) if count is not None and steps else None
 
 
 def _steps(run_dir: Path):

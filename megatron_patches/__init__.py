@@ -1,8 +1,9 @@
-"""CPU/gloo support for megatron-core, applied once and explicitly by ``hpa.distributed.init``.
+"""Patches of megatron-core, applied once and explicitly: CPU/gloo support (``apply_cpu_patches``, by
+``hpa.distributed.init`` when CUDA is not in use) and the local layer spec's packed-sequence RoPE
+(``apply_model_patches``, by ``hpa.models.specs`` on every device).
 
 Each patch lives in its own module and says what it changes, why, the upstream version it targets
-and when it can be removed. Nothing is patched on import: ``apply_cpu_patches()`` does it, and only
-when CUDA is not in use. None of the patches changes numerics.
+and when it can be removed. Nothing is patched on import. None of the patches changes numerics.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ PATCHES: Tuple[str, ...] = (
     "tied_embeddings",
     "sequence_parallel_norm",
 )
+
+# the local layer spec's, on every device
+MODEL_PATCHES: Tuple[str, ...] = ("packed_rope",)
 
 _applied: Tuple[str, ...] = ()
 
@@ -54,6 +58,14 @@ def apply_cpu_patches() -> Tuple[str, ...]:
         importlib.import_module(f"{__name__}.{name}").apply()
     _applied = PATCHES
     return _applied
+
+
+def apply_model_patches() -> Tuple[str, ...]:
+    """Apply ``MODEL_PATCHES`` once (each is idempotent); returns their names."""
+    check_megatron_version()
+    for name in MODEL_PATCHES:
+        importlib.import_module(f"{__name__}.{name}").apply()
+    return MODEL_PATCHES
 
 
 def applied() -> Tuple[str, ...]:

@@ -24,6 +24,8 @@ the CPU.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -141,3 +143,66 @@ def enter(device: torch.device) -> torch.device:
         _entered = StrictDeviceMode(device)
         _entered.__enter__()
     return _entered.device
+
+
+# reads of a tensor's values on the host: each waits for the device (a host-device sync on CUDA)
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+          torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
+_model_depth = 0  # > 0 inside a model's forward in the test device mode (``device_boundary``)
+
+
+def enter_model() -> None:
+    global _model_depth
+    _model_depth += 1
+
+
+def leave_model() -> None:
+    global _model_depth
+    _model_depth = max(0, _model_depth - 1)
+
+
+# megatron's RNG tracker compares the CPU generator's state with itself: host tensors, no device involved
+_HOST_CHECKS = ("megatron/core/tensor_parallel/random.py",)
+
+
+def _host_check() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.replace("\\", "/").endswith(_HOST_CHECKS):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts host-device syncs: reads of device values (``.item()``, ``.tolist()``, tensor ``bool``/``int``/
+    ``float``, ``.numpy()``, device-to-host copies) in the test device mode.
+
+    A device value is a ``DeviceTensor``, or any tensor inside a model's forward (the model computes on the
+    CPU behind its edges, where every tensor stands for one on the device). Backward passes are not seen
+    (autograd runs outside the model's forward hooks). ``count`` holds the total, ``by_op`` the counts by name.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.by_op = {}
+
+    def _device_value(self, value) -> bool:
+        return isinstance(value, torch.Tensor) and (is_device_tensor(value) or _model_depth > 0)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if args and self._device_value(args[0]):
+            read = func in _READS
+            if func is torch.Tensor.to:
+                device = args[1] if len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)) \
+                    else kwargs.get("device")
+                read = device is not None and torch.device(device).type == "cpu" and is_device_tensor(args[0])
+            if read and not _host_check():
+                self.count += 1
+                name = getattr(func, "__name__", str(func))
+                self.by_op[name] = self.by_op.get(name, 0) + 1
+        return func(*args, **kwargs)

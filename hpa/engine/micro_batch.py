@@ -117,14 +117,25 @@ class MicroBatch:
     # ------------------------------------------------------------------ the model's side
 
     def position_ids(self) -> torch.Tensor:
-        """Positions ``0..L_i-1`` of every row, in the model layout."""
-        if not self.packed:
-            s = self.input_ids.shape[1]
-            return torch.arange(s, device=self.input_ids.device).expand(self.input_ids.shape[0], s)
-        return torch.cat([torch.arange(int(n), device=self.input_ids.device) for n in self.lengths])[None, :]
+        """Positions ``0..L_i-1`` of every row, in the model layout, on ``input_ids``'s device; computed once
+        per micro-batch (packed: on the host from ``lengths``, then one copy)."""
+        cache = self.__dict__.setdefault("_model_cache", {})
+        if "position_ids" not in cache:
+            if not self.packed:
+                s = self.input_ids.shape[1]
+                positions = torch.arange(s, device=self.input_ids.device).expand(self.input_ids.shape[0], s)
+            else:
+                starts = torch.cumsum(self.lengths, 0) - self.lengths
+                host = torch.arange(self.tokens) - torch.repeat_interleave(starts, self.lengths)
+                positions = host_to_device(host[None, :], self.input_ids.device)
+            cache["position_ids"] = positions
+        return cache["position_ids"]
 
     def packed_seq_params(self, pad: int = 0):
         """megatron's ``PackedSeqParams`` (THD) of a packed micro-batch, ``None`` when padded.
+
+        ``cu_seqlens`` and the longest row come from the host's ``lengths`` (no read of a device value) and
+        are copied to ``input_ids``'s device once per micro-batch and ``pad``.
 
         Args:
             pad: positions appended after the last row (sequence parallelism splits the sequence evenly);
@@ -134,11 +145,15 @@ class MicroBatch:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        lengths = self.lengths.tolist() + ([pad] if pad else [])
-        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.input_ids.device)
-        longest = max(lengths)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                               max_seqlen_kv=longest)
+        cache = self.__dict__.setdefault("_model_cache", {})
+        if ("packed", pad) not in cache:
+            lengths = self.lengths.tolist() + ([pad] if pad else [])
+            host = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            cu = host_to_device(host, self.input_ids.device)
+            longest = max(lengths)
+            cache[("packed", pad)] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                     max_seqlen_q=longest, max_seqlen_kv=longest)
+        return cache[("packed", pad)]
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """Per-position model outputs -> the row layout.
@@ -180,8 +195,9 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         """A copy with every tensor on ``device`` (the one host-to-device point of a micro-batch)."""
-        return dataclasses.replace(self, input_ids=self.input_ids.to(device), labels=self.labels.to(device),
-                                   lengths=self.lengths, rows={k: v.to(device) for k, v in self.rows.items()})
+        return dataclasses.replace(self, input_ids=host_to_device(self.input_ids, device),
+                                   labels=host_to_device(self.labels, device), lengths=self.lengths,
+                                   rows={k: host_to_device(v, device) for k, v in self.rows.items()})
 
     # dict-style access (``batch["mask"]``, ``batch.get("is_weights")``) to fields and rows; writes go to rows
     def __setitem__(self, key: str, value) -> None:
@@ -206,3 +222,14 @@ class MicroBatch:
 
     def get(self, key: str, default=None):
         return self[key] if key in self else default
+
+
+def host_to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """``tensor`` on ``device``: from the host to a device without blocking the host (from pinned memory on
+    CUDA, so the copy overlaps the work already queued); an ordinary ``.to`` otherwise."""
+    device = torch.device(device)
+    if device.type == "cpu" or tensor.device == device or tensor.device.type != "cpu":
+        return tensor.to(device)
+    if device.type == "cuda" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)

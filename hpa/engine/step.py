@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from hpa.distributed.groups import ParallelGroups
-from hpa.engine.micro_batch import MicroBatch
+from hpa.engine.micro_batch import MicroBatch, host_to_device
 from hpa.models.builders import compute_device
 from hpa.models.heads import capture_final_hidden
 
@@ -96,7 +96,7 @@ def to_model_device(batch: Union[MicroBatch, dict], device: torch.device) -> Uni
     the model's outputs with the batch's masks and targets)."""
     if isinstance(batch, MicroBatch):
         return batch.to(device)
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {k: host_to_device(v, device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def model_inputs(batch: Union[MicroBatch, dict], multiple: int):

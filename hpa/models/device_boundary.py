@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from hpa.distributed.device_mode import is_device_tensor, on_device, on_host
+from hpa.distributed.device_mode import enter_model, is_device_tensor, leave_model, on_device, on_host
 
 
 def _require(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
@@ -24,8 +24,13 @@ def _packed(value, device: torch.device, what: str):
     """megatron's ``PackedSeqParams`` with its tensors checked and taken to the host, like any input."""
     if not dataclasses.is_dataclass(value) or isinstance(value, type):
         return value
-    changes = {f.name: _require(getattr(value, f.name), device, f"{what}.{f.name}")
-               for f in dataclasses.fields(value) if torch.is_tensor(getattr(value, f.name))}
+    changes, seen = {}, {}  # one tensor in two fields (cu_seqlens_q and _kv) stays one tensor
+    for f in dataclasses.fields(value):
+        tensor = getattr(value, f.name)
+        if torch.is_tensor(tensor):
+            if id(tensor) not in seen:
+                seen[id(tensor)] = _require(tensor, device, f"{what}.{f.name}")
+            changes[f.name] = seen[id(tensor)]
     return dataclasses.replace(value, **changes)
 
 
@@ -38,9 +43,11 @@ def install(gpt, device: torch.device):
                      for i, a in enumerate(args))
         kwargs = {k: _require(v, device, f"{name} input {k}") if torch.is_tensor(v) else
                   _packed(v, device, f"{name} input {k}") for k, v in kwargs.items()}
+        enter_model()
         return args, kwargs
 
     def outputs(_module, _args, _kwargs, output):
+        leave_model()
         return on_device(output) if torch.is_tensor(output) else output
 
     def decoder_output(_module, _args, output):

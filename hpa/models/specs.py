@@ -39,34 +39,39 @@ def use_transformer_engine(transformer_impl: str) -> bool:
 
 def gpt_layer_spec(*, use_te: bool, normalization: str):
     """The ModuleSpec of one decoder layer; megatron's local spec takes hpa's ``PackedLocalAttention``
-    as its core attention (the same kernel, which also accepts packed sequences)."""
+    as its core attention (one fused call per layer, which also accepts packed sequences) and RoPE from
+    per-token positions for packed rows (``megatron_patches.packed_rope``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    import megatron_patches
+
+    megatron_patches.apply_model_patches()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
     spec.submodules.self_attention.submodules.core_attention = packed_local_attention()
     return spec
 
 
-# rows of a pack are attended to in chunks of consecutive rows of at most this many tokens (a longer row is a
-# chunk of its own): one kernel call per chunk with a block-diagonal causal mask
-ATTENTION_CHUNK_TOKENS = 256
-
-
 def packed_local_attention():
-    """megatron's local ``DotProductAttention``, extended to packed sequences (THD).
+    """megatron's local ``DotProductAttention`` with one fused attention call per layer, padded or packed.
 
-    megatron 0.16's local attention refuses ``packed_seq_params`` (only Transformer Engine's takes them).
-    Given packed sequences, this runs megatron's own kernel on chunks of consecutive rows of the pack
-    (``ATTENTION_CHUNK_TOKENS``), each with a block-diagonal causal mask, so attention stays inside each row
-    and every row sees the arithmetic of a padded row (masked scores are exactly 0 after the softmax; the
-    rotary embedding restarts per row in megatron's THD path before this is called). The chunks bound the
-    cost between the two extremes: one call per row pays a kernel launch per row (slow for many short
-    rows: measured 0.94x the padded update at ~10-token rows), one call for the whole pack pays ``T^2``
-    (slow for long rows); chunks cost at most ``ATTENTION_CHUNK_TOKENS`` times the tokens more than
-    ``sum(L_i^2)``. Without ``packed_seq_params`` it is megatron's class unchanged.
+    megatron 0.16's local attention runs an unfused softmax (about 40 operations per call, a K/V head
+    expansion for grouped-query attention and an RNG fork) and refuses ``packed_seq_params`` (only
+    Transformer Engine's takes them). This class computes the same attention in one kernel:
+
+    * padded rows (``[s, b, heads, d]``, causal, no mask given): ``scaled_dot_product_attention`` with
+      ``is_causal``;
+    * packed rows (THD ``[t, heads, d]`` with ``cu_seqlens``): on CUDA in fp16/bf16, torch's
+      variable-length flash attention (``torch.nn.attention.varlen``, causal within each row); elsewhere
+      one ``scaled_dot_product_attention`` with a block-diagonal causal mask built once per forward pass
+      from per-token row ids (exact, so packed = padded is a CPU test).
+
+    Grouped-query attention is the kernels' own (``enable_gqa``), without expanding K/V. Anything else
+    (an explicit mask, attention bias, query-key layer scaling, a learned softmax offset, a KV cache whose
+    keys outnumber the queries) is megatron's class unchanged.
     """
+    from megatron.core import tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -75,48 +80,85 @@ def packed_local_attention():
         class PackedLocalAttention(DotProductAttention):
             def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                         packed_seq_params=None):
-                if packed_seq_params is None:
-                    return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                           attention_bias=attention_bias)
-                if packed_seq_params.qkv_format != "thd":
+                if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
                     raise ValueError(f"packed sequences in the {packed_seq_params.qkv_format!r} format; "
                                      f"hpa packs them as 'thd'")
-                out = []
-                for start, end, mask in _chunks(packed_seq_params, query.device):  # query/key/value: [t, heads, d]
-                    q, k, v = (x[start:end].unsqueeze(1) for x in (query, key, value))
-                    out.append(super().forward(q, k, v, mask, attn_mask_type=AttnMaskType.causal))  # [L, 1, hp]
-                return torch.cat(out, dim=0)  # [t, 1, hp]
+                fused = (attention_mask is None and attention_bias is None and self.softmax_offset is None
+                         and not self.config.apply_query_key_layer_scaling and self.config.window_size is None
+                         and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+                         and query.shape[0] == key.shape[0])
+                if not fused:
+                    if packed_seq_params is not None:
+                        raise ValueError("packed sequences need causal self-attention without a mask, bias, "
+                                         "query-key layer scaling or softmax offset")
+                    return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                           attention_bias=attention_bias)
+                dropout = self.config.attention_dropout if self.training else 0.0
+                gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+                if dropout > 0.0 and not self.config.sequence_parallel:  # megatron's RNG stream for dropout
+                    with tensor_parallel.get_cuda_rng_tracker().fork():
+                        return self._attend(query, key, value, packed_seq_params, dropout, gqa)
+                return self._attend(query, key, value, packed_seq_params, dropout, gqa)
+
+            def _attend(self, query, key, value, packed_seq_params, dropout, gqa):
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+                if packed_seq_params is None:  # [s, b, heads, d] -> [b, heads, s, d]
+                    q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+                    out = sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
+                               enable_gqa=gqa)
+                    return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s, b, hp]
+                if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
+                    out = varlen_causal_attention(query, key, value, packed_seq_params, scale=self.softmax_scale)
+                else:  # [t, heads, d] -> [1, heads, t, d]
+                    mask = block_causal_mask(packed_seq_params, query.shape[0], query.device)
+                    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                    out = sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale,
+                               enable_gqa=gqa)[0].transpose(0, 1)
+                return out.reshape(query.shape[0], 1, -1)  # [t, 1, hp]
 
         _PackedLocalAttention = PackedLocalAttention
     return _PackedLocalAttention
 
 
-def _chunks(packed_seq_params, device):
-    """``(start, end, mask)`` of each chunk of consecutive rows of a pack: ``mask`` ``[1, 1, L, L]`` (True =
-    masked: another row, or a later position) or None for a chunk of one row (megatron's causal mask).
-    Computed once per forward pass and kept on ``packed_seq_params`` for every layer."""
-    cache = packed_seq_params.__dict__.setdefault("_hpa_chunks", {})
+def block_causal_mask(packed_seq_params, tokens: int, device) -> torch.Tensor:
+    """``[t, t]`` bool, True where position ``i`` may attend to ``j``: same row, ``j <= i``.
+
+    Built on the device from ``cu_seqlens_q`` (no host read) once per forward pass and kept on
+    ``packed_seq_params`` for every layer."""
+    cache = packed_seq_params.__dict__.setdefault("_hpa_mask", {})
     if device not in cache:
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
-        groups, current = [], [bounds[0]]
-        for end in bounds[1:]:
-            if len(current) > 1 and end - current[0] > ATTENTION_CHUNK_TOKENS:
-                groups.append(current)
-                current = [current[-1]]
-            current.append(end)
-        groups.append(current)
-        chunks = []
-        for g in groups:
-            mask = None
-            if len(g) > 2:
-                lengths = torch.tensor([b - a for a, b in zip(g[:-1], g[1:])])
-                row = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [L]
-                pos = torch.arange(g[-1] - g[0])
-                allowed = (row[:, None] == row[None, :]) & (pos[None, :] <= pos[:, None])
-                mask = (~allowed)[None, None].to(device)
-            chunks.append((g[0], g[-1], mask))
-        cache[device] = chunks
+        position = torch.arange(tokens, device=device)
+        row = torch.searchsorted(packed_seq_params.cu_seqlens_q.to(device), position, right=True)
+        cache[device] = (row[:, None] == row[None, :]) & (position[None, :] <= position[:, None])
     return cache[device]
+
+
+def varlen_causal_attention(query, key, value, packed_seq_params, *, scale: float):
+    """Causal attention within each packed row with ``torch.nn.attention.varlen.varlen_attn``:
+    ``[t, heads, d]`` in, ``[t, heads, d]`` out.
+
+    torch 2.10/2.11 take causality as ``is_causal=True``, later versions as ``window_size=(-1, 0)``; without
+    ``enable_gqa`` the K/V heads are repeated to the query heads."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_parameters(varlen_attn)
+    kwargs = {"scale": scale}
+    kwargs.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    p = packed_seq_params
+    return varlen_attn(query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, p.max_seqlen_q, p.max_seqlen_kv,
+                       **kwargs)
+
+
+def _varlen_parameters(fn) -> frozenset:
+    import inspect
+
+    return frozenset(inspect.signature(fn).parameters)
 
 
 _PackedLocalAttention = None

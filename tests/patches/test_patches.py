@@ -1,4 +1,4 @@
-"""The CPU patches: version gate, one file per patch with its documentation, explicit application."""
+"""The patches (CPU support, and the local spec's packed RoPE): version gate, one file per patch with its documentation, explicit application."""
 
 import importlib
 import pathlib
@@ -13,12 +13,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_each_patch_documents_what_why_upstream_and_removal():
-    for name in megatron_patches.PATCHES:
+    for name in megatron_patches.PATCHES + megatron_patches.MODEL_PATCHES:
         doc = importlib.import_module(f"megatron_patches.{name}").__doc__
         for word in ("What:", "Why:", "Upstream:", "Remove when:"):
             assert word in doc, (name, word)
     files = {p.stem for p in (ROOT / "megatron_patches").glob("*.py") if not p.stem.startswith("_")}
-    assert files == set(megatron_patches.PATCHES)
+    assert files == set(megatron_patches.PATCHES + megatron_patches.MODEL_PATCHES)
 
 
 def test_unsupported_version_is_refused(monkeypatch):

@@ -196,22 +196,3 @@ def test_micro_batch_layout_by_hand():
     assert (padded.tokens, padded.computed_tokens) == (4, 6)
     with pytest.raises(ValueError, match="row_width"):
         MicroBatch(kind="rows", input_ids=ids[:1, :1], labels=ids[:1, :1], lengths=torch.tensor([1]), packed=True)
-
-
-def test_packed_attention_chunks_rows_under_a_token_budget(monkeypatch):
-    """Consecutive rows share one attention call up to ``ATTENTION_CHUNK_TOKENS`` tokens, with a block-diagonal
-    causal mask (True = masked); a row longer than the budget is a chunk of its own, under megatron's causal mask."""
-    from hpa.engine.micro_batch import MicroBatch
-    from hpa.models import specs
-
-    monkeypatch.setattr(specs, "ATTENTION_CHUNK_TOKENS", 4)
-    lengths = torch.tensor([2, 1, 6, 1, 1])
-    ids = torch.ones(5, 6, dtype=torch.long)
-    params = MicroBatch.from_padded("rows", ids, ids, lengths, packed=True).packed_seq_params()
-    chunks = specs._chunks(params, torch.device("cpu"))
-    assert [(a, b) for a, b, _ in chunks] == [(0, 3), (3, 9), (9, 11)]
-    assert chunks[1][2] is None
-    allowed = [[1, 0, 0], [1, 1, 0], [0, 0, 1]]  # rows 0-1 (2 tokens), row 2 (1 token)
-    assert (~chunks[0][2][0, 0]).int().tolist() == allowed
-    assert (~chunks[2][2][0, 0]).int().tolist() == [[1, 0], [0, 1]]
-    assert specs._chunks(params, torch.device("cpu")) is chunks  # once per forward, for every layer
