@@ -1,7 +1,8 @@
 """``hpa serve`` (hpa.serve): the real server on a free localhost port, talked to with the official
 ``openai`` client (and raw HTTP where a client would refuse to send the request).
 
-One server per module: the demo task's tokenizer, a random policy (seed 0) and a different random
+One server per module, in the test device mode (a host tensor fed to the models fails): the demo task's
+tokenizer, a random policy (seed 0) and a different random
 reference (seed 1), CPU. The guard's threshold is set low (``serve.kl_threshold=0.0``) and regenerates
 greedily (``serve.guard_temperature=0.0``), so about half of the sampled responses are regenerated and a
 regenerated response is known exactly: the greedy one. The last test sends SIGTERM.
@@ -52,7 +53,8 @@ def _overrides(root, *extra):
 
 
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the test device mode (hpa/distributed/device_mode.py): a host tensor fed to the "device" model fails here
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPA_TEST_MODEL_DEVICE="lazy")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(k, None)
     return env

@@ -47,8 +47,8 @@ import torch.distributed as dist
 from hpa.distributed.groups import ParallelGroups
 from hpa.models.builders import compute_device
 
-from .base import (FINISH_LENGTH, FINISH_STOP, RolloutBatch, RolloutEngine, SamplingParams, TokenizerInfo,
-                   prompt_token_lists)
+from .base import (FINISH_LENGTH, FINISH_STOP, GenerationStopped, RolloutBatch, RolloutEngine, SamplingParams,
+                   TokenizerInfo, prompt_token_lists)
 from .kv_cache import CachedDecoder, unsupported_reason
 from .sampling import sample_tokens
 
@@ -171,6 +171,8 @@ class MegatronRolloutEngine(RolloutEngine):
         try:
             steps = 0
             for step in range(r_max):
+                if self.should_stop is not None and self.should_stop():
+                    raise GenerationStopped(f"generation stopped after {step} of {r_max} decode steps")
                 end = p + step
                 start = 0 if (step == 0 or context is None) else end - 1
                 logits = self._forward(tokens[:, start:end], positions[:, start:end], key_valid, start, end,
