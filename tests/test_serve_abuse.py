@@ -208,3 +208,17 @@ def test_a_second_signal_stops_at_once(demo):
         if s.proc.poll() is None:
             s.proc.kill()
             s.proc.wait()
+
+
+def test_a_warning_when_bound_beyond_loopback_without_a_key(capsys, monkeypatch):
+    from hpa.config.schema import ServeConfig
+    from hpa.serve.cli import API_KEY_ENV, _api_key
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert _api_key(ServeConfig(host="127.0.0.1")) is None and _api_key(ServeConfig(host="::1")) is None
+    assert capsys.readouterr().err == ""
+    assert _api_key(ServeConfig(host="0.0.0.0")) is None
+    assert "without an API key" in capsys.readouterr().err
+    assert _api_key(ServeConfig(host="0.0.0.0", api_key="k")) == "k"
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert _api_key(ServeConfig(host="0.0.0.0")) == "from-env" and capsys.readouterr().err == ""
