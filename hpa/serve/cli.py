@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import ipaddress
 import os
 import signal
@@ -159,4 +160,5 @@ def main(argv: Optional[List[str]] = None) -> int:
         server.should_exit = True
         http.join(timeout=s.drain_timeout_s + 10)
     print("hpa serve: stopped", flush=True)
+    gc.freeze()  # the interpreter's last collection of the models' objects took seconds past the drain
     return 0
