@@ -28,8 +28,10 @@ class Gate:
     def _check(self, scope) -> None:
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            raise APIError(413, f"the body has {echo(length.decode('latin-1'))} bytes; this server takes at most "
+        if length is not None and not length.isdigit():
+            raise APIError(400, f"content-length {echo(length.decode('latin-1'))} is not a number")
+        if length is not None and int(length) > self.max_body_bytes:
+            raise APIError(413, f"the body has {int(length)} bytes; this server takes at most "
                                 f"{self.max_body_bytes} (serve.max_body_bytes)", code="request_too_large")
         if self.api_key is not None and scope["path"].startswith("/v1"):
             scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
