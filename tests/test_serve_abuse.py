@@ -181,7 +181,8 @@ def test_sigterm_bounds_the_exit_by_the_drain_timeout(server):
         signalled = time.monotonic()
         answers = [f.result() for f in slow]
     assert server.proc.wait(timeout=30) == 0, server.output()
-    assert time.monotonic() - signalled < 1 + 6  # the drain timeout, the cut answers, the exit
+    elapsed = time.monotonic() - signalled
+    assert elapsed < 1 + 6, elapsed  # the drain timeout, the cut answers, the exit
     cut = [r for r in answers if r.status_code != 200]
     assert cut and all(_error(r, 503)["code"] == "shutting_down" for r in cut)
 
@@ -201,9 +202,9 @@ def test_a_second_signal_stops_at_once(demo):
             s.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
             answers = [f.result() for f in slow]
-        assert s.proc.wait(timeout=30) == 0, s.output()
-        assert time.monotonic() - signalled < 10
-        assert any(r.status_code == 503 for r in answers)
+        assert s.proc.wait(timeout=60) == 0, s.output()
+        elapsed, codes = time.monotonic() - signalled, [r.status_code for r in answers]
+        assert elapsed < 20 and 503 in codes, (elapsed, codes)  # not the 600 s drain
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
