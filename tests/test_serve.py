@@ -1,7 +1,8 @@
 """``hpa serve`` (hpa.serve): the real server on a free localhost port, talked to with the official
 ``openai`` client (and raw HTTP where a client would refuse to send the request).
 
-One server per module: the demo task's tokenizer, a random policy (seed 0) and a different random
+One server per module, in the test device mode (a host tensor fed to the models fails): the demo task's
+tokenizer, a random policy (seed 0) and a different random
 reference (seed 1), CPU. The guard's threshold is set low (``serve.kl_threshold=0.0``) and regenerates
 greedily (``serve.guard_temperature=0.0``), so about half of the sampled responses are regenerated and a
 regenerated response is known exactly: the greedy one. The last test sends SIGTERM.
@@ -51,8 +52,10 @@ def _overrides(root, *extra):
             f"model.policy_path={root / 'policy'}", f"model.reference_path={root / 'reference'}", *extra]
 
 
-def _env():
+def _env(device_mode=False):
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if device_mode:  # the test device mode (hpa/distributed/device_mode.py): a host tensor fed to a model fails
+        env["HPA_TEST_MODEL_DEVICE"] = "lazy"
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(k, None)
     return env
@@ -149,7 +152,7 @@ def generated(demo):
 @pytest.fixture(scope="module")
 def server(demo, generated):
     s = Server(demo, _overrides(demo, "serve.kl_threshold=0.0", "serve.guard_temperature=0.0", "serve.model_name=tiny",
-                                "serve.batch_wait_ms=20"))
+                                "serve.batch_wait_ms=20"), env=_env(device_mode=True))
     yield s
     if s.proc.poll() is None:
         s.proc.kill()
@@ -398,3 +401,42 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server, prompts):
     assert r.status_code == 200 and len(r.json()["choices"]) == 32
     assert server.proc.wait(timeout=60) == 0, server.output()
     assert "stopped" in server.output()
+
+
+def top_logprobs_worker(groups):
+    """``response_top_log_probs`` (2 rows per forward, each cut to its longest row) against one forward of
+    the whole batch and the full ``[b, s, v]`` softmax, gathered at the response positions."""
+    import torch
+
+    from hpa.config.schema import ModelConfig, ParallelConfig
+    from hpa.engine.forward import response_top_log_probs
+    from hpa.models import build_policy
+    from hpa.rollout.base import RolloutBatch
+
+    vocab, b, p, r, k = 40, 5, 6, 5, 3
+    torch.manual_seed(0)
+    policy = build_policy(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                      ffn_hidden_size=48, vocab_size=vocab, max_sequence_length=32,
+                                      make_vocab_size_divisible_by=16), ParallelConfig(), groups).eval()
+    g = torch.Generator().manual_seed(1)
+    prompt_mask = (torch.arange(p)[None, :] >= (p - torch.tensor([6, 2, 4, 3, 5]))[:, None]).long()
+    response_mask = (torch.arange(r)[None, :] < torch.tensor([5, 1, 3, 2, 4])[:, None]).float()
+    batch = RolloutBatch(prompt_ids=torch.randint(1, vocab, (b, p), generator=g) * prompt_mask,
+                         prompt_mask=prompt_mask,
+                         response_ids=(torch.randint(1, vocab, (b, r), generator=g) * response_mask).long(),
+                         response_mask=response_mask, log_probs=torch.zeros(b, r), finish_reasons=["stop"] * b,
+                         group_ids=torch.arange(b))
+    got = response_top_log_probs(policy, batch, groups, micro_batch_size=2, vocab_size=vocab, k=k)
+    ts = batch.sequences
+    with torch.no_grad():
+        logp = torch.log_softmax(policy(ts.input_ids, ts.position_ids, None)[..., :vocab].float(), dim=-1)
+    values, ids = logp.topk(k, dim=-1)
+    want = {"log_probs": ts.to_response(logp.gather(2, ts.labels.unsqueeze(2))[..., 0]),
+            "top_values": ts.to_response(values), "top_ids": ts.to_response(ids)}
+    mask = response_mask.bool()
+    return {key: (got[key][mask] - want[key][mask]).abs().max().item() for key in want}
+
+
+def test_logprobs_at_the_response_positions_equal_the_full_softmax():
+    errors = in_process(top_logprobs_worker)
+    assert errors["top_ids"] == 0 and errors["log_probs"] < 1e-5 and errors["top_values"] < 1e-5, errors

@@ -352,8 +352,12 @@ class ServeConfig:
     the reference is above 0.1 at temperature 0.5); ``guard: false`` scores no KL and regenerates nothing.
     Requests that arrive while the engine is busy join the next batch, up to ``max_batch_size`` responses;
     an idle engine waits ``batch_wait_ms`` for company before it starts. ``drain_timeout_s``: how long
-    SIGTERM waits for in-flight requests. ``model_name``: the id clients pass as ``model`` (default: the
-    policy checkpoint's directory name).
+    SIGTERM waits for in-flight requests (then the engine stops between decode steps and the cut requests
+    get 503). ``model_name``: the id clients pass as ``model`` (default: the policy checkpoint's directory
+    name). Limits: ``max_rows_per_request`` responses per request (prompts x ``n``; ``n`` itself is capped
+    at 128 as OpenAI does), ``max_body_bytes`` per request body (413 above it). ``api_key``: the key
+    clients send as ``Authorization: Bearer <key>`` (null: the ``HPA_SERVE_API_KEY`` environment variable,
+    or no key).
     """
 
     host: str = "127.0.0.1"
@@ -366,6 +370,9 @@ class ServeConfig:
     max_batch_size: int = 32
     batch_wait_ms: float = 5.0
     drain_timeout_s: float = 60.0
+    max_rows_per_request: int = 256
+    max_body_bytes: int = 4 * 1024 * 1024
+    api_key: Optional[str] = None
 
     def __post_init__(self):
         check_range("port", self.port, low=0, high=65535)
@@ -376,6 +383,10 @@ class ServeConfig:
         check_range("drain_timeout_s", self.drain_timeout_s, low=0.0)
         if self.model_name is not None and not self.model_name:
             raise ConfigError("model_name", "must be a non-empty string or null (the policy directory's name)")
+        _positive(self, "max_rows_per_request")
+        check_range("max_body_bytes", self.max_body_bytes, low=1024)
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key", "must be a non-empty string or null (HPA_SERVE_API_KEY, or no key)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -147,3 +147,27 @@ def response_kl(policy, reference, batch, groups: ParallelGroups, *, micro_batch
         sequence_log_probs(reference, ts, batch.response_mask, groups, **kw)["log_probs"].cpu()  # [b, r]
     mask = batch.response_mask.float().cpu()  # [b, r]
     return torch.where(mask.bool(), kl_penalty(logp, ref, kind="k1"), 0.0)
+
+
+def response_top_log_probs(model, batch, groups: ParallelGroups, *, micro_batch_size: int, vocab_size: int,
+                           k: int) -> Dict[str, torch.Tensor]:
+    """Log-probs at temperature 1 at the response positions only (never the whole ``[b, s, v]``): the
+    sampled tokens' ``log_probs`` ``[b, r]`` and the ``k`` most likely tokens, ``top_values`` ``[b, r, k]``
+    and ``top_ids`` ``[b, r, k]`` (long). ``batch`` is a ``RolloutBatch``; the logits must hold the whole
+    vocabulary (tensor parallel size 1, as ``hpa serve``)."""
+    if groups.tensor_model_parallel_size != 1:
+        raise NotImplementedError("the top-k log-probs need the whole vocabulary on one rank (TP 1)")
+    ts = batch.sequences
+    mbs = sequence_micro_batches(ts, chunks(ts.input_ids.shape[0], micro_batch_size), batch.sequence_lengths)
+    r = ts.response_index.shape[1]
+
+    def fn(mb, logits, hidden):
+        logp = torch.log_softmax(mb.response(mb.unpack(logits))[..., :vocab_size].float(), dim=-1)  # [n, r, v]
+        values, ids = logp.topk(k, dim=-1)  # [n, r, k]
+        sampled = logp.gather(2, mb.response(mb.labels).unsqueeze(2))[..., 0]  # [n, r]
+        return {"log_probs": sampled, "top_values": values, "top_ids": ids}
+
+    out = forward_only(model, mbs, groups, fn, {"log_probs": (r,), "top_values": (r, k), "top_ids": (r, k)},
+                       capture_hidden=False)
+    out["top_ids"] = out["top_ids"].long()  # exact: ids below 2**24 survive the float32 of the broadcast
+    return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -347,16 +347,24 @@ def logprob_consistency(rollout_log_probs: torch.Tensor, training_log_probs: tor
             "rollout/logprob_diff_max": float(peak[0])}
 
 
+class GenerationStopped(RuntimeError):
+    """``generate`` stopped between decode steps because the engine's ``should_stop`` said so."""
+
+
 class RolloutEngine(abc.ABC):
     """A backend the trainer samples from (chosen by ``rollout.engine``).
 
     Attributes:
         copies_weights: the engine samples from its own copy of the weights (vLLM), which
             ``sync_weights`` fills; False when it samples from the training policy in place.
+        should_stop: called between decode steps by engines that decode step by step (the native one);
+            True ends ``generate`` with ``GenerationStopped`` (``hpa serve``'s drain deadline; one process:
+            the answer is not agreed over ranks).
     """
 
     name: str = ""
     copies_weights: bool = False
+    should_stop: Optional[Callable[[], bool]] = None
 
     @abc.abstractmethod
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:

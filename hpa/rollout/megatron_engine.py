@@ -65,8 +65,8 @@ import torch.nn.functional as F
 from hpa.distributed.groups import ParallelGroups
 from hpa.models.builders import compute_device
 
-from .base import (FINISH_LENGTH, FINISH_STOP, RolloutBatch, RolloutEngine, SamplingParams, TokenizerInfo,
-                   prompt_token_lists)
+from .base import (FINISH_LENGTH, FINISH_STOP, GenerationStopped, RolloutBatch, RolloutEngine, SamplingParams,
+                   TokenizerInfo, prompt_token_lists)
 from .kv_cache import CachedDecoder, unsupported_reason
 from .sampling import sample_tokens
 
@@ -270,6 +270,8 @@ class MegatronRolloutEngine(RolloutEngine):
         try:
             steps = 0
             for step in range(r_max):
+                if self.should_stop is not None and self.should_stop():
+                    raise GenerationStopped(f"generation stopped after {step} of {r_max} decode steps")
                 end = p + step
                 if static is not None and step > 0:
                     static.input_ids.copy_(tokens[:, end - 1:end])
