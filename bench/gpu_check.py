@@ -8,7 +8,7 @@ Then the same run again with ``trainer.sequence_packing=true``: the update's tok
 with packing on against off (``packing``). The first step (CUDA warm-up, allocator growth) is left out of
 the rates.
 
-Ran on one H100 (README, "GPU check", gives the figures) before the packing run was added; the packing
+Ran on one H100 (docs/gpu.md, "GPU check", gives the figures) before the packing run was added; the packing
 run has not yet run on a GPU.
 """
 

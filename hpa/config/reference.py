@@ -161,8 +161,8 @@ def render() -> str:
         "trainer.total_steps=4`). Every key below is checked against the schema: an unknown key or a wrong "
         "type is an error naming the key, the file and line (or \"command line\") and the closest valid keys. "
         "`required`: the key has no default. A schedule (`type: section` holding `name`, `value`, `start`, "
-        "...) is a value as a function of training progress. How the keys fit together: "
-        "[the README](../README.md#configuration).",
+        "...) is a value as a function of training progress. What the keys that shape a run do, and the "
+        "recipe's defaults: [training.md](training.md).",
         "",
     ]
     rows: List[Tuple[str, List[Entry]]] = []
