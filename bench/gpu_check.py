@@ -12,7 +12,7 @@ forward, update) and the update's tokens/s, packing off and on; ``syncs``, the h
 ``--tokens-per-micro-batch N``, ``token_budget``: the packed run again with ``trainer.ppo_max_token_len_per_rank=N``
 (micro-batches of N real tokens), with the same figures.
 
-Ran on one H100 (README, "GPU check", gives the figures) before the packing run was added; the packing
+Ran on one H100 (docs/gpu.md, "GPU check", gives the figures) before the packing run was added; the packing
 run has not yet run on a GPU.
 """
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one call, on a bare CUDA machine (no network): install the carried wheels, run the
 # gpu-marked tests, run a few bf16 HPA steps of the Qwen2-0.5B-shaped random model with the native engine,
-# and print one JSON line of figures (bench/gpu_check.py). Ran on one H100 (README, "GPU check").
+# and print one JSON line of figures (bench/gpu_check.py). Ran on one H100 (docs/gpu.md, "GPU check").
 #
-#   bench/gpu_check.sh [WHEEL_DIR]      (default: ./wheels; how to fill it: README, "GPU check")
+#   bench/gpu_check.sh [WHEEL_DIR]      (default: ./wheels; how to fill it: docs/gpu.md, "GPU check")
 #
 # Needs on the machine: Python 3.12, torch with CUDA, transformers, sentencepiece, safetensors, pytest.
 set -euo pipefail
@@ -15,7 +15,7 @@ mkdir -p "$LOG_DIR"
 
 python -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))' >&2
 if compgen -G "$WHEELS/*.whl" > /dev/null; then
-  # --no-deps: the wheels are the whole list (README); nothing may be fetched
+  # --no-deps: the wheels are the whole list (docs/gpu.md); nothing may be fetched
   python -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl >&2
 fi
 python -c 'import megatron.core, hpa; print("megatron-core", megatron.core.__version__)' >&2

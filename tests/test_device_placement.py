@@ -45,6 +45,7 @@ def on_test_device(tmp_path_factory):
     return root, _run(root, root / "results.json", test_device=True)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_runs_with_its_models_on_another_device(on_test_device, command):
     _, results = on_test_device

@@ -294,6 +294,7 @@ def measured(layout_name):
                                       "sequence_parallel": sp})
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout_name", [TP2, PP2_DP2])
 def test_static_estimate_matches_measured(layout_name):
     from hpa.plan import plan
@@ -315,6 +316,7 @@ def test_static_estimate_matches_measured(layout_name):
           f"error {100 * (total_est - total_measured) / total_measured:+.2f}%")
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout_name", [TP1, TP2, TP2_SP])
 @pytest.mark.parametrize("size", list(SIZES))
 def test_activation_estimate_matches_measured(layout_name, size):
@@ -335,6 +337,7 @@ def test_activation_estimate_matches_measured(layout_name, size):
     assert acts["full"] < acts["selective"] < acts["none"]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout_name", [TP1, TP2])
 @pytest.mark.parametrize("size", list(SIZES))
 def test_kv_cache_estimate_is_exact(layout_name, size):
@@ -350,6 +353,7 @@ def test_kv_cache_estimate_is_exact(layout_name, size):
     assert all(r[size]["kv_cache"] == est for r in measured(layout_name))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout_name", [TP1, TP2])
 def test_peak_estimate_matches_measured(layout_name):
     from hpa.plan import plan

@@ -23,6 +23,8 @@ import pytest
 from demo_data import make_task, write_prompt_file
 from multirank import run_ranks
 
+pytestmark = pytest.mark.e2e
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 

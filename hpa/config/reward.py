@@ -183,9 +183,6 @@ class RewardConfig:
             ``fn(response_text: str, ground_truth: str, **kwargs) -> float``.
         allow_custom_code: must be true for ``custom_function``: it imports and runs that code as is,
             with the trainer's permissions. Only point it at code you trust.
-        shaping: see ShapingConfig.
-        monitor: see MonitorConfig.
-        training: see RewardModelTrainingConfig (``hpa train-rm`` only).
     """
 
     model_paths: Tuple[str, ...] = ()

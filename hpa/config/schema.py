@@ -40,7 +40,18 @@ def _positive(obj, *names: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Parallel layout. DP = world_size / (TP · PP · CP)."""
+    """Parallel layout. DP = world_size / (TP · PP · CP).
+
+    Attributes:
+        tensor_model_parallel_size: TP: ranks that split each layer's weights.
+        pipeline_model_parallel_size: PP: ranks that split the layers into stages.
+        context_parallel_size: reserved; must be 1 (context parallelism is not implemented).
+        virtual_pipeline_model_parallel_size: reserved; must be null (virtual pipeline stages are not implemented).
+        sequence_parallel: split the activations outside attention and MLP along the sequence over the TP
+            ranks (needs TP > 1).
+        use_distributed_optimizer: shard the optimizer state over the DP ranks (megatron's distributed optimizer).
+        backend: auto (NCCL when CUDA is available, gloo otherwise) | nccl | gloo.
+    """
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -74,6 +85,33 @@ class ModelConfig:
 
     ``vocab_size`` is the tokenizer's; the embedding is padded up to a multiple of
     ``make_vocab_size_divisible_by`` · TP as megatron does.
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden_size: model width.
+        num_attention_heads: query heads.
+        vocab_size: the tokenizer's vocabulary size.
+        max_sequence_length: prompt plus response tokens at most (the RoPE and KV-cache length).
+        num_query_groups: key/value heads (grouped-query attention); null: one per query head.
+        ffn_hidden_size: MLP width; null: megatron's default (4 × hidden_size).
+        normalization: RMSNorm | LayerNorm.
+        norm_epsilon: ε of the normalisation.
+        activation: swiglu | gelu (the MLP's).
+        add_qkv_bias: bias on the query, key and value projections (Qwen2).
+        untie_embeddings_and_output_weights: separate input embedding and output layer (false: tied).
+        rotary_base: RoPE base θ.
+        init_method_std: std of the normal initialisation of the weights.
+        hidden_dropout: dropout after attention and MLP.
+        attention_dropout: dropout on the attention probabilities.
+        params_dtype: float32 | bfloat16 | float16 (the CPU/gloo path runs in float32).
+        transformer_impl: auto (Transformer Engine when it imports on a CUDA machine, megatron's local layers
+            otherwise) | local | transformer_engine.
+        make_vocab_size_divisible_by: the embedding rows are padded to a multiple of this times TP.
+        recompute_granularity: activation recomputation: null (none) | selective (core attention) | full
+            (whole layers).
+        policy_path: initial policy weights (a Megatron checkpoint directory); null: random initialisation.
+        reference_path: the frozen reference's weights; null: the policy's starting weights.
+        critic_path: the critic's starting weights; null: the policy's backbone with a fresh value head.
     """
 
     num_layers: int
@@ -95,7 +133,7 @@ class ModelConfig:
     params_dtype: str = "float32"
     transformer_impl: str = "auto"
     make_vocab_size_divisible_by: int = 128
-    recompute_granularity: Optional[str] = None  # None | selective (core attention) | full (whole layers)
+    recompute_granularity: Optional[str] = None
     policy_path: Optional[str] = None
     reference_path: Optional[str] = None
     critic_path: Optional[str] = None
@@ -135,6 +173,20 @@ class RolloutConfig:
     apply (``hpa/rollout/megatron_engine.py``). ``false`` (the default until the graph path has been
     checked on a GPU: ``tests/gpu/test_graph_decode.py``, run by ``bench/gpu_check.sh``, whose config turns
     it on) decodes eagerly, one launch per op.
+
+    Attributes:
+        engine: megatron (the training policy as it is sharded, with hpa's KV cache) | vllm.
+        n: responses sampled per prompt.
+        temperature: sampling temperature (0: greedy).
+        top_p: nucleus sampling mass (1.0: off).
+        top_k: sample among the k most likely tokens; -1: off.
+        max_new_tokens: response tokens at most.
+        seed: sampling seed.
+        vllm_tensor_parallel_size: vLLM's tensor parallelism; null: the policy's
+            ``parallel.tensor_model_parallel_size``, so ``rollout.engine=vllm`` alone works on any layout.
+        gpu_memory_utilization: share of each GPU vLLM takes while awake (its weights and KV cache).
+        colocate: vLLM shares the training GPUs and sleeps during training (the mode implemented).
+        cuda_graphs: native engine: decode from CUDA graphs (see above); false: eager decode.
     """
 
     engine: str = "megatron"
@@ -144,7 +196,6 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 16
     seed: int = 0
-    # None: the policy's parallel.tensor_model_parallel_size, so `rollout.engine=vllm` alone works on any layout
     vllm_tensor_parallel_size: Optional[int] = None
     gpu_memory_utilization: float = 0.85
     colocate: bool = True
@@ -162,7 +213,20 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """megatron-core's optimizer (Adam with decoupled weight decay, i.e. AdamW)."""
+    """megatron-core's optimizer (Adam with decoupled weight decay, i.e. AdamW).
+
+    Attributes:
+        lr: peak learning rate of the policy.
+        min_lr: learning rate at the end of the decay.
+        critic_lr: the critic's peak learning rate; null: ``lr``.
+        weight_decay: decoupled weight decay.
+        adam_beta1: Adam β1.
+        adam_beta2: Adam β2.
+        adam_eps: Adam ε.
+        clip_grad: gradient clipping by global norm (0: off).
+        lr_warmup_fraction: share of the steps with a linear warmup from 0.
+        lr_decay_style: constant | linear | cosine, from ``lr`` to ``min_lr`` after the warmup.
+    """
 
     lr: float = 1e-5
     min_lr: float = 0.0
@@ -203,6 +267,23 @@ class TrainerConfig:
     inside each row, so no pad is computed; the numbers are those of the padded layout up to rounding.
     ``ppo_max_token_len_per_rank`` then counts real tokens per rollout micro-batch (padded tokens
     without packing).
+
+    Attributes:
+        total_steps: training steps (the schedules' progress is step / total_steps).
+        seed: the run's seed (initialisation, data order, dropout).
+        run_dir: where everything of a run goes (metrics, checkpoints, the resolved config).
+        global_batch_size: prompts per step over all DP ranks.
+        micro_batch_size: rows (rollouts or preference pairs) per rank and pipeline micro-batch.
+        preference_batch_size: preference pairs per step over all DP ranks.
+        ppo_epochs: passes over each step's rollouts.
+        ppo_mini_batch_size: prompts per optimizer update within a step; null: one update per epoch.
+        ppo_max_token_len_per_rank: token budget of a rollout micro-batch (rows regrouped to fit it); null:
+            ``micro_batch_size`` rows.
+        sequence_packing: pack each micro-batch's rows into one sequence, attention kept inside each row.
+        eval_interval: greedy evaluation on ``data.eval_prompt_path`` every this many steps (and at step 0); 0: off.
+        log_interval: ``hpa train-rm`` logs every this many steps.
+        peak_tflops_per_device: the device's peak TFLOP/s, for ``perf/mfu``; null: MFU is NaN.
+        max_steps_per_run: end this process after that many steps with a checkpoint; the next launch resumes.
     """
 
     total_steps: int
@@ -235,6 +316,12 @@ class SFTConfig:
 
     The weights go to ``output_dir`` (default ``<trainer.run_dir>/sft``); point
     ``model.policy_path`` there for ``hpa train``.
+
+    Attributes:
+        total_steps: SFT steps.
+        global_batch_size: examples per step over all DP ranks.
+        lr: SFT's peak learning rate; null: ``optim.lr``.
+        output_dir: where the weights go; null: ``<trainer.run_dir>/sft``.
     """
 
     total_steps: int = 200
@@ -255,6 +342,15 @@ class CheckpointConfig:
     ``on_save_failure``: a save that fails (out of space, I/O error) leaves the previous checkpoint
     and ``latest`` as they were and removes its partial directory; then ``continue`` logs a warning,
     counts it in ``checkpoint/save_failures`` and trains on, ``stop`` exits with status 74 (EX_IOERR).
+
+    Attributes:
+        save_interval: save every this many steps (also on SIGTERM/SIGUSR1 and at ``max_steps_per_run``); 0:
+            only then.
+        resume: auto (from ``latest``, falling back to the previous good checkpoint) | never | a checkpoint path.
+        keep_last: newest checkpoints kept.
+        keep_top_k: checkpoints kept besides, the best by evaluation score.
+        dir: where checkpoints go; null: ``<trainer.run_dir>/checkpoints``.
+        on_save_failure: continue | stop, after a save that failed.
     """
 
     save_interval: int = 0
@@ -288,6 +384,22 @@ class GuardConfig:
     is set) watches mean(reward) - 0.5 mean(KL) - 0.3 std(reward) over ``early_stop_window`` steps.
     ``early_stop_on_hacking`` also stops at an evaluation where the reward-hacking monitor alerts
     (``reward.monitor``, on ``data.adversarial_prompt_path``).
+
+    Attributes:
+        grad_spike_factor: a grad norm above this × the running median is a spike.
+        grad_spike_window: steps in the running median of the grad norm.
+        grad_spike_min_history: steps recorded before spikes are looked for.
+        grad_spike_action: skip (the step) | clip (to the median) | none, on a spike.
+        kl_rollback_threshold: token KL above which the run rolls back; null: never on KL.
+        max_consecutive_skips: skipped steps in a row that roll back.
+        rollback_lr_factor: the LR is multiplied by this at each rollback.
+        max_rollbacks: rollbacks at most in a run; then no more.
+        early_stop_patience: evaluations without improvement before stopping; null: no early stopping.
+        early_stop_window: steps in the early-stopping metric's window.
+        early_stop_min_delta: smallest rise of the metric that counts as an improvement.
+        early_stop_kl_coef: weight of mean(KL) in the early-stopping metric.
+        early_stop_std_coef: weight of std(reward) in the early-stopping metric.
+        early_stop_on_hacking: stop at an evaluation where the reward-hacking monitor alerts.
     """
 
     grad_spike_factor: float = 10.0
@@ -318,6 +430,15 @@ class GuardConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class WandbConfig:
+    """Weights & Biases (the API key is never read or printed by hpa).
+
+    Attributes:
+        mode: offline | online | disabled.
+        project: the wandb project.
+        entity: the wandb team or user; null: wandb's default.
+        name: the run's name; null: wandb's default.
+    """
+
     mode: str = "offline"
     project: str = "hpa"
     entity: Optional[str] = None
@@ -335,6 +456,8 @@ class LoggingConfig:
         console: a log line with the key metrics every step.
         progress_bar: a tqdm bar on rank 0 with the key metrics (to stderr).
         tensorboard: event files under ``<run_dir>/tensorboard`` (needs the ``tensorboard`` package).
+        wandb: Weights & Biases.
+        level: reserved: the CLI logs at INFO whatever this says.
     """
 
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -358,6 +481,21 @@ class ServeConfig:
     at 128 as OpenAI does), ``max_body_bytes`` per request body (413 above it). ``api_key``: the key
     clients send as ``Authorization: Bearer <key>`` (null: the ``HPA_SERVE_API_KEY`` environment variable,
     or no key).
+
+    Attributes:
+        host: the address to listen on.
+        port: the port (0: a free one, printed at start).
+        model_name: the model id; null: the policy directory's name.
+        guard: score every response's KL to the reference and regenerate above ``kl_threshold``.
+        kl_threshold: KL (k1, mean over the response's tokens) above which a response is sampled again.
+        guard_temperature: temperature of the regeneration.
+        guard_max_retries: regeneration rounds at most.
+        max_batch_size: responses per engine call at most.
+        batch_wait_ms: how long an idle engine waits for more requests.
+        drain_timeout_s: SIGTERM's grace for in-flight requests.
+        max_rows_per_request: responses per request at most (prompts x ``n``); 400 above it.
+        max_body_bytes: request body size at most; 413 above it.
+        api_key: the Bearer key clients must send; null: ``HPA_SERVE_API_KEY`` or no key.
     """
 
     host: str = "127.0.0.1"

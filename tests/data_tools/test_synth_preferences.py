@@ -282,6 +282,7 @@ def _read(path):
     return [json.loads(line) for line in open(path).read().splitlines()]
 
 
+@pytest.mark.multirank
 def test_tp1_pp1_dp2_generator_keeps_right_strong_answers_over_wrong_weak_ones(e2e):
     from hpa.data.preferences import PreferenceDataset
     from hpa.data.tokenizer import build_tokenizer
@@ -313,6 +314,7 @@ def test_tp1_pp1_dp2_generator_keeps_right_strong_answers_over_wrong_weak_ones(e
     assert len(data) == len(records) and data.stats["num_rejected"] == 0
 
 
+@pytest.mark.multirank
 def test_tp1_pp1_dp2_cleaner_counts_match_independent_scores(e2e):
     main, other = e2e["ranks"]
     report = main["report"]
@@ -356,6 +358,7 @@ def test_tp1_pp1_dp2_cleaner_counts_match_independent_scores(e2e):
 
 
 
+@pytest.mark.multirank
 def test_tp1_pp1_dp2_library_swapped_sides_keep_nothing_and_bad_input_is_named(e2e):
     library = e2e["ranks"][0]["library"]
     swapped = library["swapped"]
@@ -371,6 +374,7 @@ def test_tp1_pp1_dp2_library_swapped_sides_keep_nothing_and_bad_input_is_named(e
     assert errors["pair_without_truth"].startswith("prefs.jsonl:1001: key 'ground_truth': is missing")
 
 
+@pytest.mark.multirank
 def test_tp1_pp1_dp2_cleaner_rule_reward_drops_exactly_the_flipped_pairs(e2e):
     library = e2e["ranks"][0]["library"]
     records = _read(e2e["data"] / "preferences.jsonl")

@@ -7,6 +7,8 @@ import torch
 
 from multirank import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 STEPS = 5
 
 

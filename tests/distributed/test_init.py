@@ -192,6 +192,7 @@ def nccl_optimizer_worker(groups):
     return True
 
 
+@pytest.mark.multirank
 def test_the_optimizer_builds_under_an_nccl_layout():
     """Red on the first GPU run: hpa asked megatron for gloo groups next to its own process-group collection
     under NCCL, and ``get_megatron_optimizer`` refuses that ("Gloo process groups are not supported when

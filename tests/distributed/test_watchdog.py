@@ -115,6 +115,7 @@ def hang_worker(groups, max_hang_s):
     return result
 
 
+@pytest.mark.multirank
 def test_gloo_timeout_names_the_phase_and_the_hung_rank_2ranks():
     """Rank 0 stops answering; rank 1's all-reduce fails after parallel.timeout_minutes (6 s) and its
     message names its phase and rank 0, read from the store that rank 0's process still serves."""

@@ -121,6 +121,7 @@ def read_safetensors(directory):
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_hf_tp2_pp2_dp1(converted, family):
     _, models, ranks = converted
@@ -132,6 +133,7 @@ def test_logits_match_hf_tp2_pp2_dp1(converted, family):
     np.testing.assert_allclose(got, ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_is_identical_tp2_pp2_dp1(converted, family):
     root, _, _ = converted
@@ -144,6 +146,7 @@ def test_round_trip_is_identical_tp2_pp2_dp1(converted, family):
         assert "lm_head.weight" not in exported and any(n.endswith("q_proj.bias") for n in exported)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exported_directory_loads_in_transformers(converted, family):
     import transformers
@@ -160,6 +163,7 @@ def test_exported_directory_loads_in_transformers(converted, family):
                                    atol=0, rtol=0)
 
 
+@pytest.mark.multirank
 def test_every_rank_streams_every_tensor_tp2_pp2_dp1(converted):
     _, models, ranks = converted
     for family in FAMILIES:
@@ -234,6 +238,7 @@ def test_load_errors_name_the_tensor(local_groups):
                               model_cfg, local_groups)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_pp2_checkpoint_exports_identically_at_tp1(converted, local_groups, family):
     """Resharding: the checkpoint written at TP2xPP2 loads and exports at TP1 (vocab padded to 80)."""
@@ -255,6 +260,7 @@ def test_tp2_pp2_checkpoint_exports_identically_at_tp1(converted, local_groups, 
         assert torch.equal(got[name], tensor), name
 
 
+@pytest.mark.multirank
 def test_export_writes_sharded_safetensors_that_transformers_loads(converted, local_groups, tmp_path):
     import transformers
 

@@ -7,6 +7,8 @@ import torch
 
 from multirank import layout_id, run_ranks
 
+pytestmark = pytest.mark.multirank
+
 ATOL = 1e-5
 VOCAB = 64
 

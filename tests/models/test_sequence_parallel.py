@@ -117,6 +117,7 @@ def results():
     return run_ranks(sp_worker, tp=2)
 
 
+@pytest.mark.multirank
 def test_tp2_sequence_parallel_forward_equals_tp2(results):
     for rank in results:
         ref, got = rank[False], rank[True]
@@ -128,6 +129,7 @@ def test_tp2_sequence_parallel_forward_equals_tp2(results):
         assert float(np.abs(ref["semantic"][0]).max()) > 1e-3  # policy and reference differ: the term is live
 
 
+@pytest.mark.multirank
 def test_tp2_sequence_parallel_step_equals_tp2(results):
     for rank in results:
         ref, got = rank[False], rank[True]

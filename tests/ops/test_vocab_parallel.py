@@ -143,6 +143,7 @@ def reference(inputs, logits_p=None, logits_q=None):
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_matches_one_process_reference(tp, name):
@@ -166,6 +167,7 @@ def test_matches_one_process_reference(tp, name):
     assert got["inputs_unchanged"]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_bf16_close_to_fp32_logits(tp):
     """bf16 input against the reference on the fp32 logits it was rounded from: bf16 tolerance."""
@@ -182,6 +184,7 @@ def test_bf16_close_to_fp32_logits(tp):
         np.testing.assert_allclose(got[op]["grad_p"], ref[op]["grad_p"], rtol=0, atol=5e-2, err_msg=op)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tp2_equals_tp1(name):
     """Invariance: sharding the vocab over two ranks changes nothing beyond float rounding."""

@@ -42,6 +42,7 @@ def runs():
     return rm_pipeline.results()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["tp2", "pp2"], ids=["tp2_pp1_dp1", "tp1_pp2_dp1"])
 def test_scores_match_tp1_on_every_rank(runs, layout):
     ref = runs["tp1"]["score"]
@@ -51,6 +52,7 @@ def test_scores_match_tp1_on_every_rank(runs, layout):
         np.testing.assert_allclose(got["embeddings"], ref["embeddings"], atol=ATOL, rtol=0)
 
 
+@pytest.mark.multirank
 def test_trained_model_prefers_chosen_and_heads_disagree(runs):
     rewards = runs["tp1"]["score"]["rewards"]  # [2n, K]: chosen rows, then rejected
     from rm_pipeline import NUM_HEADS
@@ -62,12 +64,14 @@ def test_trained_model_prefers_chosen_and_heads_disagree(runs):
     assert runs["tp1"]["score"]["embeddings"].shape == (2 * n, 32)
 
 
+@pytest.mark.multirank
 def test_several_models_concatenate_heads(runs):
     one, two = runs["tp1"]["score"]["rewards"], runs["tp1"]["score_two_models"]["rewards"]
     assert two.shape == (one.shape[0], 2 * one.shape[1])
     np.testing.assert_allclose(two, np.concatenate([one, one], axis=1), atol=ATOL, rtol=0)
 
 
+@pytest.mark.multirank
 def test_single_head_has_zero_sigma(runs):
     from hpa.reward import ensemble_mean_std
 
@@ -76,6 +80,7 @@ def test_single_head_has_zero_sigma(runs):
     assert ensemble_mean_std(k1)[1].abs().max().item() == 0.0
 
 
+@pytest.mark.multirank
 def test_plugs_into_uncertainty_aware_reward(runs):
     from hpa.reward import ensemble_mean_std
 

@@ -125,6 +125,7 @@ def runs():
     return rm_pipeline.results()
 
 
+@pytest.mark.multirank
 def test_tp1_pp1_dp1_training_learns_the_demo_task(runs):
     final, lines = runs["tp1"]["final"], runs["tp1"]["lines"]
     from rm_pipeline import NUM_HEADS, STEPS
@@ -140,6 +141,7 @@ def test_tp1_pp1_dp1_training_learns_the_demo_task(runs):
     assert runs["tp1"]["train_seconds"] < 60
 
 
+@pytest.mark.multirank
 def test_tp1_pp1_dp1_separable_preferences_reach_90_percent_within_a_minute(runs):
     """The issue's requirement: Bradley-Terry training on a synthetic, clearly separable preference set
     reaches over 90% held-out accuracy on CPU in under a minute (through ``run_train_rm``, K=3 heads,
@@ -177,6 +179,7 @@ def test_tp1_pp1_dp1_separable_preferences_reach_90_percent_within_a_minute(runs
     assert run["train_seconds"] < 60, run["train_seconds"]
 
 
+@pytest.mark.multirank
 def test_tp1_pp1_dp1_writes_the_run_dir(runs):
     from pathlib import Path
 
@@ -187,6 +190,7 @@ def test_tp1_pp1_dp1_writes_the_run_dir(runs):
     assert not (run_dir / "reward_model.tmp").exists()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["tp2", "pp2"], ids=["tp2_pp1_dp1", "tp1_pp2_dp1"])
 def test_first_step_loss_matches_tp1(runs, layout):
     ref = runs["tp1"]["lines"][0]

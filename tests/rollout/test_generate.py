@@ -106,6 +106,7 @@ def results(demo):
     return run_ranks(generate_worker, dp=2, args=(demo,)), demo
 
 
+@pytest.mark.multirank
 def test_tp1_pp1_dp2_reference_is_policy(results):
     ranks, root = results
     summary = ranks[0]["same"]
@@ -120,6 +121,7 @@ def test_tp1_pp1_dp2_reference_is_policy(results):
         assert r["kl"] == 0.0 and not r["regenerated"] and r["finish_reason"] in ("stop", "length")
 
 
+@pytest.mark.multirank
 def test_tp1_pp1_dp2_guard_regenerates_rows_above_threshold(results):
     ranks, root = results
     out = ranks[0]
@@ -139,6 +141,7 @@ def test_tp1_pp1_dp2_guard_regenerates_rows_above_threshold(results):
             assert (b["response"], b["kl"]) == (a["response"], pytest.approx(a["kl"], abs=1e-6))
 
 
+@pytest.mark.e2e
 def test_cli_single_process(results):
     _, root = results
     out = root / "cli.jsonl"

@@ -16,6 +16,8 @@ import torch
 
 from multirank import layout_id, run_ranks
 
+pytestmark = pytest.mark.multirank
+
 VOCAB = 64
 PAD = 0
 ATOL = 1e-4

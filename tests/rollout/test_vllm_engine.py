@@ -175,6 +175,7 @@ def replica_worker(groups):
     return sorted(dist.get_process_group_ranks(groups.mp_group))
 
 
+@pytest.mark.multirank
 def test_replica_ranks_follow_megatrons_order_tp1_pp2_dp2():
     """The order ``_replica`` assumes is the one hpa's groups have."""
     out = run_ranks(replica_worker, pp=2, dp=2)

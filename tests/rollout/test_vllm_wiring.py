@@ -10,6 +10,8 @@ import fake_vllm
 from demo_data import make_task, write_prompt_file
 from multirank import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 PROMPTS = 6
 
 

@@ -15,6 +15,8 @@ import torch
 
 from multirank import layout_id, run_ranks
 
+pytestmark = pytest.mark.multirank
+
 VOCAB = 48
 ATOL = 1e-5
 

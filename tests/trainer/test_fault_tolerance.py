@@ -42,6 +42,7 @@ def uninterrupted(demo):
     return launch(demo, demo / "ft_ref", 4, FOUR_STEPS)
 
 
+@pytest.mark.e2e
 def test_kill_9_one_rank_then_resume_equals_uninterrupted(demo, uninterrupted):
     run_dir = demo / "ft_killed"
     launch(demo, run_dir, 4, FOUR_STEPS, env={"HPA_INJECT_FAULT": "kill@3:1"}, expect=None)
@@ -52,6 +53,7 @@ def test_kill_9_one_rank_then_resume_equals_uninterrupted(demo, uninterrupted):
     assert_same_metrics(uninterrupted, resumed, steps=[1, 2, 3, 4])
 
 
+@pytest.mark.e2e
 def test_an_injected_fault_fires_once_per_run_not_once_per_process(tmp_path, monkeypatch):
     """A worker that torchrun restarts is a new process; it must not fault again (else it dies forever)."""
     from hpa.trainer import faults
@@ -97,6 +99,7 @@ def test_kill_9_mid_step_under_max_restarts_resumes_by_itself_tp1_pp1_dp2(demo):
     assert_same_metrics(reference, metrics, steps=[1, 2, 3, 4])
 
 
+@pytest.mark.e2e
 def test_max_steps_per_run_exits_resumable_and_resume_is_exact(demo, uninterrupted):
     run_dir = demo / "ft_sliced"
     launch(demo, run_dir, 4, FOUR_STEPS + ["trainer.max_steps_per_run=2"])
@@ -111,6 +114,7 @@ def test_max_steps_per_run_exits_resumable_and_resume_is_exact(demo, uninterrupt
     assert [(h["reason"], h["step"]) for h in history] == [("max_steps_per_run", 2), ("done", 4)]
 
 
+@pytest.mark.e2e
 def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(demo):
     from hpa.trainer.checkpoint import verify
 
@@ -164,6 +168,7 @@ def test_usr1_through_torchrun_after_a_periodic_save_still_checkpoints(demo):
     assert manifest["step"] == status["step"] == read_metrics(run_dir)[-1]["step"]
 
 
+@pytest.mark.e2e
 def test_truncated_shard_is_detected_and_resume_falls_back(demo, uninterrupted, caplog):
     import shutil
 
@@ -224,6 +229,7 @@ def compare_weights_worker(groups, first, second):
         not torch.equal(out[0][k], out[1][k]) for k in out[0])
 
 
+@pytest.mark.e2e
 def test_nan_loss_skips_the_step_bit_identically_and_nan_reward_is_dropped(demo):
     run_dir = demo / "ft_nan"
     metrics = launch(demo, run_dir, 1, ["trainer.total_steps=4", "checkpoint.save_interval=1",
@@ -241,6 +247,7 @@ def test_nan_loss_skips_the_step_bit_identically_and_nan_reward_is_dropped(demo)
     assert moved  # and the next step did update it
 
 
+@pytest.mark.e2e
 def test_kl_spike_rolls_back_lowers_the_lr_and_continues(demo):
     run_dir = demo / "ft_spike"
     metrics = launch(demo, run_dir, 1, ["trainer.total_steps=4", "checkpoint.save_interval=2",
@@ -254,6 +261,7 @@ def test_kl_spike_rolls_back_lowers_the_lr_and_continues(demo):
     assert by_step[4]["guard/rollbacks"] == 1
 
 
+@pytest.mark.e2e
 def test_second_rollback_to_the_same_checkpoint_lowers_the_lr_again(demo):
     """Spikes after steps 3 and 4 both roll back to step 2: the LR of the replayed steps is 0.25x the
     original (the guard's cumulative scale), not 0.5x again (which would replay the same run)."""
@@ -267,6 +275,7 @@ def test_second_rollback_to_the_same_checkpoint_lowers_the_lr_again(demo):
         assert by_step[step]["actor/lr"] == pytest.approx(0.25 * by_step[2]["actor/lr"]), step
 
 
+@pytest.mark.e2e
 def test_run_checkpoint_saved_at_tp1_dp4_resumes_under_tp2_pp2(demo, uninterrupted):
     """A run checkpoint (models, optimizer states, run state) reshards: saved under TP1xDP4 and resumed
     under TP2xPP2 (DP1), it loads and trains on. Step 4's DPO metrics (same pairs, weights restored
@@ -351,6 +360,7 @@ def test_tmp_directory_of_an_interrupted_save_is_ignored_and_removed_on_start(tm
     assert not partial.exists() and "step_00000002.tmp" in caplog.text
 
 
+@pytest.mark.e2e
 def test_save_failing_on_one_rank_warns_counts_and_trains_on_unchanged(demo, uninterrupted):
     """Rank 1 runs out of space while saving step 2's checkpoint (checkpoint.on_save_failure=continue,
     the default): every rank learns of it (none waits forever), step 2's checkpoint is not written,
@@ -413,6 +423,7 @@ def _rank_0_of_a_hung_pair(demo, run_dir, fault):
     return err
 
 
+@pytest.mark.e2e
 def test_a_rank_hung_during_start_up_makes_the_others_exit_75_naming_it(demo):
     """Rank 1 stops answering while the trainer starts (before step 1: models, weights, checkpoint); rank
     0 exits 75 with the watchdog's message naming the start-up phase and rank 1, not a traceback."""
@@ -426,6 +437,7 @@ def test_a_rank_hung_during_start_up_makes_the_others_exit_75_naming_it(demo):
     assert status["reason"] == "collective_failure" and status["step"] == 0
 
 
+@pytest.mark.e2e
 def test_a_hung_rank_makes_the_others_exit_75_naming_phase_and_rank(demo):
     """Rank 1 stops answering at the start of step 2; rank 0's next collective times out after
     parallel.timeout_minutes and it exits with status 75 (a launcher restarts on it), naming the step

@@ -11,6 +11,8 @@ import torch
 
 from multirank import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 VOCAB = 48
 
 

@@ -12,7 +12,11 @@ PPO mini-batches, so that 20 steps carry a clear signal. About 20 s on the 2-cor
 
 import json
 
+import pytest
+
 from trainer_runs import launch, make_task, sft
+
+pytestmark = pytest.mark.e2e
 
 SEED = 1  # of the SFT and of the HPA run
 SFT_STEPS = 110

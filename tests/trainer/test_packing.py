@@ -146,6 +146,7 @@ def initial(tmp_path_factory):
     return dirs
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: layout_id(l["tp"], l["pp"]) + ("_sp" if l["sp"] else ""))
 def test_packed_equals_padded(initial, layout):
     ranks = run_ranks(packing_worker, tp=layout["tp"], pp=layout["pp"], args=(*initial, layout["sp"]))

@@ -112,6 +112,7 @@ def _cached_equals_live(groups, root, run_dir):
     return compared, torch.isfinite(table).all().item()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), pytest.param(1, 2, 2, marks=pytest.mark.slow)],
                          ids=["tp1_pp1_dp1", "tp1_pp2_dp2"])
 def test_cached_values_equal_the_live_forward_bit_for_bit(demo, tmp_path, tp, pp, dp):
@@ -172,6 +173,7 @@ def _rebuilds(groups, root, tmp):
     return counts, same, handler.messages
 
 
+@pytest.mark.multirank
 def test_reuse_and_every_rebuild(demo, tmp_path):
     """Reused when nothing changed (no pair computed); a flipped byte or a truncated shard is detected with a
     warning naming the file and rebuilt; a changed pair file or reference checkpoint rebuilds it."""
@@ -216,6 +218,7 @@ def _counted_step(groups, root, run_dir, extra):
     return calls
 
 
+@pytest.mark.multirank
 def test_a_step_runs_no_reference_forward_over_its_pairs(demo, tmp_path):
     """Counted in a real training run: with the cache every reference forward over pairs happens at
     start-up, none in the steps; without it, every step runs one."""
@@ -225,6 +228,7 @@ def test_a_step_runs_no_reference_forward_over_its_pairs(demo, tmp_path):
     assert live == {"start-up": 0, "steps": 2}
 
 
+@pytest.mark.e2e
 def test_hpa_train_tp1_pp1_dp2_with_the_cache_equals_without_and_a_resume_reuses_it(demo):
     """DP2: the run with the cache, stopped after one step and resumed, logs the same metrics bit for bit as
     the run without it; the cache is built once, by the first launch, and the resume reuses it."""

@@ -208,6 +208,7 @@ def _assert_step_equal(filtered, direct, kept):
         assert not adv[dropped].any()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("policy_loss", ["vanilla", "geo_mean"])
 def test_step_with_a_filter_equals_the_step_on_the_kept_rows_tp1_pp1_dp2(policy_loss):
     kept = _kept(SOME)
@@ -218,6 +219,7 @@ def test_step_with_a_filter_equals_the_step_on_the_kept_rows_tp1_pp1_dp2(policy_
     assert filtered[0][2]["filter/kept_fraction"] == pytest.approx(3 / 8)
 
 
+@pytest.mark.multirank
 def test_a_rank_that_keeps_no_row_neither_hangs_nor_changes_the_step_tp1_pp1_dp2():
     """Rank 1 keeps nothing: the DP2 step equals one rank training on rank 0's kept rows."""
     kept = _kept(NONE_ON_RANK_1)

@@ -8,6 +8,8 @@ import pytest
 
 from trainer_runs import launch
 
+pytestmark = pytest.mark.e2e
+
 REQUIRED_KEYS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_loss", "actor/kl_coef",
     "actor/entropy", "actor/grad_norm", "actor/lr", "dpo/loss", "dpo/reward_acc", "dpo/margin", "kl/token",

@@ -11,6 +11,8 @@ from multirank import run_ranks
 from test_fault_tolerance import assert_same_metrics
 from trainer_runs import launch
 
+pytestmark = pytest.mark.e2e
+
 RM_HEADS = 2
 
 
