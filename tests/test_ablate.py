@@ -295,7 +295,7 @@ def test_a_stopped_ablation_ends_every_run_it_started(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is handler_before  # restored
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sigterm_to_a_real_ablation_checkpoints_its_runs_and_a_rerun_resumes_them(tmp_path):
     """``hpa ablate`` with two runs in flight on the tiny config gets SIGTERM: both runs checkpoint and end
     (no process of the ablation is left), it says so and exits 128 + 15; the same command then resumes both

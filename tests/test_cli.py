@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from hpa.cli import main
 
 
@@ -60,6 +62,7 @@ def test_a_command_parses_its_own_arguments(capsys):
     assert "--world-size" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_megatron_fallback_warnings_are_not_printed_on_cpu(tmp_path):
     """On CPU, megatron's "Apex / Transformer Engine not installed, falling back to ..." (several per process,
     at import) is the expected case: ``hpa train`` prints none of it. The run stops at its missing tokenizer,

@@ -15,6 +15,8 @@ import pytest
 from demo_data import make_task, write_prompt_file
 from test_serve import Server, _env, _overrides, in_process, save_worker
 
+pytestmark = pytest.mark.e2e
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 

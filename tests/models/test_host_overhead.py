@@ -180,6 +180,7 @@ def _fused_vs_megatron_worker(groups):
     return {k: v[keep] for k, v in out.items()}
 
 
+@pytest.mark.multirank
 def test_fused_attention_equals_megatrons_unfused_kernel():
     out = run_ranks(_fused_vs_megatron_worker)[0]
     torch.testing.assert_close(out["ours"], out["theirs"], rtol=0, atol=1e-5)
@@ -195,6 +196,7 @@ def _bench(*args):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.e2e  # runs bench/host_overhead.py as a subprocess (about a minute)
 def test_host_cost_of_a_micro_batch_does_not_grow_with_its_rows():
     """At Qwen2-0.5B's structure (24 layers), packed: the same operations for 8 rows as for 32 (within 10 %),
     at most 1.2x the padded layout's; host-device syncs a constant (none in the model's passes) that grows

@@ -20,6 +20,8 @@ import torch
 
 from multirank import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 VOCAB = 64
 PAD = 0
 MAX_NEW = 12
