@@ -19,7 +19,7 @@ read on held-out preference pairs (never trained on). Two signals (``algorithm.h
 
       e_t = (nll_t - best_t) / best_t - slack     (clipped at 0 while the learned reward is not rising)
 
-  Measured on the hackable demo task it does not close (README, "Does the hybrid help?"): the DPO
+  Measured on the hackable demo task it does not close (docs/results.md, the hackable task): the DPO
   term's anchor keeps lowering that NLL while PPO exploits the reward elsewhere.
 
 Both feed the same PI form of the Lagrangian method (Stooke et al., ICML 2020), one multiplier for the

@@ -164,7 +164,7 @@ def _convert(value: Any, tp, key: str, sources: _Sources):
 # keys that moved, with where they went: a config written for an older hpa gets told
 MOVED_KEYS = {
     "reward.filter": "the rollout filter is algorithm.rollout_filter now (reward.filter.mode: top_std is "
-                     "algorithm.rollout_filter.name: reward_above_mean_std, with k; see the README, Configuration)",
+                     "algorithm.rollout_filter.name: reward_above_mean_std, with k; see docs/training.md)",
 }
 
 

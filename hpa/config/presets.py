@@ -2,7 +2,7 @@
 
 ``recipe`` is the HPA recipe as published (w_ppo = w_dpo = 0.4, w_kl = 0.2) without the parts hpa adds
 by default to decide how far the learned reward is trusted: the preference anchor, per-component
-advantages, the trust gate and the automatic balance (README, "Does the hybrid help?").
+advantages, the trust gate and the automatic balance (docs/results.md).
 """
 
 from __future__ import annotations
