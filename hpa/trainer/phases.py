@@ -13,8 +13,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from hpa.algorithms import advantages as adv_lib
-from hpa.algorithms.kl import apply_kl_penalty, kl_penalty
-from hpa.algorithms.masked import masked_mean
+from hpa.algorithms.kl import apply_kl_penalty
 from hpa.algorithms.ppo import truncated_importance_weights
 from hpa.config.schema import Config, component_advantages
 from hpa.distributed import comm
@@ -27,8 +26,7 @@ from hpa.engine.step import (add_grads, forward_backward, gradient_norm, guarded
 from hpa.reward import RewardInputs
 from hpa.rollout.base import RolloutBatch, logprob_consistency
 from hpa.trainer import micro_batches, objective
-from hpa.trainer.balance import GradientBalance
-from hpa.trainer.objective import StepWeights
+from hpa.trainer.objective import Controllers, StepSignals, StepWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +227,7 @@ def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[T
 
 def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weights: StepWeights, policy: Trainable, guard,
                   ctx: StepContext, *, wrap_loss=lambda loss_fn: loss_fn,
-                  balance: Optional[GradientBalance] = None) -> Dict[str, float]:
+                  controllers: Optional[Controllers] = None) -> Dict[str, float]:
     """``ppo_epochs`` x mini-batches of optimizer updates at this step's LR, the preference micro-batches
     dealt round-robin over the mini-batches; the LR schedule then advances once per HPA step (as verl's),
     whatever the number of updates in it. ``guard`` decides what a non-finite or spiking gradient does.
@@ -238,8 +236,9 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weight
 
     Args:
         wrap_loss: applied to each update's loss closure (fault injection).
-        balance: the automatic balance of the pair term (``hpa.trainer.balance``); while it measures,
-            an update with both rollout and pair micro-batches runs them as two backward passes and logs
+        controllers: the run's controllers: their ``pairs`` factor scales the pair stream; while one that
+            observes ``gradients`` (the automatic balance) measures, an update with both rollout and pair
+            micro-batches runs them as two backward passes, updates it with their gradient norms and logs
             ``grad_norm/rollout`` and ``grad_norm/pairs``.
     """
     steps, grad_norms = [], []
@@ -250,16 +249,18 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weight
         real, positions = tokens_computed(rollout_mbs + pair_mbs)
         tokens, computed = tokens + real, computed + positions
         counts = objective.global_counts(rollout_mbs, pair_mbs, ctx.groups)
-        split = balance is not None and balance.measuring and bool(rollout_mbs) and bool(pair_mbs)
-        scale = balance.factor if balance is not None and not split else 1.0
+        measuring = controllers is not None and any(c.measuring for c in controllers.at("gradients"))
+        split = measuring and bool(rollout_mbs) and bool(pair_mbs)
+        scale = controllers.factor("pairs") if controllers is not None and not split else 1.0
         loss_fn = wrap_loss(objective.make_policy_loss(ctx.cfg.algorithm, weights, counts, ctx.groups,
                                                        vocab_size=ctx.vocab_size, temperature=ctx.temperature,
                                                        pair_scale=scale))
         zero_grad(policy.model, policy.optimizer)
         if split:
             records, norms = _measured_backward(policy, rollout_mbs, pair_mbs, loss_fn, ctx)
-            balance.record(norms["grad_norm/rollout"], norms["grad_norm/pairs"], weights.w_ppo, weights.w_dpo)
-            add_grads(policy.model, norms.pop("_rollout_grads"), scale=balance.factor)
+            controllers.update("gradients", StepSignals(weights=weights, grad_norms={
+                "rollout": norms["grad_norm/rollout"], "pairs": norms["grad_norm/pairs"]}))
+            add_grads(policy.model, norms.pop("_rollout_grads"), scale=controllers.factor("pairs"))
             records.append(norms)
         else:
             records = forward_backward(policy.model, rollout_mbs + pair_mbs, loss_fn, ctx.groups,
@@ -274,8 +275,8 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weight
     metrics["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
     metrics["actor/lr"] = lr
     metrics["_tokens"], metrics["_padded_tokens"] = tokens, computed
-    if balance is not None:
-        metrics.update(balance.metrics())
+    if controllers is not None:
+        metrics.update(controllers.metrics())
     policy.scheduler.step(increment=1)
     return metrics
 
@@ -305,15 +306,6 @@ def update_critic(batch: RolloutBatch, critic: Trainable, ctx: StepContext) -> D
         steps.append(objective.step_metrics(records, ctx.groups))
     critic.scheduler.step(increment=1)  # once per HPA step, as the policy's
     return objective.average(steps)
-
-
-def update_kl_controller(batch: RolloutBatch, kl_ctrl, weights: StepWeights, ctx: StepContext) -> Dict[str, float]:
-    """The controller follows the DP-mean KL between the rollout policy and the reference."""
-    kl = masked_mean(kl_penalty(batch.get("old_log_probs"), batch.get("ref_log_probs"),
-                                ctx.cfg.algorithm.kl.reward_estimator), batch.get("mask"))
-    current = comm.all_reduce_mean(kl.reshape(1).double(), ctx.groups.dp_group).item()
-    kl_ctrl.update(current, batch.batch_size * ctx.groups.data_parallel_size)
-    return {"actor/kl_coef": weights.reward_kl_coef, "actor/reward_kl": current}
 
 
 def tokens_computed(micro_batches: List[MicroBatch]) -> Tuple[float, float]:

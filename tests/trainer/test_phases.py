@@ -73,7 +73,11 @@ def test_the_kl_controller_follows_the_masked_mean_k1_kl():
     seen = []
     ctrl = types.SimpleNamespace(update=lambda kl, n: seen.append((kl, n)))
     weights = types.SimpleNamespace(reward_kl_coef=0.05)
-    metrics = phases.update_kl_controller(batch, ctrl, weights, ctx)
+    from hpa.trainer.objective.controllers import KLCoefficient, StepSignals
+
+    kl_ctrl = KLCoefficient(ctx.cfg)
+    kl_ctrl.controller = ctrl
+    metrics = kl_ctrl.update(StepSignals(batch=batch, weights=weights, ctx=ctx))
     kl = (0.5 + -1.0 + 0.3) / 3  # masked mean of old - ref over the three tokens in the loss
     assert seen == [(pytest.approx(kl), 2)]
     assert metrics == {"actor/kl_coef": 0.05, "actor/reward_kl": pytest.approx(kl)}
