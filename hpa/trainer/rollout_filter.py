@@ -17,6 +17,7 @@ every rank cuts the same number of micro-batches.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Dict, List, Tuple
 
@@ -31,6 +32,29 @@ from hpa.rollout.base import RolloutBatch
 METRIC_EXTRAS = {"shaped": "shaped_rewards", "raw": "raw_rewards"}
 
 
+@dataclasses.dataclass(frozen=True)
+class FilterSteps:
+    """What the step does around a filter of ``hpa.algorithms.filters.ROLLOUT_FILTERS``.
+
+    Args:
+        decides: the filter decides over the gathered rows of every DP rank (``none`` keeps the valid rows).
+        refills: generate more rounds while a rank's batch is not full (``max_refill_rounds``).
+        metrics: ``metrics(mean_threshold, refill_rounds)``: the filter's own ``filter/*`` metrics.
+    """
+
+    decides: bool = True
+    refills: bool = False
+    metrics: Callable[[float, int], Dict[str, float]] = lambda threshold, refills: {}
+
+
+FILTER_STEPS: Dict[str, FilterSteps] = {
+    "none": FilterSteps(decides=False),
+    "reward_above_mean_std": FilterSteps(metrics=lambda threshold, refills: {"filter/threshold": threshold}),
+    "dapo_groups": FilterSteps(refills=True, metrics=lambda threshold, refills: {
+        "filter/refill_rounds": float(refills)}),
+}
+
+
 def keep_rows(batch: RolloutBatch, cfg: RolloutFilterConfig, groups: ParallelGroups) -> Tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows that ``cfg`` keeps, decided over the rows of every DP rank.
 
@@ -40,7 +64,7 @@ def keep_rows(batch: RolloutBatch, cfg: RolloutFilterConfig, groups: ParallelGro
     b = batch.batch_size
     metric = batch.get(METRIC_EXTRAS[cfg.resolved_metric]).double()
     valid = batch.get("mask").sum(dim=1) > 0
-    if cfg.name == "none":  # nothing to decide across ranks
+    if not FILTER_STEPS[cfg.name].decides:  # nothing to decide across ranks
         return valid, torch.full((b,), float("nan"), dtype=torch.float64)
     # group ids unique over the step: each rank's prompts are its own
     gid = batch.group_ids.long() + groups.dp_rank * b
@@ -80,7 +104,7 @@ def apply(batch: RolloutBatch, cfg: RolloutFilterConfig, groups: ParallelGroups,
     """
     b = batch.batch_size
     rounds: List[Tuple[RolloutBatch, torch.Tensor, torch.Tensor]] = [(batch, *keep_rows(batch, cfg, groups))]
-    if cfg.name == "dapo_groups":
+    if FILTER_STEPS[cfg.name].refills:
         while len(rounds) - 1 < cfg.max_refill_rounds:
             kept = sum(int(keep.sum()) for _, keep, _ in rounds)
             missing = comm.all_reduce_max(torch.tensor([float(max(b - kept, 0))]), groups.dp_group)
@@ -139,8 +163,5 @@ def _metrics(rounds, out: RolloutBatch, trains: torch.Tensor, cfg: RolloutFilter
 
     metrics = {"filter/kept_fraction": kept_n / rows, "filter/kept_reward": mean(kept_sum, kept_n),
                "filter/dropped_reward": mean(dropped_sum, dropped_n)}
-    if cfg.name == "reward_above_mean_std":
-        metrics["filter/threshold"] = mean(t_sum, t_n)
-    if cfg.name == "dapo_groups":
-        metrics["filter/refill_rounds"] = float(len(rounds) - 1)
+    metrics.update(FILTER_STEPS[cfg.name].metrics(mean(t_sum, t_n), len(rounds) - 1))
     return metrics
