@@ -191,9 +191,7 @@ class HPATrainer:
         weights = self.weights.at(progress(step, self.cfg.trainer.total_steps), self.controllers.factor("reward_kl"))
         batch, metrics = self.rollouts.collect(weights)
         with self.timer("reference"):
-            indices = p.pair_sampler.next_batch()
-            cached = self.ref_log_probs[indices] if self.ref_log_probs is not None else None
-            pairs = phases.preference_micro_batches([p.pairs[i] for i in indices], p.reference, ctx, cached)
+            pairs = self.step_pairs()
         faults.maybe_kill(step + 1, self.groups.rank)
         with self.timer("update_actor"):
             metrics.update(phases.update_policy(
@@ -204,6 +202,13 @@ class HPATrainer:
         metrics.update(self.weights.metrics(weights))
         metrics["perf/max_memory_gb"] = peak_memory_gb(self.groups.device)
         return metrics
+
+    def step_pairs(self):
+        """This step's preference micro-batches with the reference's log-probs: cached, or a reference forward."""
+        p = self.parts
+        indices = p.pair_sampler.next_batch()
+        cached = self.ref_log_probs[indices] if self.ref_log_probs is not None else None
+        return phases.preference_micro_batches([p.pairs[i] for i in indices], p.reference, self.ctx, cached)
 
     def generate(self, prompt_ids, params):
         return generate(self.parts, self.ctx, prompt_ids, params)
