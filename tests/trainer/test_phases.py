@@ -8,7 +8,7 @@ import torch
 
 from hpa.config import load_config
 from hpa.rollout.base import RolloutBatch
-from hpa.trainer import phases
+from hpa.trainer import heldout, phases
 
 # one process: no DP group, DP size 1
 GROUPS = types.SimpleNamespace(dp_group=None, data_parallel_size=1)
@@ -158,7 +158,7 @@ def test_heldout_reward_ceiling_is_the_chosen_mean_and_the_margin_over_the_rejec
         return BaseRewardOutput(rewards=torch.stack([inputs.response_mask.sum(1).float(),
                                                      0.1 * inputs.prompt_mask.sum(1).float()], dim=1))
 
-    ceiling, margin = phases.heldout_reward_ceiling(model_reward, pairs, pad_id=0, micro_batch_size=2)
+    ceiling, margin = heldout.heldout_reward_ceiling(model_reward, pairs, pad_id=0, micro_batch_size=2)
     chosen = [((2 + i) + 0.1 * (1 + i)) / 2 for i in range(3)]
     rejected = [(1 + 0.1 * (1 + i)) / 2 for i in range(3)]
     assert ceiling == pytest.approx(sum(chosen) / 3)
@@ -166,4 +166,4 @@ def test_heldout_reward_ceiling_is_the_chosen_mean_and_the_margin_over_the_rejec
     assert len(seen) == 4  # chosen and rejected of two micro-batches
     assert seen[0].response_ids[1].tolist() == [7, 7, 7] and seen[1].response_ids[:, 0].tolist() == [9, 9]
     with pytest.raises(ValueError, match="heldout_preference_path"):
-        phases.heldout_reward_ceiling(model_reward, [], pad_id=0)
+        heldout.heldout_reward_ceiling(model_reward, [], pad_id=0)

@@ -42,6 +42,7 @@ from hpa.algorithms.gate import TrustGate
 from hpa.algorithms.kl import kl_penalty, make_kl_controller
 from hpa.algorithms.masked import masked_mean
 from hpa.distributed import comm
+from hpa.trainer import heldout
 
 
 @dataclasses.dataclass
@@ -123,18 +124,14 @@ class GateSignal:
 
 
 def _set_ceiling(gate: TrustGate, parts, ctx) -> None:
-    from hpa.trainer import phases
-
-    gate.set_ceiling(*phases.heldout_reward_ceiling(parts.model_reward, parts.heldout_pairs, pad_id=ctx.pad_id))
+    gate.set_ceiling(*heldout.heldout_reward_ceiling(parts.model_reward, parts.heldout_pairs, pad_id=ctx.pad_id))
     logging.getLogger("hpa").info("trust gate: the held-out chosen responses' learned reward is %.4f, margin %.4f",
                                   gate.ceiling, gate.margin)
 
 
 def _heldout_nll(s: StepSignals) -> float:
-    from hpa.trainer import phases
-
     with s.ctx.timer("gate"):
-        return phases.heldout_nll(s.parts.policy.model, s.parts.heldout_pairs, s.ctx)
+        return heldout.heldout_nll(s.parts.policy.model, s.parts.heldout_pairs, s.ctx)
 
 
 GATE_SIGNAL_INPUTS: Dict[str, GateSignal] = {
