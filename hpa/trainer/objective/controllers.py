@@ -10,8 +10,8 @@ updates them at their point and reads their factors, and ``RunState`` saves them
 A new controller is its class and one entry of ``CONTROLLERS``.
 
 The factors read by the step: ``reward_kl`` (the in-reward KL coefficient, before its warm-up),
-``learned_advantage`` (the weight of the learned component of the advantages) and the stream scales
-of ``terms.STREAM_SCALES`` (``pairs``: the balance's factor on the pair stream).
+``learned_advantage`` (the weight of the learned component of the advantages) and ``pairs`` (the
+balance's factor on the pair stream).
 
 The automatic balance of the rollout and pair gradients (``algorithm.hpa.balance``):
 A step's gradient is the sum of the rollout group's (PPO, entropy, hierarchical KL, all on rollouts)

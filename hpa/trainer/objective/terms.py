@@ -118,8 +118,6 @@ TERMS: Tuple[Term, ...] = (
          source="ppo.entropy_bonus"),
 )
 GROUPS = tuple(STREAMS)
-# the controller that scales a whole stream's terms (the balance's factor on the pairs)
-STREAM_SCALES = {"pairs": "balance"}
 
 
 def hpa_objective(values: Mapping[str, Optional[torch.Tensor]], weights: Mapping[str, float], *,
