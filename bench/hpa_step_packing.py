@@ -238,7 +238,7 @@ def run_side(side: str, args, turn: Turn) -> Dict:
 
     with launched(cfg) as (cfg, groups):
         trainer = loop.HPATrainer(cfg, groups)
-        real_timer, real_scored = trainer.timer, trainer.scored_rollout
+        real_timer, real_scored = trainer.timer, trainer.rollouts.scored_rollout
 
         def timer(name):
             if name == "step":  # the loop times each step with timer("step"): switch turns just before
@@ -257,7 +257,7 @@ def run_side(side: str, args, turn: Turn) -> Dict:
                              "stopped": sum(r == "stop" for r in batch.finish_reasons)})
             return batch, metrics
 
-        trainer.timer, trainer.scored_rollout = timer, scored_rollout
+        trainer.timer, trainer.rollouts.scored_rollout = timer, scored_rollout
         trainer.train()
         if profile is not None:
             profile.disable()

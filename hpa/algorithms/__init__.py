@@ -1,4 +1,4 @@
-"""Pure tensor math of HPA: advantages, PPO, DPO, KL, loss aggregation, schedules, the hybrid objective.
+"""Pure tensor math of HPA: advantages, PPO, DPO, KL, loss aggregation, schedules.
 
 No ``torch.distributed``, no config objects: tensors and plain numbers in, ``(loss, metrics)`` out.
 Cross-rank facts (global token/sequence counts, DP size) are arguments. Components are chosen by
@@ -7,7 +7,6 @@ name from the registries below.
 
 from hpa.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, compute_gae, compute_group_advantages
 from hpa.algorithms.dpo import DPO_LOSSES, dpo_loss
-from hpa.algorithms.hybrid import TERMS, hpa_objective
 from hpa.algorithms.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -44,8 +43,6 @@ __all__ = [
     "dpo_loss",
     "entropy_bonus",
     "hierarchical_kl",
-    "hpa_objective",
-    "TERMS",
     "kl_loss",
     "kl_penalty",
     "make_kl_controller",

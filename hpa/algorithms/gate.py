@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 from typing import Dict, Optional
 
-GATE_SIGNALS = ("heldout_nll", "reward_ceiling")
 
 
 class TrustGate:
@@ -94,8 +93,9 @@ class TrustGate:
             before the slack) or ``nll``, ``best_nll``, ``regression`` (relative, before the slack),
             ``rising`` (1 when the learned reward is above its value at the best NLL).
         """
-        if self.signal == "reward_ceiling":
-            return self._update_ceiling(learned_reward)
+        return _UPDATES[self.signal](self, nll, learned_reward)
+
+    def _update_nll(self, nll: Optional[float], learned_reward: float) -> Dict[str, float]:
         if not (nll is not None and math.isfinite(nll) and math.isfinite(learned_reward)):
             return self.metrics(nll, float("nan"), float("nan"), float("nan"))  # nothing learned from a bad step
         self._smooth(learned_reward)
@@ -144,3 +144,9 @@ class TrustGate:
         self.best, self.reward_at_best, self.reward = state["best"], state["reward_at_best"], state["reward"]
         self.integral, self.lam = state["integral"], state["lam"]
         self.ceiling, self.margin = state.get("ceiling", self.ceiling), state.get("margin", self.margin)
+
+
+# each signal's update (the names are ``algorithm.hpa.gate.signal``'s)
+_UPDATES = {"heldout_nll": lambda gate, nll, reward: gate._update_nll(nll, reward),
+            "reward_ceiling": lambda gate, nll, reward: gate._update_ceiling(reward)}
+GATE_SIGNALS = tuple(sorted(_UPDATES))

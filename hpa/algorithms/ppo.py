@@ -5,10 +5,10 @@ Numerics follow verl 0.9.1 ``core_algos.compute_policy_loss_vanilla``, ``compute
 ``compute_policy_loss_cispo``, ``compute_policy_loss_geo_mean`` and ``compute_value_loss`` (registered
 under verl's names); the explained variance follows verl ``metric_utils`` (``critic/vf_explained_var``).
 
-Policy losses share one signature (``POLICY_LOSSES``)::
+Policy losses share one signature (``POLICY_LOSSES``); their settings come as one object, so a
+setting a new loss needs is a field of ``PolicyLossSettings``, not a keyword of every loss::
 
-    fn(old_log_prob, log_prob, advantages, mask, *, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-       aggregation, importance_weights) -> (loss, metrics)
+    fn(old_log_prob, log_prob, advantages, mask, settings: PolicyLossSettings) -> (loss, metrics)
 
 Metrics are detached 0-dim tensors (micro-batch means over the valid tokens), so callers can
 reduce them across ranks.
@@ -16,6 +16,7 @@ reduce them across ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -29,20 +30,24 @@ POLICY_LOSSES = Registry("policy loss")
 Metrics = Dict[str, torch.Tensor]
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSettings:
+    """What a policy loss reads besides its tensors (``policy_loss`` documents each)."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    aggregation: Aggregation
+    importance_weights: Optional[torch.Tensor] = None
+
+
 @POLICY_LOSSES.register("vanilla")
-def vanilla_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-    aggregation: Aggregation,
-    importance_weights: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, Metrics]:
+def vanilla_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, settings: PolicyLossSettings) -> Tuple[torch.Tensor, Metrics]:
     """Clipped PPO surrogate with dual-clip for negative advantages; see ``policy_loss``."""
+    clip_ratio_low, clip_ratio_high = settings.clip_ratio_low, settings.clip_ratio_high
+    clip_ratio_c = settings.clip_ratio_c
+    aggregation, importance_weights = settings.aggregation, settings.importance_weights
     if not clip_ratio_c > 1.0:
         raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
     neg_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # [b, r]
@@ -73,18 +78,8 @@ def vanilla_policy_loss(
 
 
 @POLICY_LOSSES.register("gspo")
-def gspo_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-    aggregation: Aggregation,
-    importance_weights: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, Metrics]:
+def gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, settings: PolicyLossSettings) -> Tuple[torch.Tensor, Metrics]:
     """GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071): one importance ratio per sequence, the
     geometric mean of its token ratios, clipped like PPO's.
 
@@ -102,6 +97,8 @@ def gspo_policy_loss(
     Metrics: ``pg_clipfrac`` (tokens where the clipped term is active), ``pg_clipfrac_lower`` (always 0),
     ``ppo_kl`` (mean of ``old_log_prob − log_prob``, unclamped), ``pg_loss``.
     """
+    clip_ratio_low, clip_ratio_high = settings.clip_ratio_low, settings.clip_ratio_high
+    aggregation, importance_weights = settings.aggregation, settings.importance_weights
     mask = mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob  # [b, r]
     seq_lengths = mask.sum(dim=-1).clamp(min=1)  # [b]
@@ -125,18 +122,8 @@ def gspo_policy_loss(
 
 
 @POLICY_LOSSES.register("cispo")
-def cispo_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-    aggregation: Aggregation,
-    importance_weights: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, Metrics]:
+def cispo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, settings: PolicyLossSettings) -> Tuple[torch.Tensor, Metrics]:
     """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): clip the importance-sampling weight, not the
     update, so every token keeps a gradient.
 
@@ -151,6 +138,8 @@ def cispo_policy_loss(
     Metrics: ``pg_clipfrac`` (tokens whose weight was clipped, either side), ``pg_clipfrac_lower`` (always
     0), ``ppo_kl``, ``pg_loss``.
     """
+    clip_ratio_low, clip_ratio_high = settings.clip_ratio_low, settings.clip_ratio_high
+    aggregation, importance_weights = settings.aggregation, settings.importance_weights
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # [b, r]
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
@@ -168,18 +157,8 @@ def cispo_policy_loss(
 
 
 @POLICY_LOSSES.register("geo_mean")
-def geo_mean_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-    aggregation: Aggregation,
-    importance_weights: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, Metrics]:
+def geo_mean_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                         mask: torch.Tensor, settings: PolicyLossSettings) -> Tuple[torch.Tensor, Metrics]:
     """GMPO (Zhao et al. 2025, https://arxiv.org/abs/2507.20673): maximise the geometric mean of the token
     ratios of a sequence, clipped token by token in log space.
 
@@ -201,6 +180,8 @@ def geo_mean_policy_loss(
     Metrics (verl's): ``pg_clipfrac`` (tokens with A > 0 whose δ lies outside ``[−low, high]``, on either
     side), ``pg_clipfrac_lower`` (the same for A < 0), ``ppo_kl``, ``pg_loss``.
     """
+    clip_ratio_low, clip_ratio_high = settings.clip_ratio_low, settings.clip_ratio_high
+    aggregation, importance_weights = settings.aggregation, settings.importance_weights
     mask = mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob  # [b, r]
     sign = torch.sign(advantages)
@@ -263,17 +244,11 @@ def policy_loss(
         clipped term is active), ``pg_clipfrac_lower`` (fraction where the dual clip is active) and
         ``ppo_kl`` (mean of ``old_log_prob - log_prob``).
     """
-    return POLICY_LOSSES.get(name)(
-        old_log_prob,
-        log_prob,
-        advantages,
-        mask,
-        clip_ratio_low=clip_ratio if clip_ratio_low is None else clip_ratio_low,
-        clip_ratio_high=clip_ratio if clip_ratio_high is None else clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
-        aggregation=aggregation,
-        importance_weights=importance_weights,
-    )
+    settings = PolicyLossSettings(clip_ratio_low=clip_ratio if clip_ratio_low is None else clip_ratio_low,
+                                  clip_ratio_high=clip_ratio if clip_ratio_high is None else clip_ratio_high,
+                                  clip_ratio_c=clip_ratio_c, aggregation=aggregation,
+                                  importance_weights=importance_weights)
+    return POLICY_LOSSES.get(name)(old_log_prob, log_prob, advantages, mask, settings)
 
 
 def truncated_importance_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor,

@@ -31,6 +31,7 @@ SCHEDULE_NAMES = ("constant", "cosine", "linear", "piecewise", "warmup_constant"
 SEMANTIC_DISTANCE_NAMES = ("cosine", "mse")
 ROLLOUT_FILTER_NAMES = ("dapo_groups", "none", "reward_above_mean_std")
 GATE_SIGNALS = ("heldout_nll", "reward_ceiling")  # hpa.algorithms.gate.GATE_SIGNALS
+GATE_SIGNALS_ON_REWARD_MODELS = ("reward_ceiling",)  # the signals the reward models compute
 ROLLOUT_FILTER_SCOPES = ("batch", "group")
 ROLLOUT_FILTER_METRICS = ("raw", "shaped")
 # estimators that whiten advantages over a rank's own rows: a rank whose rows are all filtered out has none

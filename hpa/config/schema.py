@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .algorithm import AlgorithmConfig
+from .algorithm import GATE_SIGNALS_ON_REWARD_MODELS, AlgorithmConfig
 from .data import DataConfig
 from .errors import ConfigError, check_choice, check_range
 from .reward import RewardConfig, check_diversity_source
@@ -604,8 +604,8 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError("algorithm.hpa.gate.enabled", "the gate reads held-out preference pairs; set "
                               "data.heldout_preference_path (pairs kept out of data.preference_path and out "
                               "of the reward model's training)")
-        if algo.hpa.gate.signal == "reward_ceiling" and not cfg.reward.model_paths:
-            raise ConfigError("algorithm.hpa.gate.signal", "'reward_ceiling' scores the held-out chosen "
+        if algo.hpa.gate.signal in GATE_SIGNALS_ON_REWARD_MODELS and not cfg.reward.model_paths:
+            raise ConfigError("algorithm.hpa.gate.signal", f"{algo.hpa.gate.signal!r} scores the held-out chosen "
                               "responses with the reward models; set reward.model_paths or signal: heldout_nll")
     check_diversity_source(cfg.reward.shaping, has_reward_model=bool(cfg.reward.model_paths))
     rescaled = cfg.reward.shaping.normalize or cfg.reward.shaping.clip is not None
@@ -644,7 +644,7 @@ def trust_gate_enabled(cfg: Config) -> bool:
     if enabled is not None:
         return enabled
     return component_advantages(cfg) and cfg.data.heldout_preference_path is not None \
-        and (cfg.algorithm.hpa.gate.signal != "reward_ceiling" or bool(cfg.reward.model_paths))
+        and (cfg.algorithm.hpa.gate.signal not in GATE_SIGNALS_ON_REWARD_MODELS or bool(cfg.reward.model_paths))
 
 
 def to_dict(cfg) -> dict:

@@ -3,8 +3,7 @@
 The data layer knows no process groups: DP rank and size are plain ints passed to the sampler.
 """
 
-from hpa.data.collate import (PreferenceBatch, PromptBatch, SFTBatch, balanced_micro_batches, collate_preferences,
-                              collate_prompts, collate_sft, pad_left, pad_right, restore_order,
+from hpa.data.collate import (PreferenceBatch, balanced_micro_batches, collate_preferences, pad_left, pad_right,
                               token_budget_micro_batches)
 from hpa.data.preferences import PreferenceDataset, PreferenceExample, SFTDataset, SFTExample
 from hpa.data.prompts import DataFileError, PromptDataset, PromptExample, RecordError, RejectLog, read_records
@@ -12,8 +11,8 @@ from hpa.data.sampler import DistributedBatchSampler
 from hpa.data.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
 
 __all__ = [
-    "PreferenceBatch", "PromptBatch", "SFTBatch", "balanced_micro_batches", "collate_preferences",
-    "collate_prompts", "collate_sft", "pad_left", "pad_right", "restore_order", "token_budget_micro_batches",
+    "PreferenceBatch", "balanced_micro_batches", "collate_preferences", "pad_left", "pad_right",
+    "token_budget_micro_batches",
     "PreferenceDataset", "PreferenceExample", "SFTDataset", "SFTExample", "PromptDataset", "PromptExample",
     "DataFileError", "RecordError", "RejectLog", "read_records", "DistributedBatchSampler", "TOKENIZERS", "Tokenizer",
     "build_tokenizer",

@@ -3,15 +3,14 @@
 Prompts are padded on the left (generation appends on the right, so every row's last prompt token
 sits in the same column); training sequences are padded on the right. Masks are 1 on real tokens.
 
-Micro-batch planners work on sequence lengths and return lists of indices into the batch, so each
-micro-batch's outputs can be put back in the original order with ``restore_order``.
+Micro-batch planners work on sequence lengths and return lists of indices into the batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,31 +49,6 @@ def pad_right(seqs: Sequence[Sequence[int]], pad_value: int, *, length: Optional
 
 
 @dataclasses.dataclass
-class PromptBatch:
-    """Left-padded prompts for generation.
-
-    Attributes:
-        input_ids: ``[b, p]``, pad id on the left.
-        attention_mask: ``[b, p]``, 1 on prompt tokens.
-        position_ids: ``[b, p]``, 0 at each row's first real token (0 on padding too).
-        ground_truths: one per row, None where the record had none.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    ground_truths: List[Optional[str]]
-
-
-def collate_prompts(examples: Sequence, pad_id: int, *, pad_to_multiple_of: int = 1) -> PromptBatch:
-    """Collate ``PromptExample``s (anything with ``prompt_ids`` and ``ground_truth``)."""
-    ids, mask = pad_left([e.prompt_ids for e in examples], pad_id, pad_to_multiple_of=pad_to_multiple_of)
-    position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, p]
-    return PromptBatch(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                       ground_truths=[getattr(e, "ground_truth", None) for e in examples])
-
-
-@dataclasses.dataclass
 class PreferenceBatch:
     """Right-padded preference pairs; chosen and rejected share one length ``s`` so they can be
     concatenated into one ``[2b, s]`` forward.
@@ -110,22 +84,6 @@ def collate_preferences(examples: Sequence, pad_id: int, *, pad_to_multiple_of: 
                            rejected_attention_mask=rejected_mask, rejected_response_mask=rejected_resp)
 
 
-@dataclasses.dataclass
-class SFTBatch:
-    """Right-padded SFT sequences: ``input_ids``, ``attention_mask``, ``response_mask``, all ``[b, s]``."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    response_mask: torch.Tensor
-
-
-def collate_sft(examples: Sequence, pad_id: int, *, pad_to_multiple_of: int = 1) -> SFTBatch:
-    """Collate ``SFTExample``s."""
-    ids, mask = pad_right([e.input_ids for e in examples], pad_id, pad_to_multiple_of=pad_to_multiple_of)
-    response_mask, _ = pad_right([e.response_mask for e in examples], 0, length=ids.shape[1])
-    return SFTBatch(input_ids=ids, attention_mask=mask, response_mask=response_mask)
-
-
 def token_budget_micro_batches(lengths: Sequence[int], max_token_len: int, *, packed: bool = False) -> List[List[int]]:
     """Split a batch into micro-batches whose padded size ``max_len * count`` (``packed``: whose token
     count ``sum(lengths)``) is <= ``max_token_len``.
@@ -140,7 +98,7 @@ def token_budget_micro_batches(lengths: Sequence[int], max_token_len: int, *, pa
 
     Returns:
         index lists into ``lengths``; each index appears in exactly one list, indices ascending
-        within a list. Use ``restore_order`` to scatter per-micro-batch results back.
+        within a list.
     """
     if max_token_len < 1:
         raise ValueError(f"max_token_len must be positive, got {max_token_len}")
@@ -183,31 +141,3 @@ def balanced_micro_batches(lengths: Sequence[int], num_micro_batches: int) -> Li
         groups[g].append(i)
         heapq.heappush(heap, (tokens + lengths[i], count + 1, g))
     return [sorted(g) for g in groups]
-
-
-def restore_order(chunks: Sequence[Union[torch.Tensor, Sequence]],
-                  groups: Sequence[Sequence[int]]) -> Union[torch.Tensor, list]:
-    """Put per-micro-batch results back in batch order.
-
-    Args:
-        chunks: result of micro-batch ``j``, ``[len(groups[j]), ...]`` tensors or lists.
-        groups: the index lists the micro-batches were built from.
-
-    Returns:
-        ``[b, ...]`` tensor (when chunks are tensors) or list, row ``i`` being the result of index ``i``.
-    """
-    index = [i for g in groups for i in g]
-    if sorted(index) != list(range(len(index))):
-        raise ValueError("groups must cover 0..b-1 exactly once")
-    if len(chunks) != len(groups) or any(len(c) != len(g) for c, g in zip(chunks, groups)):
-        raise ValueError("each chunk must have one row per index of its group")
-    if chunks and isinstance(chunks[0], torch.Tensor):
-        stacked = torch.cat(list(chunks), dim=0)  # [b, ...] in micro-batch order
-        out = torch.empty_like(stacked)
-        out[torch.as_tensor(index, dtype=torch.long)] = stacked
-        return out
-    out = [None] * len(index)
-    for chunk, group in zip(chunks, groups):
-        for row, i in zip(chunk, group):
-            out[i] = row
-    return out

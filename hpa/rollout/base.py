@@ -371,7 +371,7 @@ class RolloutEngine(abc.ABC):
         """Sample ``params.n`` responses for each prompt.
 
         Args:
-            prompts: token-id lists (no padding), or a left-padded ``hpa.data.collate.PromptBatch``.
+            prompts: token-id lists (no padding).
             params: sampling parameters.
 
         Returns:
@@ -415,10 +415,7 @@ def decode_responses(tokenizer, batch: RolloutBatch) -> List[str]:
 
 
 def prompt_token_lists(prompts) -> List[List[int]]:
-    """Token-id lists from a list of lists or from a left-padded ``PromptBatch``."""
-    if hasattr(prompts, "input_ids") and hasattr(prompts, "attention_mask"):
-        ids, mask = prompts.input_ids, prompts.attention_mask.bool()
-        return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
+    """Token-id lists from a list of token-id lists or 1-d tensors."""
     out = [[int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)] for p in prompts]
     if not out:
         raise ValueError("generate() needs at least one prompt")

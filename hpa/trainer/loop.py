@@ -1,10 +1,9 @@
 """``hpa train``: the HPA loop. ``train_step`` reads as the step does: it calls the phases of a step
 (``hpa.trainer.phases``) in order.
 
-One step: roll out → reference / old-policy forwards → shaped reward → rollout filter (with DAPO's
-refill: more rounds of the three before it) → critic values → advantages →
-mixed PPO + DPO + hierarchical-KL update (ppo_epochs × mini-batches) → critic update → KL controller →
-metrics; then evaluation, the guard, the stop decision and the checkpoint. Everything per row of the
+One step: the rollout stream (``rollout_step``: roll out, score, filter, critic values, the controllers
+that observe rollouts, advantages) → the step's preference pairs → the update of the loss computed from
+the objective's table of terms (``objective``; ppo_epochs × mini-batches) → critic update → metrics; then evaluation, the guard, the stop decision and the checkpoint. Everything per row of the
 step travels on the ``RolloutBatch``. What a run builds is ``setup``, its state (save / restore /
 rollback) is ``state``, evaluation is ``evaluate``, when it stops is ``run_control``.
 """
@@ -19,21 +18,17 @@ from typing import Dict
 
 import torch
 
-from hpa.algorithms.gate import TrustGate
-from hpa.algorithms.hybrid import describe
-from hpa.algorithms.kl import make_kl_controller
 from hpa.algorithms.schedules import progress
 from hpa.config import write_resolved
-from hpa.config.schema import Config, to_dict, trust_gate_enabled
+from hpa.config.schema import Config, to_dict
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
-from hpa.rollout.base import RolloutBatch, SamplingParams
-from hpa.trainer import faults, phases, reference_cache, rollout_filter
-from hpa.trainer.balance import GradientBalance
+from hpa.trainer import faults, phases, reference_cache
 from hpa.trainer.guard import Guard
-from hpa.trainer.metrics import MetricsWriter, device_timer, length_metrics, peak_memory_gb, update_perf
-from hpa.trainer.objective import WeightSchedules
+from hpa.trainer.metrics import MetricsWriter, device_timer, peak_memory_gb, update_perf
+from hpa.trainer.objective import Controllers, WeightSchedules, describe
+from hpa.trainer.rollout_step import NoRollouts, RolloutStep, generate
 from hpa.trainer.run_control import RunControl, write_exit_status
 from hpa.trainer.setup import build_run
 from hpa.trainer.state import RunState
@@ -67,48 +62,37 @@ class HPATrainer:
         if groups.is_main:
             write_resolved(cfg, run_dir)
         self.parts = p = build_run(cfg, groups)
-        algo = cfg.algorithm
-        self.kl_ctrl = make_kl_controller(algo.kl.controller, kl_coef=algo.kl.init_kl_coef,
-                                          target_kl=algo.kl.target_kl, horizon=algo.kl.horizon)
-        self.weights = WeightSchedules(algo)
-        # w_ppo = 0 for the whole run: plain DPO, which spends no rollouts (the KL and entropy terms,
-        # which live on rollouts, go with them)
-        self.pairs_only = not any(v > 0 for v in algo.hpa.w_ppo.used_values())
-        if self.pairs_only:
-            logger.info("algorithm.hpa.w_ppo is 0 for the whole run: DPO on the preference pairs only, no rollouts")
-        gate, balance = algo.hpa.gate, algo.hpa.balance
-        self.gate = TrustGate(signal=gate.signal, slack=gate.slack, kp=gate.kp, ki=gate.ki,
-                              reward_ema=gate.reward_ema) if trust_gate_enabled(cfg) else None
-        if self.gate is not None and gate.signal == "reward_ceiling":
-            self.gate.set_ceiling(*phases.heldout_reward_ceiling(p.model_reward, p.heldout_pairs,
-                                                                 pad_id=p.tokenizer.pad_id))
-            logger.info("trust gate: the held-out chosen responses' learned reward is %.4f, margin %.4f",
-                        self.gate.ceiling, self.gate.margin)
-        self.balance = GradientBalance(balance.measure_steps) if balance.enabled else None
-        self.guard = Guard(cfg.guard)
-        self.control = RunControl(cfg.trainer, cfg.guard, self.guard, run_dir, is_main=groups.is_main)
-        trainables = {"policy": p.policy, **({"critic": p.critic} if p.critic is not None else {})}
-        parts = {"kl_ctrl": self.kl_ctrl, "guard": self.guard, "prompt_sampler": p.prompt_sampler,
-                 "pair_sampler": p.pair_sampler, "reward": p.reward, "policy_sched": p.policy.scheduler,
-                 "monitor": p.evaluator, **({"critic_sched": p.critic.scheduler} if p.critic is not None else {}),
-                 **({"trust_gate": self.gate} if self.gate is not None else {}),
-                 **({"balance": self.balance} if self.balance is not None else {})}
-        self.state = RunState(cfg, groups, trainables, parts, self.guard)
-        self.exit_reason = "done"
-        resumed = self.state.resume()
-        if groups.is_main:
-            start = self.weights.at(progress(self.state.step, cfg.trainer.total_steps), self.kl_ctrl.value)
-            logger.info("the objective at step %d:\n%s", self.state.step, describe(
-                dataclasses.asdict(start), {"pairs": self.balance.factor} if self.balance is not None else None,
-                self.gate.gate if self.gate is not None else None))
-        self.metrics = MetricsWriter(run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg),
-                                     resume_step=self.state.step + 1 if resumed else None,
-                                     total_steps=cfg.trainer.total_steps)
         self.timings: Dict[str, float] = {}
         self.ctx = phases.StepContext(cfg, groups, micro_batch_size=cfg.trainer.micro_batch_size,
                                       vocab_size=p.tokenizer.vocab_size, pad_id=p.tokenizer.pad_id,
                                       temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
                                       packed=cfg.trainer.sequence_packing, timer=self.timer)
+        self.weights = WeightSchedules(cfg.algorithm)
+        self.controllers = Controllers(cfg, p, self.ctx)
+        # w_ppo = 0 for the whole run: plain DPO, which spends no rollouts (the KL and entropy terms,
+        # which live on rollouts, go with them)
+        pairs_only = not any(v > 0 for v in cfg.algorithm.hpa.w_ppo.used_values())
+        if pairs_only:
+            logger.info("algorithm.hpa.w_ppo is 0 for the whole run: DPO on the preference pairs only, no rollouts")
+        self.rollouts = (NoRollouts if pairs_only else RolloutStep)(self)
+        self.guard = Guard(cfg.guard)
+        self.control = RunControl(cfg.trainer, cfg.guard, self.guard, run_dir, is_main=groups.is_main)
+        trainables = {"policy": p.policy, **({"critic": p.critic} if p.critic is not None else {})}
+        parts = {"guard": self.guard, "prompt_sampler": p.prompt_sampler, "pair_sampler": p.pair_sampler,
+                 "reward": p.reward, "policy_sched": p.policy.scheduler, "monitor": p.evaluator,
+                 **({"critic_sched": p.critic.scheduler} if p.critic is not None else {}), **self.controllers.parts()}
+        self.state = RunState(cfg, groups, trainables, parts, self.guard)
+        self.exit_reason = "done"
+        resumed = self.state.resume()
+        if groups.is_main:
+            start = self.weights.at(progress(self.state.step, cfg.trainer.total_steps),
+                                    self.controllers.factor("reward_kl"))
+            factors = self.controllers.factors()
+            logger.info("the objective at step %d:\n%s", self.state.step, describe(
+                dataclasses.asdict(start), {"pairs": factors.get("pairs", 1.0)}, factors.get("learned_advantage")))
+        self.metrics = MetricsWriter(run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg),
+                                     resume_step=self.state.step + 1 if resumed else None,
+                                     total_steps=cfg.trainer.total_steps)
         self.ref_log_probs = self._reference_cache(p) if cfg.data.cache_reference_log_probs else None
         self.num_params = sum(x.numel() for x in p.policy.model.parameters()) * groups.tensor_model_parallel_size \
             * groups.pipeline_model_parallel_size  # approximate: replicated norms are counted TP times
@@ -204,86 +188,30 @@ class HPATrainer:
 
     def train_step(self) -> Dict[str, float]:
         p, ctx, step = self.parts, self.ctx, self.state.step
-        weights = self.weights.at(progress(step, self.cfg.trainer.total_steps), self.kl_ctrl.value)
-        batch, metrics = None, {}
-        if not self.pairs_only:
-            reward = faults.nan_first_reward(p.reward) if faults.active("nan_reward", step + 1, self.groups.rank) \
-                else p.reward
-            batch, round_metrics = self.scored_rollout(reward)
-            metrics.update(round_metrics)
-            batch, filter_metrics = rollout_filter.apply(batch, self.cfg.algorithm.rollout_filter, self.groups,
-                                                         lambda r: self.scored_rollout(reward, refill_round=r)[0])
-            metrics.update(filter_metrics)
-            if p.critic is not None:
-                with self.timer("values"):
-                    phases.critic_values(batch, p.critic.model, ctx)
-            learned_weight = 1.0
-            if self.gate is not None:
-                nll = None
-                if self.gate.signal == "heldout_nll":
-                    with self.timer("gate"):
-                        nll = phases.heldout_nll(p.policy.model, p.heldout_pairs, ctx)
-                metrics.update(self.gate.update(nll, metrics["reward/learned_mean"]))
-                learned_weight = self.gate.gate
-            metrics.update(phases.compute_advantages(batch, ctx, weights.reward_kl_coef, learned_weight))
+        weights = self.weights.at(progress(step, self.cfg.trainer.total_steps), self.controllers.factor("reward_kl"))
+        batch, metrics = self.rollouts.collect(weights)
         with self.timer("reference"):
-            indices = p.pair_sampler.next_batch()
-            pairs = phases.preference_micro_batches([p.pairs[i] for i in indices], p.reference, ctx,
-                                                    self.ref_log_probs[indices] if self.ref_log_probs is not None
-                                                    else None)
+            pairs = self.step_pairs()
         faults.maybe_kill(step + 1, self.groups.rank)
         with self.timer("update_actor"):
             metrics.update(phases.update_policy(
                 batch, pairs, weights, p.policy, self.guard, ctx,
                 wrap_loss=lambda loss_fn: faults.maybe_nan_loss(loss_fn, step + 1, self.groups.rank),
-                balance=self.balance))
-        if batch is not None:
-            if p.critic is not None:
-                with self.timer("update_critic"):
-                    metrics.update(phases.update_critic(batch, p.critic, ctx))
-            metrics.update(phases.update_kl_controller(batch, self.kl_ctrl, weights, ctx))
+                controllers=self.controllers))
+        metrics.update(self.rollouts.finish(batch))
         metrics.update(self.weights.metrics(weights))
-        if batch is not None:
-            metrics.update(length_metrics(batch.response_lengths, self.cfg.rollout.max_new_tokens,
-                                          self.groups.dp_group))
         metrics["perf/max_memory_gb"] = peak_memory_gb(self.groups.device)
         return metrics
 
-    def scored_rollout(self, reward, refill_round: int = 0):
-        """One round of the step's rollouts: prompts from the sampler, responses, the reference and
-        old-policy forwards, the reward. Round 0 is the step's; the rollout filter asks for more
-        (``refill_round`` 1, 2, ...). Returns ``(batch, metrics)``."""
-        p, ctx = self.parts, self.ctx
-        examples = [p.prompts[i] for i in p.prompt_sampler.next_batch()]
-        with self.timer("rollout"):
-            batch = self.rollout([e.prompt_ids for e in examples], refill_round)
-        metrics = phases.reference_and_old_policy(batch, p.reference, p.policy.model, ctx)
-        with self.timer("reward"):
-            truths = [examples[int(i)].ground_truth for i in batch.group_ids]
-            metrics.update(phases.score(batch, truths, reward, p.tokenizer, ctx))
-        return batch, metrics
+    def step_pairs(self):
+        """This step's preference micro-batches with the reference's log-probs: cached, or a reference forward."""
+        p = self.parts
+        indices = p.pair_sampler.next_batch()
+        cached = self.ref_log_probs[indices] if self.ref_log_probs is not None else None
+        return phases.preference_micro_batches([p.pairs[i] for i in indices], p.reference, self.ctx, cached)
 
-    def rollout(self, prompt_ids, refill_round: int = 0) -> RolloutBatch:
-        g = self.groups
-        # a refill round's seed is far from every step's first round (a prime stride)
-        seed = self.cfg.rollout.seed + self.state.step * g.data_parallel_size + g.dp_rank + refill_round * 1_000_003
-        return self.generate(prompt_ids, SamplingParams.from_config(self.cfg.rollout, seed=seed))
-
-    def generate(self, prompt_ids, params: SamplingParams) -> RolloutBatch:
-        """Responses from the rollout engine on the policy's current weights (vLLM keeps a copy: synced
-        here, every time, a no-op for the native engine); the engine sleeps after, so training gets its
-        memory back."""
-        model, engine = self.parts.policy.model, self.parts.engine
-        model.eval()
-        with torch.no_grad():
-            with self.timer("sync_weights"):
-                engine.sync_weights()
-            try:
-                batch = engine.generate(prompt_ids, params)
-            finally:
-                engine.sleep()
-        model.train()
-        return batch
+    def generate(self, prompt_ids, params):
+        return generate(self.parts, self.ctx, prompt_ids, params)
 
     def evaluate(self) -> Dict[str, float]:
         p = self.parts

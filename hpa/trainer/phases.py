@@ -13,8 +13,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from hpa.algorithms import advantages as adv_lib
-from hpa.algorithms.kl import apply_kl_penalty, kl_penalty
-from hpa.algorithms.masked import masked_mean
+from hpa.algorithms.kl import apply_kl_penalty
 from hpa.algorithms.ppo import truncated_importance_weights
 from hpa.config.schema import Config, component_advantages
 from hpa.distributed import comm
@@ -27,8 +26,7 @@ from hpa.engine.step import (add_grads, forward_backward, gradient_norm, guarded
 from hpa.reward import RewardInputs
 from hpa.rollout.base import RolloutBatch, logprob_consistency
 from hpa.trainer import micro_batches, objective
-from hpa.trainer.balance import GradientBalance
-from hpa.trainer.objective import StepWeights
+from hpa.trainer.objective import Controllers, StepSignals, StepWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,48 +145,6 @@ def component_shares(reward_cfg) -> Dict[str, float]:
     return {"rule": rule / total, "learned": learned / total}
 
 
-def heldout_nll(policy, examples, ctx: StepContext) -> float:
-    """The policy's NLL per token of the chosen responses of held-out preference pairs (the trust gate's
-    signal), at temperature 1 over the true vocabulary; each DP rank scores ``examples[dp_rank::dp]`` and
-    the sums are reduced over DP, so every rank returns the same number."""
-    g = ctx.groups
-    mine = [examples[i] for i in range(g.dp_rank, len(examples), g.data_parallel_size)]
-    mbs = micro_batches.chosen_micro_batches(mine, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id,
-                                             packed=ctx.packed)
-    sums = torch.zeros(2, dtype=torch.float64)
-    if mbs:
-        with torch.no_grad():
-            logp = forward.pair_sequence_log_probs(policy, mbs, g, vocab_size=ctx.vocab_size)  # [n]
-        sums[0] = -float(logp.double().sum())
-        sums[1] = sum(float(mb["label_mask"].sum()) for mb in mbs)
-    comm.all_reduce_sum(sums, g.dp_group)
-    return float(sums[0] / sums[1].clamp(min=1.0))
-
-
-def heldout_reward_ceiling(model_reward, examples, *, pad_id: int, micro_batch_size: int = 64) -> Tuple[float, float]:
-    """The trust gate's ceiling: the reward models' mean score (over heads and models) of the held-out pairs'
-    chosen responses, and the mean margin over their rejected ones (the gate's unit). Every rank scores
-    every pair (the reward models' contract: the same inputs on all ranks), once per run."""
-    from hpa.data.collate import pad_left, pad_right
-
-    chosen, margin = [], []
-    for start in range(0, len(examples), micro_batch_size):
-        rows = examples[start:start + micro_batch_size]
-        prompt_ids, prompt_mask = pad_left([e.prompt_ids for e in rows], pad_id)
-        scores = []
-        for key in ("chosen_ids", "rejected_ids"):
-            response_ids, response_mask = pad_right([getattr(e, key) for e in rows], pad_id)
-            out = model_reward(RewardInputs(response_ids=response_ids, response_mask=response_mask,
-                                            prompt_ids=prompt_ids, prompt_mask=prompt_mask))
-            scores.append(out.rewards.double().mean(dim=1))  # [n]: the ensemble mean, as reward/learned_mean
-        chosen.append(scores[0])
-        margin.append(scores[0] - scores[1])
-    if not chosen:
-        raise ValueError("the trust gate's reward ceiling needs held-out preference pairs; "
-                         "data.heldout_preference_path has none")
-    return float(torch.cat(chosen).mean()), float(torch.cat(margin).mean())
-
-
 def reference_pair_log_probs(examples, reference, ctx: StepContext) -> torch.Tensor:
     """The reference's summed response log-probs of each pair ``[m, 2]`` (chosen, rejected), on every rank.
 
@@ -229,7 +185,7 @@ def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[T
 
 def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weights: StepWeights, policy: Trainable, guard,
                   ctx: StepContext, *, wrap_loss=lambda loss_fn: loss_fn,
-                  balance: Optional[GradientBalance] = None) -> Dict[str, float]:
+                  controllers: Optional[Controllers] = None) -> Dict[str, float]:
     """``ppo_epochs`` x mini-batches of optimizer updates at this step's LR, the preference micro-batches
     dealt round-robin over the mini-batches; the LR schedule then advances once per HPA step (as verl's),
     whatever the number of updates in it. ``guard`` decides what a non-finite or spiking gradient does.
@@ -238,8 +194,9 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weight
 
     Args:
         wrap_loss: applied to each update's loss closure (fault injection).
-        balance: the automatic balance of the pair term (``hpa.trainer.balance``); while it measures,
-            an update with both rollout and pair micro-batches runs them as two backward passes and logs
+        controllers: the run's controllers: their ``pairs`` factor scales the pair stream; while one that
+            observes ``gradients`` (the automatic balance) measures, an update with both rollout and pair
+            micro-batches runs them as two backward passes, updates it with their gradient norms and logs
             ``grad_norm/rollout`` and ``grad_norm/pairs``.
     """
     steps, grad_norms = [], []
@@ -250,16 +207,18 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weight
         real, positions = tokens_computed(rollout_mbs + pair_mbs)
         tokens, computed = tokens + real, computed + positions
         counts = objective.global_counts(rollout_mbs, pair_mbs, ctx.groups)
-        split = balance is not None and balance.measuring and bool(rollout_mbs) and bool(pair_mbs)
-        scale = balance.factor if balance is not None and not split else 1.0
+        measuring = controllers is not None and any(c.measuring for c in controllers.at("gradients"))
+        split = measuring and bool(rollout_mbs) and bool(pair_mbs)
+        scale = controllers.factor("pairs") if controllers is not None and not split else 1.0
         loss_fn = wrap_loss(objective.make_policy_loss(ctx.cfg.algorithm, weights, counts, ctx.groups,
                                                        vocab_size=ctx.vocab_size, temperature=ctx.temperature,
                                                        pair_scale=scale))
         zero_grad(policy.model, policy.optimizer)
         if split:
             records, norms = _measured_backward(policy, rollout_mbs, pair_mbs, loss_fn, ctx)
-            balance.record(norms["grad_norm/rollout"], norms["grad_norm/pairs"], weights.w_ppo, weights.w_dpo)
-            add_grads(policy.model, norms.pop("_rollout_grads"), scale=balance.factor)
+            controllers.update("gradients", StepSignals(weights=weights, grad_norms={
+                "rollout": norms["grad_norm/rollout"], "pairs": norms["grad_norm/pairs"]}))
+            add_grads(policy.model, norms.pop("_rollout_grads"), scale=controllers.factor("pairs"))
             records.append(norms)
         else:
             records = forward_backward(policy.model, rollout_mbs + pair_mbs, loss_fn, ctx.groups,
@@ -274,8 +233,8 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weight
     metrics["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
     metrics["actor/lr"] = lr
     metrics["_tokens"], metrics["_padded_tokens"] = tokens, computed
-    if balance is not None:
-        metrics.update(balance.metrics())
+    if controllers is not None:
+        metrics.update(controllers.metrics())
     policy.scheduler.step(increment=1)
     return metrics
 
@@ -305,15 +264,6 @@ def update_critic(batch: RolloutBatch, critic: Trainable, ctx: StepContext) -> D
         steps.append(objective.step_metrics(records, ctx.groups))
     critic.scheduler.step(increment=1)  # once per HPA step, as the policy's
     return objective.average(steps)
-
-
-def update_kl_controller(batch: RolloutBatch, kl_ctrl, weights: StepWeights, ctx: StepContext) -> Dict[str, float]:
-    """The controller follows the DP-mean KL between the rollout policy and the reference."""
-    kl = masked_mean(kl_penalty(batch.get("old_log_probs"), batch.get("ref_log_probs"),
-                                ctx.cfg.algorithm.kl.reward_estimator), batch.get("mask"))
-    current = comm.all_reduce_mean(kl.reshape(1).double(), ctx.groups.dp_group).item()
-    kl_ctrl.update(current, batch.batch_size * ctx.groups.data_parallel_size)
-    return {"actor/kl_coef": weights.reward_kl_coef, "actor/reward_kl": current}
 
 
 def tokens_computed(micro_batches: List[MicroBatch]) -> Tuple[float, float]:

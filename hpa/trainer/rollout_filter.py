@@ -17,7 +17,8 @@ every rank cuts the same number of micro-batches.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+import dataclasses
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +31,30 @@ from hpa.rollout.base import RolloutBatch
 METRIC_EXTRAS = {"shaped": "shaped_rewards", "raw": "raw_rewards"}
 
 
+@dataclasses.dataclass(frozen=True)
+class FilterSteps:
+    """What the step does around a filter of ``hpa.algorithms.filters.ROLLOUT_FILTERS``.
+
+    Args:
+        decides: the filter decides over the gathered rows of every DP rank (``none`` keeps the valid rows).
+        refills: generate more rounds while a rank's batch is not full (``max_refill_rounds``).
+        metrics: ``metrics(mean_threshold, refill_rounds)``: the filter's own ``filter/*`` metrics (a None
+            value is left out: the mean threshold is None where no row had one).
+    """
+
+    decides: bool = True
+    refills: bool = False
+    metrics: Callable[[Optional[float], int], Dict[str, Optional[float]]] = lambda threshold, refills: {}
+
+
+FILTER_STEPS: Dict[str, FilterSteps] = {
+    "none": FilterSteps(decides=False),
+    "reward_above_mean_std": FilterSteps(metrics=lambda threshold, refills: {"filter/threshold": threshold}),
+    "dapo_groups": FilterSteps(refills=True, metrics=lambda threshold, refills: {
+        "filter/refill_rounds": float(refills)}),
+}
+
+
 def keep_rows(batch: RolloutBatch, cfg: RolloutFilterConfig, groups: ParallelGroups) -> Tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows that ``cfg`` keeps, decided over the rows of every DP rank.
 
@@ -39,7 +64,7 @@ def keep_rows(batch: RolloutBatch, cfg: RolloutFilterConfig, groups: ParallelGro
     b = batch.batch_size
     metric = batch.get(METRIC_EXTRAS[cfg.resolved_metric]).double()
     valid = batch.get("mask").sum(dim=1) > 0
-    if cfg.name == "none":  # nothing to decide across ranks
+    if not FILTER_STEPS[cfg.name].decides:  # nothing to decide across ranks
         return valid, torch.full((b,), float("nan"), dtype=torch.float64)
     # group ids unique over the step: each rank's prompts are its own
     gid = batch.group_ids.long() + groups.dp_rank * b
@@ -79,7 +104,7 @@ def apply(batch: RolloutBatch, cfg: RolloutFilterConfig, groups: ParallelGroups,
     """
     b = batch.batch_size
     rounds: List[Tuple[RolloutBatch, torch.Tensor, torch.Tensor]] = [(batch, *keep_rows(batch, cfg, groups))]
-    if cfg.name == "dapo_groups":
+    if FILTER_STEPS[cfg.name].refills:
         while len(rounds) - 1 < cfg.max_refill_rounds:
             kept = sum(int(keep.sum()) for _, keep, _ in rounds)
             missing = comm.all_reduce_max(torch.tensor([float(max(b - kept, 0))]), groups.dp_group)
@@ -133,13 +158,11 @@ def _metrics(rounds, out: RolloutBatch, trains: torch.Tensor, cfg: RolloutFilter
     comm.all_reduce_sum(totals, groups.dp_group)
     kept_n, rows, kept_sum, dropped_sum, dropped_n, t_sum, t_n = totals.tolist()
 
-    # a mean over no rows is left out, not logged as NaN (the counts are global, so every rank agrees);
-    # only reward_above_mean_std has thresholds
+    # a mean over no rows is left out, not logged as NaN (the counts are global, so every rank agrees)
     metrics = {"filter/kept_fraction": kept_n / rows}
-    for key, total, n in (("kept_reward", kept_sum, kept_n), ("dropped_reward", dropped_sum, dropped_n),
-                          ("threshold", t_sum, t_n)):
+    for key, total, n in (("kept_reward", kept_sum, kept_n), ("dropped_reward", dropped_sum, dropped_n)):
         if n:
             metrics[f"filter/{key}"] = total / n
-    if cfg.name == "dapo_groups":
-        metrics["filter/refill_rounds"] = float(len(rounds) - 1)
+    step_metrics = FILTER_STEPS[cfg.name].metrics(t_sum / t_n if t_n else None, len(rounds) - 1)
+    metrics.update({k: v for k, v in step_metrics.items() if v is not None})
     return metrics

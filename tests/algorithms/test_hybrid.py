@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hpa.algorithms.dpo import dpo_loss
-from hpa.algorithms.hybrid import hpa_objective
+from hpa.trainer.objective import hpa_objective
 from hpa.algorithms.kl import hierarchical_kl
 from hpa.algorithms.ppo import entropy_bonus, policy_loss
 
@@ -49,7 +49,7 @@ def test_the_balance_scales_the_pair_group_only():
 
 
 def test_the_table_lists_every_term_with_its_group_weight_and_normaliser():
-    from hpa.algorithms.hybrid import GROUPS, TERMS, describe
+    from hpa.trainer.objective import GROUPS, TERMS, describe
 
     from hpa.trainer.objective import GlobalCounts, StepWeights
 

@@ -1,14 +1,11 @@
-import random
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpa.data.collate import (balanced_micro_batches, collate_preferences, collate_prompts, collate_sft,
-                              pad_left, pad_right, restore_order, token_budget_micro_batches)
-from hpa.data.preferences import PreferenceExample, SFTExample
-from hpa.data.prompts import PromptExample
+from hpa.data.collate import (balanced_micro_batches, collate_preferences, pad_left, pad_right,
+                              token_budget_micro_batches)
+from hpa.data.preferences import PreferenceExample
 
 PAD = 0
 
@@ -23,14 +20,6 @@ def test_pad_left_and_right_values_and_masks():
         pad_right([[1, 2, 3]], PAD, length=2)
 
 
-def test_collate_prompts_left_pads_with_positions():
-    batch = collate_prompts([PromptExample("a", [5, 6, 7], "8"), PromptExample("b", [9])], pad_id=3)
-    assert batch.input_ids.tolist() == [[5, 6, 7], [3, 3, 9]]
-    assert batch.attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert batch.position_ids.tolist() == [[0, 1, 2], [0, 0, 0]]
-    assert batch.ground_truths == ["8", None]
-
-
 def test_collate_preferences_shares_length_and_masks_responses():
     ex = [PreferenceExample(prompt_ids=[5, 6], chosen_ids=[7, 2], rejected_ids=[8, 9, 9, 2]),
           PreferenceExample(prompt_ids=[5], chosen_ids=[4], rejected_ids=[4, 4])]
@@ -41,13 +30,6 @@ def test_collate_preferences_shares_length_and_masks_responses():
     assert b.chosen_response_mask.tolist() == [[0, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0]]
     assert b.rejected_response_mask.tolist() == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]]
     assert b.ref_chosen_logps is None
-
-
-def test_collate_sft():
-    b = collate_sft([SFTExample([5, 6], [7, 2]), SFTExample([5], [2])], PAD)
-    assert b.input_ids.tolist() == [[5, 6, 7, 2], [5, 2, 0, 0]]
-    assert b.response_mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
-    assert b.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
 
 
 def assert_partition(groups, n):
@@ -85,15 +67,3 @@ def test_balanced_gives_exact_count_and_balance(lengths, data):
 def test_balanced_rejects_more_groups_than_sequences():
     with pytest.raises(ValueError, match="empty micro-batch"):
         balanced_micro_batches([3, 4], 3)
-
-
-def test_restore_order_scatters_back_tensors_and_lists():
-    rng = random.Random(0)
-    lengths = [rng.randint(1, 20) for _ in range(17)]
-    values = torch.arange(17.0) * 10  # [b]
-    for groups in (token_budget_micro_batches(lengths, 40), balanced_micro_batches(lengths, 4)):
-        chunks = [values[g] * 1 for g in groups]  # e.g. per-sequence log-probs of each micro-batch
-        assert torch.equal(restore_order(chunks, groups), values)
-        assert restore_order([[f"r{i}" for i in g] for g in groups], groups) == [f"r{i}" for i in range(17)]
-    with pytest.raises(ValueError):
-        restore_order([values[:2]], [[0, 2]])

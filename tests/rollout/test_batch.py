@@ -79,15 +79,7 @@ def test_sampling_params_from_config_and_validation():
             SamplingParams(max_new_tokens=bad)
 
 
-def test_prompt_token_lists_from_prompt_batch():
-    from hpa.data.collate import collate_prompts
-
-    class Ex:
-        def __init__(self, ids):
-            self.prompt_ids, self.ground_truth = ids, None
-
-    batch = collate_prompts([Ex([3, 4]), Ex([5, 6, 7])], pad_id=PAD)
-    assert prompt_token_lists(batch) == [[3, 4], [5, 6, 7]]
+def test_prompt_token_lists_refuses_no_prompt_or_an_empty_one():
     with pytest.raises(ValueError, match="empty prompt"):
         prompt_token_lists([[1], []])
     with pytest.raises(ValueError, match="at least one prompt"):

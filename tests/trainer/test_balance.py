@@ -95,7 +95,7 @@ def balance_worker(groups, ckpt_in):
     from hpa.models import build_policy
     from hpa.models.weights import load_model_weights
     from hpa.trainer import objective, phases
-    from hpa.trainer.balance import GradientBalance
+    from hpa.trainer.objective import GradientBalance
 
     parallel = ParallelConfig(tensor_model_parallel_size=groups.tensor_model_parallel_size,
                               pipeline_model_parallel_size=groups.pipeline_model_parallel_size)

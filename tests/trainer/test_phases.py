@@ -8,7 +8,7 @@ import torch
 
 from hpa.config import load_config
 from hpa.rollout.base import RolloutBatch
-from hpa.trainer import phases
+from hpa.trainer import heldout, phases
 
 # one process: no DP group, DP size 1
 GROUPS = types.SimpleNamespace(dp_group=None, data_parallel_size=1)
@@ -73,7 +73,11 @@ def test_the_kl_controller_follows_the_masked_mean_k1_kl():
     seen = []
     ctrl = types.SimpleNamespace(update=lambda kl, n: seen.append((kl, n)))
     weights = types.SimpleNamespace(reward_kl_coef=0.05)
-    metrics = phases.update_kl_controller(batch, ctrl, weights, ctx)
+    from hpa.trainer.objective.controllers import KLCoefficient, StepSignals
+
+    kl_ctrl = KLCoefficient(ctx.cfg)
+    kl_ctrl.controller = ctrl
+    metrics = kl_ctrl.update(StepSignals(batch=batch, weights=weights, ctx=ctx))
     kl = (0.5 + -1.0 + 0.3) / 3  # masked mean of old - ref over the three tokens in the loss
     assert seen == [(pytest.approx(kl), 2)]
     assert metrics == {"actor/kl_coef": 0.05, "actor/reward_kl": pytest.approx(kl)}
@@ -154,7 +158,7 @@ def test_heldout_reward_ceiling_is_the_chosen_mean_and_the_margin_over_the_rejec
         return BaseRewardOutput(rewards=torch.stack([inputs.response_mask.sum(1).float(),
                                                      0.1 * inputs.prompt_mask.sum(1).float()], dim=1))
 
-    ceiling, margin = phases.heldout_reward_ceiling(model_reward, pairs, pad_id=0, micro_batch_size=2)
+    ceiling, margin = heldout.heldout_reward_ceiling(model_reward, pairs, pad_id=0, micro_batch_size=2)
     chosen = [((2 + i) + 0.1 * (1 + i)) / 2 for i in range(3)]
     rejected = [(1 + 0.1 * (1 + i)) / 2 for i in range(3)]
     assert ceiling == pytest.approx(sum(chosen) / 3)
@@ -162,4 +166,4 @@ def test_heldout_reward_ceiling_is_the_chosen_mean_and_the_margin_over_the_rejec
     assert len(seen) == 4  # chosen and rejected of two micro-batches
     assert seen[0].response_ids[1].tolist() == [7, 7, 7] and seen[1].response_ids[:, 0].tolist() == [9, 9]
     with pytest.raises(ValueError, match="heldout_preference_path"):
-        phases.heldout_reward_ceiling(model_reward, [], pad_id=0)
+        heldout.heldout_reward_ceiling(model_reward, [], pad_id=0)

@@ -228,3 +228,9 @@ def test_a_rank_that_keeps_no_row_neither_hangs_nor_changes_the_step_tp1_pp1_dp2
     direct = run_ranks(direct_worker, dp=1, args=(NONE_ON_RANK_1, kept, "vanilla"))
     _assert_step_equal(filtered, direct, kept)
     assert filtered[1][2]["filter/kept_fraction"] == pytest.approx(2 / 8)
+
+
+def test_every_registered_filter_says_what_the_step_does_around_it():
+    from hpa.algorithms.filters import ROLLOUT_FILTERS
+
+    assert sorted(rollout_filter.FILTER_STEPS) == sorted(ROLLOUT_FILTERS.names())

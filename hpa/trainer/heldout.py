@@ -1,0 +1,57 @@
+"""What the trust gate's signals read on the held-out preference pairs (``data.heldout_preference_path``):
+the policy's NLL of their chosen responses, and the reward models' ceiling over them.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from hpa.distributed import comm
+from hpa.engine import forward
+from hpa.reward import RewardInputs
+from hpa.trainer import micro_batches
+
+
+def heldout_nll(policy, examples, ctx) -> float:
+    """The policy's NLL per token of the chosen responses of held-out preference pairs (the trust gate's
+    signal), at temperature 1 over the true vocabulary; each DP rank scores ``examples[dp_rank::dp]`` and
+    the sums are reduced over DP, so every rank returns the same number. ``ctx``: the step's
+    ``phases.StepContext``."""
+    g = ctx.groups
+    mine = [examples[i] for i in range(g.dp_rank, len(examples), g.data_parallel_size)]
+    mbs = micro_batches.chosen_micro_batches(mine, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id,
+                                             packed=ctx.packed)
+    sums = torch.zeros(2, dtype=torch.float64)
+    if mbs:
+        with torch.no_grad():
+            logp = forward.pair_sequence_log_probs(policy, mbs, g, vocab_size=ctx.vocab_size)  # [n]
+        sums[0] = -float(logp.double().sum())
+        sums[1] = sum(float(mb["label_mask"].sum()) for mb in mbs)
+    comm.all_reduce_sum(sums, g.dp_group)
+    return float(sums[0] / sums[1].clamp(min=1.0))
+
+
+def heldout_reward_ceiling(model_reward, examples, *, pad_id: int, micro_batch_size: int = 64) -> Tuple[float, float]:
+    """The trust gate's ceiling: the reward models' mean score (over heads and models) of the held-out pairs'
+    chosen responses, and the mean margin over their rejected ones (the gate's unit). Every rank scores
+    every pair (the reward models' contract: the same inputs on all ranks), once per run."""
+    from hpa.data.collate import pad_left, pad_right
+
+    chosen, margin = [], []
+    for start in range(0, len(examples), micro_batch_size):
+        rows = examples[start:start + micro_batch_size]
+        prompt_ids, prompt_mask = pad_left([e.prompt_ids for e in rows], pad_id)
+        scores = []
+        for key in ("chosen_ids", "rejected_ids"):
+            response_ids, response_mask = pad_right([getattr(e, key) for e in rows], pad_id)
+            out = model_reward(RewardInputs(response_ids=response_ids, response_mask=response_mask,
+                                            prompt_ids=prompt_ids, prompt_mask=prompt_mask))
+            scores.append(out.rewards.double().mean(dim=1))  # [n]: the ensemble mean, as reward/learned_mean
+        chosen.append(scores[0])
+        margin.append(scores[0] - scores[1])
+    if not chosen:
+        raise ValueError("the trust gate's reward ceiling needs held-out preference pairs; "
+                         "data.heldout_preference_path has none")
+    return float(torch.cat(chosen).mean()), float(torch.cat(margin).mean())
