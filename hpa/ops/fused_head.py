@@ -1,0 +1,141 @@
+"""Label log-probs and entropy of vocab-parallel logits in one chunked pass.
+
+The same statistics as ``hpa.ops.vocab_parallel`` (a max, then sums of ``e^z``, the label logit and
+``e^z·z``), computed ``chunk_tokens`` rows at a time: each chunk is upcast to fp32 on its own, so no
+fp32 tensor larger than ``chunk_tokens × v/tp`` exists, in the forward or the backward (which
+recomputes each chunk's softmax from the saved input and ``[N]``-shaped statistics). On GPUs the
+input is the model's bf16 logits, read once per pass; the gradient is written in the input dtype.
+
+Each rank reduces its shard against its own max; one MAX and one SUM all-reduce of ``[N]``-shaped
+statistics then merge the shards (the local sums rescaled by ``e^(m_local − m)``), the same
+collectives as the separate ops. Gradient convention, padding and temperature as in
+``hpa.ops.vocab_parallel``: every TP rank computes the same scalar, the forward all-reduces have an
+identity backward, columns with global id ≥ ``vocab_size`` are excluded and get zero gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .vocab_parallel import _all_reduce_, _check_temperature, _compute_dtype, _local_max, _shard_layout
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "fused_log_probs_entropy"]
+
+# 1024 rows of a 151,936-token vocabulary are 0.6 GB of fp32 per chunk at TP1.
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _chunk(logits: torch.Tensor, rows: slice, num_valid: int, temperature: float) -> torch.Tensor:
+    """A fresh compute-dtype copy of ``logits[rows, :num_valid] / temperature``."""
+    z = logits[rows, :num_valid].to(_compute_dtype(logits), copy=True)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _label_index(labels: torch.Tensor, start: int, num_valid: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(local column of each label clamped into the shard [N, 1], whether this shard holds it [N])``."""
+    local = labels.long() - start
+    on_shard = (local >= 0) & (local < num_valid)
+    return local.clamp(0, max(num_valid - 1, 0)).unsqueeze(-1), on_shard
+
+
+class _FusedHead(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, logits, labels, tp_group, vocab_size, temperature, chunk_tokens, with_entropy):
+        ctx.set_materialize_grads(False)
+        start, num_valid = _shard_layout(logits, tp_group, vocab_size)
+        n = logits.shape[0]
+        dtype = _compute_dtype(logits)
+        index, on_shard = _label_index(labels, start, num_valid)
+        local = logits.new_zeros((4, n), dtype=dtype)  # local max, Σ e^t, label logit, Σ e^t·t (t = z − local max)
+        local[0] = float("-inf")
+        if num_valid > 0:
+            for begin in range(0, n, chunk_tokens):
+                rows = slice(begin, min(begin + chunk_tokens, n))
+                t = _chunk(logits, rows, num_valid, temperature)  # [c, n_valid]
+                m = _local_max(t)
+                local[2, rows] = torch.where(on_shard[rows], t.gather(-1, index[rows]).squeeze(-1), 0.0)
+                t.sub_(m.unsqueeze(-1))
+                e = t.exp()
+                local[0, rows], local[1, rows] = m, e.sum(dim=-1)
+                if with_entropy:
+                    local[3, rows] = e.mul_(t).sum(dim=-1)
+                del t, e
+        m = _all_reduce_(local[0].clone(), dist.ReduceOp.MAX, tp_group) if n else local[0]  # [N]
+        shift = local[0] - m  # ≤ 0; −inf on an all-padding shard, whose sums are 0
+        scale = shift.exp()
+        stats = torch.stack([local[1] * scale, local[2],
+                             torch.where(local[1] > 0, (local[3] + shift * local[1]) * scale, 0.0)])  # [3, N]
+        if n:
+            _all_reduce_(stats, dist.ReduceOp.SUM, tp_group)
+        log_s = stats[0].log()  # logsumexp = m + log_s, kept apart so no rounding at |m| ~ 1e4 enters
+        log_probs = (stats[1] - m) - log_s
+        entropy = log_s - stats[2] / stats[0] if with_entropy else None
+        ctx.save_for_backward(logits, labels, m, log_s, entropy)
+        ctx.layout = (start, num_valid, temperature, chunk_tokens)
+        return (log_probs, entropy) if with_entropy else log_probs
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy=None):
+        logits, labels, m, log_s, entropy = ctx.saved_tensors
+        start, num_valid, temperature, chunk_tokens = ctx.layout
+        none = (None,) * 6
+        if grad_log_probs is None and grad_entropy is None:
+            return (None,) + none
+        grad = torch.zeros_like(logits) if num_valid < logits.shape[-1] else torch.empty_like(logits)
+        if num_valid == 0:
+            return (grad,) + none
+        index, on_shard = _label_index(labels, start, num_valid)
+        for begin in range(0, logits.shape[0], chunk_tokens):
+            rows = slice(begin, min(begin + chunk_tokens, logits.shape[0]))
+            log_p = _chunk(logits, rows, num_valid, temperature)  # [c, n_valid]
+            log_p.sub_(m[rows].unsqueeze(-1)).sub_(log_s[rows].unsqueeze(-1))
+            p = log_p.exp()
+            # d log p_y/dz = onehot(y) − p;  dH/dz = −p·(log p + H);  both times dz/dlogits = 1/T.
+            if grad_entropy is not None:
+                coef = log_p.add_(entropy[rows].unsqueeze(-1)).mul_(grad_entropy[rows].unsqueeze(-1))
+                if grad_log_probs is not None:
+                    coef.add_(grad_log_probs[rows].unsqueeze(-1))
+                chunk_grad = p.mul_(coef).neg_()
+            else:
+                chunk_grad = p.mul_(-grad_log_probs[rows].unsqueeze(-1))
+            del log_p
+            if grad_log_probs is not None:
+                g = grad_log_probs[rows]
+                chunk_grad.scatter_add_(-1, index[rows], torch.where(on_shard[rows], g, 0.0).unsqueeze(-1))
+            if temperature != 1.0:
+                chunk_grad.div_(temperature)
+            grad[rows, :num_valid] = chunk_grad
+            del chunk_grad, p
+        return (grad,) + none
+
+
+def fused_log_probs_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group, vocab_size: Optional[int] = None,
+                            temperature: float = 1.0, *, entropy: bool = False,
+                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``log softmax(logits / temperature)`` at the labels, and optionally the entropy, chunk by chunk.
+
+    Args:
+        logits: local vocab shard of the selected positions, ``[N, v/tp]``; any float dtype; not modified.
+        labels: global token ids ``[N]`` in ``[0, vocab_size)`` (an id outside yields ``−logsumexp``).
+        tp_group: the tensor-model-parallel group the vocab is split over; None for one process.
+        vocab_size: true vocabulary size; padded columns (global id ≥ vocab_size) are excluded.
+        temperature: logits are divided by it before the softmax.
+        entropy: also return the entropy.
+        chunk_tokens: rows upcast at a time; bounds every fp32 temporary to ``chunk_tokens × v/tp``.
+
+    Returns:
+        ``(log_probs [N], entropy [N] or None)``, fp32 (fp64 for fp64 input); gradients as
+        ``vocab_parallel_log_probs`` and ``vocab_parallel_entropy``, in the input dtype.
+    """
+    _check_temperature(temperature)
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be [N, v/tp] and labels [N] (select the positions first), got logits "
+                         f"{tuple(logits.shape)} and labels {tuple(labels.shape)}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be ≥ 1, got {chunk_tokens}")
+    out = _FusedHead.apply(logits, labels, tp_group, vocab_size, float(temperature), int(chunk_tokens), entropy)
+    return out if entropy else (out, None)
