@@ -28,7 +28,7 @@ from hpa.config.algorithm import AlgorithmConfig
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine.micro_batch import MicroBatch
-from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from hpa.engine.head import label_log_probs, response_log_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,17 +113,14 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
     step_weights = dataclasses.asdict(weights)
 
     def rollout_loss(batch, logits, hidden):
-        logp_s = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group, vocab_size=vocab_size,
-                                                       temperature=temperature))  # [b, s]
-        logp = batch.response(logp_s)  # [b, r]
+        logp, ent_r = response_log_probs(batch, logits, groups.tp_group, vocab_size=vocab_size,
+                                         temperature=temperature, entropy=True)  # [b, r] each
         mask = batch["mask"]
         pg, pg_m = policy_loss(batch["old_log_probs"], logp, batch["advantages"], mask, name=ppo.policy_loss,
                                clip_ratio=ppo.clip_ratio, clip_ratio_low=ppo.clip_ratio_low,
                                clip_ratio_high=ppo.clip_ratio_high, clip_ratio_c=ppo.clip_ratio_c,
                                aggregation=aggregation, importance_weights=batch.get("is_weights"))
-        ent_s = batch.unpack(vocab_parallel_entropy(logits, groups.tp_group, vocab_size=vocab_size,
-                                                    temperature=temperature))  # [b, s]
-        ent, ent_m = entropy_bonus(batch.response(ent_s), mask, weights.entropy_coef, aggregation=aggregation)
+        ent, ent_m = entropy_bonus(ent_r, mask, weights.entropy_coef, aggregation=aggregation)
         pooled = mean_pool(batch.unpack(hidden).float(), batch["pool_mask"])  # [b, h]
         hier, hier_m = hierarchical_kl(logp, batch["ref_log_probs"], mask, pooled, batch["ref_pooled"],
                                        lambda_token=weights.lambda_token,
@@ -140,8 +137,7 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
         return total, metrics
 
     def pair_loss(batch, logits, hidden):
-        logp_s = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group,
-                                                       vocab_size=vocab_size))  # [2m, s]
+        logp_s = label_log_probs(batch, logits, groups.tp_group, vocab_size=vocab_size)  # [2m, s]
         seq = (logp_s * batch["label_mask"]).sum(dim=1)  # [2m]
         m = seq.shape[0] // 2
         lengths = batch["label_mask"].sum(dim=1)
