@@ -13,10 +13,11 @@ from typing import Optional, Tuple
 import torch
 
 from hpa.engine.micro_batch import MicroBatch
-from hpa.ops.fused_head import DEFAULT_CHUNK_TOKENS, fused_log_probs_entropy
+from hpa.ops.fused_head import fused_log_probs_entropy
 
 
-def _model_positions(batch: MicroBatch, rows: torch.Tensor, cols: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _model_positions(batch: MicroBatch, rows: torch.Tensor,
+                     cols: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Row-layout positions ``(rows, cols)`` -> ``(flat index into the model layout's tokens, valid or None)``.
 
     Packed, a position at or beyond its row's length is not in the model's input: it gets a valid index
@@ -31,7 +32,7 @@ def _model_positions(batch: MicroBatch, rows: torch.Tensor, cols: torch.Tensor) 
 
 
 def _head(batch: MicroBatch, logits: torch.Tensor, flat: torch.Tensor, tp_group, vocab_size: int,
-          temperature: float, entropy: bool, chunk_tokens: int):
+          temperature: float, entropy: bool, chunk_tokens: Optional[int]):
     """The fused head at the model-layout tokens ``flat`` (any shape): results of ``flat``'s shape."""
     v = logits.shape[-1]
     index = flat.reshape(-1)
@@ -44,7 +45,7 @@ def _head(batch: MicroBatch, logits: torch.Tensor, flat: torch.Tensor, tp_group,
 
 def response_log_probs(batch: MicroBatch, logits: torch.Tensor, tp_group, *, vocab_size: int,
                        temperature: float = 1.0, entropy: bool = False,
-                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       chunk_tokens: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropy) of the response tokens, ``[n, r]``: ``batch.response(batch.unpack(per-position))``
     computed at the ``response_index`` positions only.
 
@@ -62,7 +63,7 @@ def response_log_probs(batch: MicroBatch, logits: torch.Tensor, tp_group, *, voc
 
 
 def label_log_probs(batch: MicroBatch, logits: torch.Tensor, tp_group, *, vocab_size: int,
-                    temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                    temperature: float = 1.0, chunk_tokens: Optional[int] = None) -> torch.Tensor:
     """Log-probs ``[n, s]`` in the row layout where ``batch["label_mask"]`` is nonzero, 0 elsewhere (the losses
     multiply by the mask, so they read today's values).
 

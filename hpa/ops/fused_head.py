@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from .vocab_parallel import _all_reduce_, _check_temperature, _compute_dtype, _local_max, _shard_layout
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "fused_log_probs_entropy"]
+__all__ = ["CHUNK_ELEMENTS", "fused_log_probs_entropy"]
 
-# 1024 rows of a 151,936-token vocabulary are 0.6 GB of fp32 per chunk at TP1.
-DEFAULT_CHUNK_TOKENS = 1024
+# The default chunk: 1 GiB of fp32 (1,766 rows of a 151,936-token vocabulary at TP1), large enough that
+# the per-chunk ops are few beside the model's, small beside a GPU's memory.
+CHUNK_ELEMENTS = 2 ** 28
 
 
 def _chunk(logits: torch.Tensor, rows: slice, num_valid: int, temperature: float) -> torch.Tensor:
@@ -115,7 +116,7 @@ class _FusedHead(torch.autograd.Function):
 
 def fused_log_probs_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group, vocab_size: Optional[int] = None,
                             temperature: float = 1.0, *, entropy: bool = False,
-                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                            chunk_tokens: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``log softmax(logits / temperature)`` at the labels, and optionally the entropy, chunk by chunk.
 
     Args:
@@ -126,6 +127,7 @@ def fused_log_probs_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group
         temperature: logits are divided by it before the softmax.
         entropy: also return the entropy.
         chunk_tokens: rows upcast at a time; bounds every fp32 temporary to ``chunk_tokens × v/tp``.
+            None: ``CHUNK_ELEMENTS // (v/tp)``.
 
     Returns:
         ``(log_probs [N], entropy [N] or None)``, fp32 (fp64 for fp64 input); gradients as
@@ -135,7 +137,9 @@ def fused_log_probs_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ValueError(f"logits must be [N, v/tp] and labels [N] (select the positions first), got logits "
                          f"{tuple(logits.shape)} and labels {tuple(labels.shape)}")
+    if chunk_tokens is None:
+        chunk_tokens = max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
     if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be ≥ 1, got {chunk_tokens}")
+        raise ValueError(f"chunk_tokens must be ≥ 1 (or None for the default), got {chunk_tokens}")
     out = _FusedHead.apply(logits, labels, tp_group, vocab_size, float(temperature), int(chunk_tokens), entropy)
     return out if entropy else (out, None)

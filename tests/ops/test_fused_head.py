@@ -19,7 +19,8 @@ CHUNK = 3  # four chunks, the last one short
 CASES = {
     "fp32": dict(width=16, vocab_size=None, temperature=1.0, dtype="float32", scale=3.0),
     "fp32_padded13_temp0.7": dict(width=16, vocab_size=13, temperature=0.7, dtype="float32", scale=3.0),
-    "fp32_padded7_temp1.3": dict(width=16, vocab_size=7, temperature=1.3, dtype="float32", scale=3.0),  # tp2: rank 1 all pad
+    # tp2: rank 1 is all padding
+    "fp32_padded7_temp1.3": dict(width=16, vocab_size=7, temperature=1.3, dtype="float32", scale=3.0),
     "bf16_padded13_temp0.7": dict(width=16, vocab_size=13, temperature=0.7, dtype="bfloat16", scale=3.0),
     "fp32_large_1e4": dict(width=16, vocab_size=None, temperature=1.0, dtype="float32", scale=1e4),
 }
@@ -148,6 +149,13 @@ def test_inputs_unchanged_and_empty_selection():
     logp, _ = fused_log_probs_entropy(empty, torch.zeros(0, dtype=torch.long), None)
     logp.sum().backward()
     assert logp.shape == (0,) and empty.grad.shape == (0, 8)
+
+
+def test_default_chunk_bounds_fp32_elements(monkeypatch):
+    from hpa.ops import fused_head
+
+    monkeypatch.setattr(fused_head, "CHUNK_ELEMENTS", 8 * VOCAB)
+    assert 0 < _largest_fp32(lambda x, y: fused_log_probs_entropy(x, y, None, entropy=True), vocab=VOCAB) <= 8 * VOCAB
 
 
 def test_errors_say_what_to_do():
