@@ -7,8 +7,8 @@ Usage::
 What runs: the forward and backward of ``Σ log p(label) − 0.01·Σ H`` over ``[tokens, vocab]`` logits at
 TP1, in fp32 (the CPU dtype) and bf16 (the GPU dtype): "separate" is ``vocab_parallel_log_probs`` +
 ``vocab_parallel_entropy`` on every position; "fused" is ``fused_log_probs_entropy`` on the
-``--select`` share of the positions (the response positions a loss reads; 1.0: all of them), gathered
-from the logits first as the callers do. Per side it reports the aten ops dispatched, the largest fp32
+``--select`` share of the positions (every ``1/select``-th: the response positions a loss reads; 1.0:
+all of them), read out of the full logits through ``positions`` as the callers do. Per side it reports the aten ops dispatched, the largest fp32
 tensor any op creates, the peak of the fp32 bytes live at once that the ops allocated (the logits and
 their gradient buffer excluded when fp32: both sides hold those), and the median wall time of
 ``--repeats`` runs (outside the dispatch mode). Prints one JSON line.
@@ -72,8 +72,11 @@ def separate(logits, labels):
 
 def fused(chunk_tokens, select):
     def head(logits, labels):
-        index = torch.arange(0, logits.shape[0], max(1, round(1 / select)))  # the positions a loss reads
-        return fused_log_probs_entropy(logits.index_select(0, index), labels[index], None, temperature=0.9,
+        if select >= 1:
+            return fused_log_probs_entropy(logits, labels, None, temperature=0.9, entropy=True,
+                                           chunk_tokens=chunk_tokens)
+        positions = torch.arange(0, logits.shape[0], round(1 / select))  # the positions a loss reads
+        return fused_log_probs_entropy(logits, labels[positions], None, temperature=0.9, positions=positions,
                                        entropy=True, chunk_tokens=chunk_tokens)
     return head
 

@@ -1,8 +1,8 @@
 """Log-probs (and entropy) at the positions a loss reads, from a micro-batch's logits in the model layout.
 
-The rows of the logits at those positions (response tokens, or a row's label positions) are gathered
-out of the model's layout, padded ``[n, s, v/tp]`` or packed ``[1, T, v/tp]``, and only they go through
-``hpa.ops.fused_head``; the results come back in the row layout the losses read. Positions beyond a
+Only the rows of the logits at those positions (response tokens, or a row's label positions) go through
+``hpa.ops.fused_head``, read chunk by chunk out of the model's layout, padded ``[n, s, v/tp]`` or packed
+``[1, T, v/tp]``; the results come back in the row layout the losses read. Positions beyond a
 packed row's length read 0, as ``MicroBatch.unpack`` gives them.
 """
 
@@ -34,12 +34,10 @@ def _model_positions(batch: MicroBatch, rows: torch.Tensor,
 def _head(batch: MicroBatch, logits: torch.Tensor, flat: torch.Tensor, tp_group, vocab_size: int,
           temperature: float, entropy: bool, chunk_tokens: Optional[int]):
     """The fused head at the model-layout tokens ``flat`` (any shape): results of ``flat``'s shape."""
-    v = logits.shape[-1]
     index = flat.reshape(-1)
-    selected = logits.reshape(-1, v).index_select(0, index)  # [N, v/tp] in the logits' dtype
     labels = batch.labels.reshape(-1).index_select(0, index)
-    logp, ent = fused_log_probs_entropy(selected, labels, tp_group, vocab_size, temperature, entropy=entropy,
-                                        chunk_tokens=chunk_tokens)
+    logp, ent = fused_log_probs_entropy(logits.reshape(-1, logits.shape[-1]), labels, tp_group, vocab_size,
+                                        temperature, positions=index, entropy=entropy, chunk_tokens=chunk_tokens)
     return logp.view(flat.shape), None if ent is None else ent.view(flat.shape)
 
 

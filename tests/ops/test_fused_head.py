@@ -139,6 +139,29 @@ def test_gradcheck_float64(outputs, vocab_size, temperature):
     assert torch.autograd.gradcheck(fn, (x,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_positions_equal_the_gathered_rows(dtype):
+    """Computing at ``positions`` (one repeated) equals the separate ops on the gathered rows, gradients
+    accumulated back into the full logits; rows not selected get none."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (3 * torch.randn(9, 16, generator=gen)).to(dtype)
+    positions = torch.tensor([7, 0, 3, 3, 8, 5, 1])
+    labels = torch.randint(0, 13, (7,), generator=gen)
+    w = torch.randn(2, 7, generator=gen)
+    got, want = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    logp, ent = fused_log_probs_entropy(got, labels, None, 13, 0.8, positions=positions, entropy=True, chunk_tokens=2)
+    (w[0] * logp + w[1] * ent).sum().backward()
+    rows = want[positions]
+    ref_logp = vocab_parallel_log_probs(rows, labels, None, 13, 0.8)
+    ref_ent = vocab_parallel_entropy(rows, None, 13, 0.8)
+    (w[0] * ref_logp + w[1] * ref_ent).sum().backward()
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
+    atol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.grad.float(), want.grad.float(), rtol=0, atol=atol)
+    assert not got.grad[[2, 4, 6]].any() and got.grad[3].abs().sum() > 0
+
+
 def test_inputs_unchanged_and_empty_selection():
     logits = torch.randn(5, 8).requires_grad_()
     before = logits.detach().clone()
@@ -159,8 +182,10 @@ def test_default_chunk_bounds_fp32_elements(monkeypatch):
 
 
 def test_errors_say_what_to_do():
-    with pytest.raises(ValueError, match="select the positions first"):
+    with pytest.raises(ValueError, match=r"logits must be \[M, v/tp\]"):
         fused_log_probs_entropy(torch.randn(2, 3, 8), torch.zeros(2, 3, dtype=torch.long), None)
+    with pytest.raises(ValueError, match="positions"):
+        fused_log_probs_entropy(torch.randn(4, 8), torch.zeros(4, dtype=torch.long), None, positions=torch.arange(3))
     with pytest.raises(ValueError, match="chunk_tokens"):
         fused_log_probs_entropy(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), None, chunk_tokens=0)
     with pytest.raises(ValueError, match="vocab_size=9 must be in"):
@@ -211,6 +236,15 @@ def _separate(logits, labels):
 
 def test_no_fp32_tensor_beyond_one_chunk():
     assert 0 < _largest_fp32(_fused, vocab=VOCAB) <= CHUNK_TOKENS * VOCAB
+
+
+def test_no_fp32_tensor_beyond_one_chunk_at_positions():
+    def head(logits, labels):
+        positions = torch.arange(logits.shape[0]).flip(0)[::2]  # the positions a loss reads
+        return fused_log_probs_entropy(logits, labels[positions], None, vocab_size=500, positions=positions,
+                                       entropy=True, chunk_tokens=CHUNK_TOKENS // 2)
+
+    assert 0 < _largest_fp32(head, vocab=VOCAB) <= CHUNK_TOKENS // 2 * VOCAB
 
 
 def test_the_check_catches_the_separate_ops():
