@@ -99,8 +99,9 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
                      *, vocab_size: int, temperature: float, pair_scale: float = 1.0):
     """The loss closure of the mixed step; dispatches on the micro-batch's ``kind`` (``rollout`` or ``pairs``).
 
-    Per-token quantities (log-probs, entropy) are computed in the model's layout and unpacked to the row
-    layout (``MicroBatch.unpack``), where every loss term reads them: packing changes no term.
+    Per-token quantities (log-probs, entropy) are computed only at the positions the terms read, by the fused
+    head (``hpa.engine.head``), and come back in the row layout, where every loss term reads them: packing
+    changes no term.
 
     Args:
         pair_scale: the balance factor on the pair term (DPO and its anchor): it enters as
