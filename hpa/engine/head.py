@@ -36,8 +36,8 @@ def _head(batch: MicroBatch, logits: torch.Tensor, flat: torch.Tensor, tp_group,
     """The fused head at the model-layout tokens ``flat`` (any shape): results of ``flat``'s shape."""
     index = flat.reshape(-1)
     labels = batch.labels.reshape(-1).index_select(0, index)
-    logp, ent = fused_log_probs_entropy(logits.reshape(-1, logits.shape[-1]), labels, tp_group, vocab_size,
-                                        temperature, positions=index, entropy=entropy, chunk_tokens=chunk_tokens)
+    logp, ent = fused_log_probs_entropy(logits, labels, tp_group, vocab_size, temperature, positions=index,
+                                        entropy=entropy, chunk_tokens=chunk_tokens)  # no copy of a sliced output
     return logp.view(flat.shape), None if ent is None else ent.view(flat.shape)
 
 

@@ -38,10 +38,15 @@ def _chunk(logits: torch.Tensor, positions: Optional[torch.Tensor], rows: slice,
     dtype = _compute_dtype(logits)
     if positions is None:
         z = logits[rows, :num_valid].to(dtype, copy=True)
-    else:
-        z = logits[:, :num_valid].index_select(0, positions[rows])  # a copy in the input dtype
+    else:  # advanced indexing copies the chunk's rows only, whatever the strides of the leading dims
+        z = logits[..., :num_valid][_unravel(positions[rows], logits)]  # [c, n_valid], the input dtype
         z = z.to(dtype) if z.dtype != dtype else z
     return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _unravel(positions: torch.Tensor, logits: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Indices into the leading dims of ``logits`` of positions in their flattening."""
+    return torch.unravel_index(positions, logits.shape[:-1])
 
 
 def _label_index(labels: torch.Tensor, start: int, num_valid: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +127,8 @@ class _FusedHead(torch.autograd.Function):
             if positions is None:
                 grad[rows, :num_valid] = chunk_grad
             else:  # a position selected twice gets both gradients
-                grad[:, :num_valid].index_add_(0, positions[rows], chunk_grad.to(grad.dtype))
+                grad[..., :num_valid].index_put_(_unravel(positions[rows], logits), chunk_grad.to(grad.dtype),
+                                                 accumulate=True)
             del chunk_grad, p
         return (grad,) + none
 
@@ -134,13 +140,15 @@ def fused_log_probs_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group
     """``log softmax(logits / temperature)`` at the labels, and optionally the entropy, chunk by chunk.
 
     Args:
-        logits: local vocab shard, ``[M, v/tp]``; any float dtype; not modified.
+        logits: local vocab shard, ``[M, v/tp]``; with ``positions``, any ``[..., v/tp]`` (e.g. a model's
+            ``[b, s, v/tp]`` output, a view need not be contiguous); any float dtype; not modified.
         labels: global token ids ``[N]`` in ``[0, vocab_size)`` (an id outside yields ``−logsumexp``).
         tp_group: the tensor-model-parallel group the vocab is split over; None for one process.
         vocab_size: true vocabulary size; padded columns (global id ≥ vocab_size) are excluded.
         temperature: logits are divided by it before the softmax.
-        positions: ``[N]`` rows of ``logits`` to compute at (read one chunk at a time, never gathered
-            whole; a row may repeat); None: every row, ``N = M``. Other rows get zero gradient.
+        positions: ``[N]`` rows of ``logits`` to compute at, indices into its leading dims flattened (read
+            one chunk at a time, never gathered whole; a row may repeat); None: every row, ``N = M``. Other
+            rows get zero gradient.
         entropy: also return the entropy.
         chunk_tokens: rows upcast at a time; bounds every fp32 temporary to ``chunk_tokens × v/tp``.
             None: ``CHUNK_ELEMENTS // (v/tp)``.
@@ -151,8 +159,9 @@ def fused_log_probs_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group
     """
     _check_temperature(temperature)
     rows = logits.shape[:1] if positions is None else positions.shape
-    if logits.dim() != 2 or len(rows) != 1 or labels.shape != rows:
-        raise ValueError(f"logits must be [M, v/tp], positions [N] or None (N = M) and labels [N], got logits "
+    if (logits.dim() != 2 and positions is None) or logits.dim() < 2 or len(rows) != 1 or labels.shape != rows:
+        raise ValueError(f"logits must be [M, v/tp] (or [..., v/tp] with positions), positions [N] or None "
+                         f"(N = M) and labels [N], got logits "
                          f"{tuple(logits.shape)}, positions {None if positions is None else tuple(positions.shape)} "
                          f"and labels {tuple(labels.shape)}")
     if chunk_tokens is None:

@@ -162,6 +162,24 @@ def test_positions_equal_the_gathered_rows(dtype):
     assert not got.grad[[2, 4, 6]].any() and got.grad[3].abs().sum() > 0
 
 
+def test_positions_into_a_sliced_batch_equal_the_gathered_rows():
+    """``[b, s, v/tp]`` logits cut from a wider output (not viewable as rows): the same as on its rows."""
+    gen = torch.Generator().manual_seed(5)
+    full = 3 * torch.randn(3, 6, 16, generator=gen)
+    positions = torch.tensor([0, 4, 4, 7, 11, 14])
+    labels = torch.randint(0, 16, (6,), generator=gen)
+    sliced = full.clone().requires_grad_()
+    logp, ent = fused_log_probs_entropy(sliced[:, :5], labels, None, positions=positions, entropy=True,
+                                        chunk_tokens=4)
+    (logp + 0.5 * ent).sum().backward()
+    rows = full.clone().requires_grad_()
+    flat = rows[:, :5].reshape(-1, 16)[positions]
+    ((vocab_parallel_log_probs(flat, labels, None) + 0.5 * vocab_parallel_entropy(flat, None)).sum()).backward()
+    torch.testing.assert_close(logp, vocab_parallel_log_probs(flat, labels, None).detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(sliced.grad, rows.grad, rtol=0, atol=1e-5)
+    assert not sliced.grad[:, 5:].any()
+
+
 def test_inputs_unchanged_and_empty_selection():
     logits = torch.randn(5, 8).requires_grad_()
     before = logits.detach().clone()
@@ -238,9 +256,13 @@ def test_no_fp32_tensor_beyond_one_chunk():
     assert 0 < _largest_fp32(_fused, vocab=VOCAB) <= CHUNK_TOKENS * VOCAB
 
 
-def test_no_fp32_tensor_beyond_one_chunk_at_positions():
+@pytest.mark.parametrize("layout", ["rows", "sliced_batch"])
+def test_no_fp32_tensor_beyond_one_chunk_at_positions(layout):
     def head(logits, labels):
         positions = torch.arange(logits.shape[0]).flip(0)[::2]  # the positions a loss reads
+        if layout == "sliced_batch":  # a [b, s, v/tp] model output cut from a padded width, as step.py does
+            logits = logits.view(4, -1, logits.shape[-1])[:, :-2]
+            positions = torch.arange(logits.shape[0] * logits.shape[1])[::2]
         return fused_log_probs_entropy(logits, labels[positions], None, vocab_size=500, positions=positions,
                                        entropy=True, chunk_tokens=CHUNK_TOKENS // 2)
 
