@@ -13,10 +13,10 @@ import torch
 
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
+from hpa.engine.head import label_log_probs, response_log_probs
 from hpa.engine.micro_batch import MicroBatch
 from hpa.engine.step import forward_backward
 from hpa.algorithms.masked import mean_pool
-from hpa.ops.vocab_parallel import vocab_parallel_log_probs
 from hpa.rollout.base import TrainingSequences
 
 
@@ -94,9 +94,8 @@ def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor
     r = ts.response_index.shape[1]
 
     def fn(batch, logits, hidden):
-        logp = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group, vocab_size=vocab_size,
-                                                     temperature=temperature))  # [b, s]
-        out = {"log_probs": batch.response(logp)}  # [b, r]
+        logp, _ = response_log_probs(batch, logits, groups.tp_group, vocab_size=vocab_size, temperature=temperature)
+        out = {"log_probs": logp}  # [b, r]
         if hidden_size is not None:
             out["pooled"] = mean_pool(batch.unpack(hidden).float(), batch["pool_mask"])  # [b, h]
         return out
@@ -124,7 +123,7 @@ def pair_sequence_log_probs(model, micro_batches: List[MicroBatch], groups: Para
     """Summed response log-probs of every row of ``micro_batches`` (reference side of DPO)."""
     def fn(batch, logits, hidden):
         batch = MicroBatch.of(batch)
-        logp = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group, vocab_size=vocab_size))
+        logp = label_log_probs(batch, logits, groups.tp_group, vocab_size=vocab_size)  # [b, s]
         return {"seq_logp": (logp * batch["label_mask"]).sum(dim=1, keepdim=True)}
 
     return forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)}, capture_hidden=False)["seq_logp"][:, 0]

@@ -14,11 +14,11 @@ from hpa.data.sampler import DistributedBatchSampler
 from hpa.data.tokenizer import build_tokenizer
 from hpa.distributed.groups import ParallelGroups
 from hpa.models import build_policy
-from hpa.ops.vocab_parallel import vocab_parallel_log_probs
 from hpa.trainer import objective
 from hpa.trainer.micro_batches import sft_micro_batches
 from hpa.models.weights import load_model_weights, save_model_weights
 from hpa.trainer.metrics import MetricsWriter
+from hpa.engine.head import label_log_probs
 from hpa.engine.optimizer import make_trainable
 from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
@@ -54,7 +54,7 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
                                          [], groups)
 
         def nll(batch, logits, hidden):
-            logp = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group, vocab_size=vocab))
+            logp = label_log_probs(batch, logits, groups.tp_group, vocab_size=vocab)  # [b, s]
             token_nll = -(logp * batch["label_mask"])
             share = token_nll.sum() / counts.tokens
             return share, {"sft/nll": share.detach()}

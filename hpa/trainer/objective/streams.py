@@ -1,6 +1,6 @@
 """The data streams of the objective: what a micro-batch of each ``kind`` carries, the per-token
-quantities every term on it reads (``prepare``: computed once per micro-batch, in the model's layout and
-unpacked to the row layout, so packing changes no term), and the global counts that normalise its terms.
+quantities every term on it reads (``prepare``: computed once per micro-batch, only at the positions the terms
+read, by the fused head ``hpa.engine.head``, and returned in the row layout, so packing changes no term), and the global counts that normalise its terms.
 
 Each loss term is normalised by a *global* count of the current mini-batch, taken over all DP ranks and
 all micro-batches (``GlobalCounts``), so a term's weight is its share of the step's gradient whatever the
@@ -18,7 +18,7 @@ from hpa.algorithms.masked import mean_pool
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine.micro_batch import MicroBatch
-from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from hpa.engine.head import label_log_probs, response_log_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +60,16 @@ class Stream:
 def prepare_rollout(batch: MicroBatch, logits, hidden, groups: ParallelGroups, vocab_size: int,
                     temperature: float) -> Dict[str, torch.Tensor]:
     """Log-probs and entropy at the rollout temperature ``[b, r]``, response-pooled hidden states ``[b, h]``."""
-    logp_s = batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group, vocab_size=vocab_size,
-                                                   temperature=temperature))  # [b, s]
-    ent_s = batch.unpack(vocab_parallel_entropy(logits, groups.tp_group, vocab_size=vocab_size,
-                                                temperature=temperature))  # [b, s]
-    return {"log_probs": batch.response(logp_s), "entropy": batch.response(ent_s),
+    logp, ent = response_log_probs(batch, logits, groups.tp_group, vocab_size=vocab_size, temperature=temperature,
+                                   entropy=True)  # [b, r] each
+    return {"log_probs": logp, "entropy": ent,
             "pooled": mean_pool(batch.unpack(hidden).float(), batch["pool_mask"])}
 
 
 def prepare_pairs(batch: MicroBatch, logits, hidden, groups: ParallelGroups, vocab_size: int,
                   temperature: float) -> Dict[str, torch.Tensor]:
     """Per-token log-probs ``[2m, s]`` at temperature 1 (the chosen rows, then the rejected ones)."""
-    return {"token_log_probs": batch.unpack(vocab_parallel_log_probs(logits, batch.labels, groups.tp_group,
-                                                                     vocab_size=vocab_size))}
+    return {"token_log_probs": label_log_probs(batch, logits, groups.tp_group, vocab_size=vocab_size)}  # [2m, s]
 
 
 def _chosen_tokens(mb: MicroBatch) -> float:
