@@ -17,7 +17,7 @@ from hpa.engine.head import label_log_probs, response_log_probs
 from hpa.engine.micro_batch import MicroBatch
 from hpa.engine.step import forward_backward
 from hpa.algorithms.masked import mean_pool
-from hpa.rollout.base import TrainingSequences
+from hpa.engine.sequences import TrainingSequences
 
 
 def chunks(n: int, size: int) -> List[List[int]]:

@@ -25,7 +25,7 @@ from typing import Dict
 
 import torch
 
-from hpa.rollout.base import gather_positions
+from hpa.engine.sequences import gather_positions
 
 
 @dataclasses.dataclass
