@@ -7,7 +7,7 @@ MFU (real and padded tokens), the rollout's generated tokens per second, the mea
 Then the same run again with ``trainer.sequence_packing=true``: the update's tokens per second and pad share
 with packing on against off (``packing``). The first step (CUDA warm-up, allocator growth) is left out of
 the rates. After those keys: ``phases``, each phase's seconds per step (rollout, old-policy forward, reference
-forward, update) and the update's tokens/s, packing off and on; ``syncs``, the host-device syncs that
+forward, update), the update's tokens/s and each forward-only pass's tokens/s and MFU, packing off and on; ``syncs``, the host-device syncs that
 ``torch.cuda.set_sync_debug_mode("warn")`` reported over each whole run (start-up included) per step; and, with
 ``--tokens-per-micro-batch N``, ``token_budget``: the packed run again with ``trainer.ppo_max_token_len_per_rank=N``
 (micro-batches of N real tokens), with the same figures.
@@ -116,6 +116,14 @@ def phase_figures(records) -> dict:
 
     out = {f"{name}_s": mean(key) for name, key in PHASES.items()}
     out["update_tokens_per_s"] = mean("perf/update_throughput")
+    # forward-only passes: the rollout's tokens (prompt + response, per rank) over each pass's time; their MFU
+    # counts 2·N FLOPs per token against the update's 6·N, so it follows from the update's MFU and rate
+    update_mfu = mean("perf/mfu")
+    for name in ("old_policy", "reference"):
+        rate = mean("perf/forward_tokens") / out[f"{name}_s"] if out[f"{name}_s"] > 0 else float("nan")
+        out[f"{name}_tokens_per_s"] = rate
+        out[f"{name}_mfu"] = update_mfu * rate / (3.0 * out["update_tokens_per_s"]) \
+            if out["update_tokens_per_s"] > 0 else float("nan")
     return out
 
 

@@ -279,6 +279,9 @@ class TrainerConfig:
         ppo_mini_batch_size: prompts per optimizer update within a step; null: one update per epoch.
         ppo_max_token_len_per_rank: token budget of a rollout micro-batch (rows regrouped to fit it); null:
             ``micro_batch_size`` rows.
+        log_prob_max_token_len_per_rank: token budget of a micro-batch of the forward-only passes over the
+            rollouts (old policy, reference, critic values; verl's ``log_prob_max_token_len_per_gpu``): no
+            backward, so usually twice the update's; null: ``micro_batch_size`` rows.
         sequence_packing: pack each micro-batch's rows into one sequence, attention kept inside each row.
         eval_interval: greedy evaluation on ``data.eval_prompt_path`` every this many steps (and at step 0); 0: off.
         log_interval: ``hpa train-rm`` logs every this many steps.
@@ -295,6 +298,7 @@ class TrainerConfig:
     ppo_epochs: int = 1
     ppo_mini_batch_size: Optional[int] = None
     ppo_max_token_len_per_rank: Optional[int] = None
+    log_prob_max_token_len_per_rank: Optional[int] = None
     sequence_packing: bool = False
     eval_interval: int = 0
     log_interval: int = 1
@@ -303,7 +307,8 @@ class TrainerConfig:
 
     def __post_init__(self):
         _positive(self, "total_steps", "global_batch_size", "micro_batch_size", "preference_batch_size",
-                  "ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_rank", "log_interval",
+                  "ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_rank",
+                  "log_prob_max_token_len_per_rank", "log_interval",
                   "max_steps_per_run")
         check_range("eval_interval", self.eval_interval, low=0)
         if not self.run_dir:

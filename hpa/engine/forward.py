@@ -17,6 +17,7 @@ from hpa.engine.head import label_log_probs, response_log_probs
 from hpa.engine.micro_batch import MicroBatch
 from hpa.engine.step import forward_backward
 from hpa.algorithms.masked import mean_pool
+from hpa.data.collate import token_budget_micro_batches
 from hpa.engine.sequences import TrainingSequences
 
 
@@ -78,19 +79,39 @@ def sequence_micro_batches(ts: TrainingSequences, rows: Sequence[Sequence[int]],
     return out
 
 
+def row_groups(num_rows: int, micro_batch_size: int, lengths: Optional[torch.Tensor],
+               token_budget: Optional[int], packed: bool) -> List[List[int]]:
+    """The rows of each forward-only micro-batch: ``micro_batch_size`` consecutive rows, or, with a
+    ``token_budget`` (and ``lengths``), rows of similar lengths grouped up to that many tokens (real tokens
+    ``packed``, padded ones otherwise; ``hpa.data.collate.token_budget_micro_batches``)."""
+    if token_budget is None or lengths is None:
+        return chunks(num_rows, micro_batch_size)
+    return token_budget_micro_batches(lengths.tolist(), token_budget, packed=packed)
+
+
+def in_row_order(out: Dict[str, torch.Tensor], rows: List[List[int]]) -> Dict[str, torch.Tensor]:
+    """Outputs concatenated in the order of ``rows`` -> the rows' own order."""
+    order = torch.tensor([i for group in rows for i in group])
+    if torch.equal(order, torch.arange(order.numel())):
+        return out
+    inverse = torch.argsort(order)
+    return {k: v[inverse] for k, v in out.items()}
+
+
 def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor, groups: ParallelGroups, *,
                        micro_batch_size: int, vocab_size: int, temperature: float,
                        hidden_size: Optional[int] = None, lengths: Optional[torch.Tensor] = None,
-                       packed: bool = False) -> Dict[str, torch.Tensor]:
+                       packed: bool = False, token_budget: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Per-response-token log-probs ``[b, r]`` (and the pooled response hidden state ``[b, h]``).
 
     Args:
         lengths: ``[b]`` positions of each row (prompt + response); None: every row is the whole width.
         packed: pack each micro-batch's rows (needs ``lengths`` to save anything).
+        token_budget: group rows by tokens (``row_groups``) instead of ``micro_batch_size`` rows.
     """
     pool_mask = response_token_mask(ts, response_mask)
-    mbs = sequence_micro_batches(ts, chunks(ts.input_ids.shape[0], micro_batch_size), lengths, packed=packed,
-                                 pool_mask=pool_mask)
+    rows = row_groups(ts.input_ids.shape[0], micro_batch_size, lengths, token_budget, packed)
+    mbs = sequence_micro_batches(ts, rows, lengths, packed=packed, pool_mask=pool_mask)
     r = ts.response_index.shape[1]
 
     def fn(batch, logits, hidden):
@@ -103,19 +124,21 @@ def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor
     shapes = {"log_probs": (r,)}
     if hidden_size is not None:
         shapes["pooled"] = (hidden_size,)
-    return forward_only(model, mbs, groups, fn, shapes, capture_hidden=hidden_size is not None)
+    return in_row_order(forward_only(model, mbs, groups, fn, shapes, capture_hidden=hidden_size is not None), rows)
 
 
 def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, micro_batch_size: int,
-                    lengths: Optional[torch.Tensor] = None, packed: bool = False) -> torch.Tensor:
+                    lengths: Optional[torch.Tensor] = None, packed: bool = False,
+                    token_budget: Optional[int] = None) -> torch.Tensor:
     """Critic values ``[b, r]``: the value of the state before each response token (as verl)."""
-    mbs = sequence_micro_batches(ts, chunks(ts.input_ids.shape[0], micro_batch_size), lengths, packed=packed)
+    rows = row_groups(ts.input_ids.shape[0], micro_batch_size, lengths, token_budget, packed)
+    mbs = sequence_micro_batches(ts, rows, lengths, packed=packed)
 
     def fn(batch, values, hidden):
         return {"values": batch.response(batch.unpack(values[..., 0]))}
 
-    return forward_only(critic, mbs, groups, fn, {"values": (ts.response_index.shape[1],)},
-                        capture_hidden=False)["values"]
+    return in_row_order(forward_only(critic, mbs, groups, fn, {"values": (ts.response_index.shape[1],)},
+                                     capture_hidden=False), rows)["values"]
 
 
 def pair_sequence_log_probs(model, micro_batches: List[MicroBatch], groups: ParallelGroups, *,

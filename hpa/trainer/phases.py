@@ -55,7 +55,8 @@ def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepCo
     """Reference and rollout-policy log-probs ``[b, r]`` and response-pooled hidden states ``[b, h]``
     (``ref_*``, ``old_*``), and the truncated importance weights when configured (``is_weights``)."""
     kw = dict(micro_batch_size=ctx.micro_batch_size, vocab_size=ctx.vocab_size, temperature=ctx.temperature,
-              hidden_size=ctx.cfg.model.hidden_size, lengths=batch.sequence_lengths, packed=ctx.packed)
+              hidden_size=ctx.cfg.model.hidden_size, lengths=batch.sequence_lengths, packed=ctx.packed,
+              token_budget=ctx.cfg.trainer.log_prob_max_token_len_per_rank)
     with ctx.timer("reference"):
         ref = forward.sequence_log_probs(reference, batch.sequences, batch.response_mask, ctx.groups, **kw)
     with ctx.timer("old_logprob"):
@@ -63,6 +64,7 @@ def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepCo
     batch.set("ref_log_probs", ref["log_probs"]).set("ref_pooled", ref["pooled"])
     batch.set("old_log_probs", old["log_probs"]).set("old_pooled", old["pooled"])
     metrics = dict(logprob_consistency(batch.log_probs, old["log_probs"], batch.response_mask))
+    metrics["perf/forward_tokens"] = float(batch.sequence_lengths.sum())  # this rank's, in each forward pass
     threshold = ctx.cfg.algorithm.ppo.rollout_is_threshold
     if threshold is not None:
         weights, is_m = truncated_importance_weights(old["log_probs"], batch.log_probs, batch.response_mask,
@@ -92,7 +94,8 @@ def critic_values(batch: RolloutBatch, critic, ctx: StepContext) -> None:
     """The critic's values ``[b, r]`` of the rollout (``values``)."""
     batch.set("values", forward.sequence_values(critic, batch.sequences, ctx.groups,
                                                 micro_batch_size=ctx.micro_batch_size,
-                                                lengths=batch.sequence_lengths, packed=ctx.packed))
+                                                lengths=batch.sequence_lengths, packed=ctx.packed,
+                                                token_budget=ctx.cfg.trainer.log_prob_max_token_len_per_rank))
 
 
 def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: float,

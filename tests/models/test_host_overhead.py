@@ -222,11 +222,16 @@ def test_gpu_check_phase_figures_and_sync_count_run_without_a_gpu():
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     records = [{"timing_s/rollout": 2.0, "timing_s/old_logprob": 0.5, "timing_s/reference": 0.25,
-                "timing_s/update_actor": 1.0, "perf/update_throughput": 1000.0},
+                "timing_s/update_actor": 1.0, "perf/update_throughput": 1000.0, "perf/forward_tokens": 600.0,
+                "perf/mfu": 0.1},
                {"timing_s/rollout": 4.0, "timing_s/old_logprob": 1.5, "timing_s/reference": 0.75,
-                "timing_s/update_actor": 3.0, "perf/update_throughput": 3000.0}]
-    assert gpu_check.phase_figures(records) == {"rollout_s": 3.0, "old_policy_s": 1.0, "reference_s": 0.5,
-                                                "update_s": 2.0, "update_tokens_per_s": 2000.0}
+                "timing_s/update_actor": 3.0, "perf/update_throughput": 3000.0, "perf/forward_tokens": 1400.0,
+                "perf/mfu": 0.3}]
+    # forward passes: 1000 tokens in 1.0 s and 0.5 s; MFU 2N/6N of the update's per token: 0.2 * rate / (3 * 2000)
+    assert gpu_check.phase_figures(records) == pytest.approx(
+        {"rollout_s": 3.0, "old_policy_s": 1.0, "reference_s": 0.5, "update_s": 2.0, "update_tokens_per_s": 2000.0,
+         "old_policy_tokens_per_s": 1000.0, "reference_tokens_per_s": 2000.0,
+         "old_policy_mfu": 0.2 / 6, "reference_mfu": 0.2 / 3})
     if not torch.cuda.is_available():
         assert gpu_check._counting_syncs(lambda: 7) == (7, None)
         assert gpu_check._per_step(None, [{}]) is None

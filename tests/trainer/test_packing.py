@@ -99,7 +99,8 @@ def packing_worker(groups, policy_dir, critic_dir, reward_dir, sequence_parallel
         load_model_weights(policy, policy_dir, groups)
         critic = build_value(_model_cfg(), parallel, groups)
         load_model_weights(critic, critic_dir, groups)
-        kw = dict(micro_batch_size=2, lengths=lengths, packed=packed)
+        # with a budget the forward-only passes regroup rows too (trainer.log_prob_max_token_len_per_rank)
+        kw = dict(micro_batch_size=2, lengths=lengths, packed=packed, token_budget=budget)
         res = forward.sequence_log_probs(policy, ts, batch.response_mask, groups, vocab_size=VOCAB, temperature=1.0,
                                          hidden_size=HIDDEN, **kw)
         res["values"] = forward.sequence_values(critic, ts, groups, **kw)
