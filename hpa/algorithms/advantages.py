@@ -232,11 +232,13 @@ def compute_component_advantages(
     group_ids,
     *,
     offset: Optional[torch.Tensor] = None,
+    row_weights: Optional[Sequence[Optional[torch.Tensor]]] = None,
     norm_by_std: bool = True,
     epsilon: float = 1e-6,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """GRPO advantages of several reward components, each normalised within its groups on its own:
-    ``A = Σ_c w_c · (s_c - mean_g) / (std_g + epsilon) + (o - mean_g(o))``, broadcast over the valid tokens.
+    ``A = Σ_c w_c · u_c · (s_c - mean_g) / (std_g + epsilon) + (o - mean_g(o))``, broadcast over the valid
+    tokens (``u_c`` a per-row weight, 1 unless given).
 
     The sum is not normalised again, so a weight (a trust gate's ``1/(1+λ)`` on the learned part) scales
     its component's share of the advantage. A component tied within a group (a rule that abstains on a
@@ -249,6 +251,9 @@ def compute_component_advantages(
         group_ids: the prompt each response came from. # [b]
         offset: ``[b]`` a term added centred within its group but not normalised (the in-reward KL
             penalty ``-coef·Σ_t KL_t``), or None.
+        row_weights: one ``[b]`` weight per component, or None per component (1) or for all: applied after
+            the within-group normalisation, so a row's weight scales its own advantage only (the coverage
+            trust of the learned component, ``hpa.algorithms.coverage``) and never the group's baseline.
         norm_by_std: divide each component by its group std (False: Dr.GRPO).
         epsilon: added to the std.
 
@@ -258,15 +263,20 @@ def compute_component_advantages(
     if len(component_scores) != len(component_weights) or not component_scores:
         raise ValueError(f"{len(component_scores)} components and {len(component_weights)} weights; give one "
                          "weight per component (at least one)")
+    row_weights = [None] * len(component_scores) if row_weights is None else list(row_weights)
+    if len(row_weights) != len(component_scores):
+        raise ValueError(f"{len(row_weights)} row weights for {len(component_scores)} components; give one "
+                         "(or None) per component")
     with torch.no_grad():
         ones = torch.ones_like(mask[:, :1], dtype=torch.float32)  # [b, 1]
         total = torch.zeros(mask.shape[0], dtype=torch.float32, device=mask.device)  # [b]
-        for scores, weight in zip(component_scores, component_weights):
+        for scores, weight, rows in zip(component_scores, component_weights, row_weights):
             if weight == 0:
                 continue
             a, _ = compute_group_advantages(scores.float()[:, None] * ones, ones, group_ids, baseline="mean",
                                             norm_by_std=norm_by_std, epsilon=epsilon)
-            total = total + weight * a[:, 0]
+            a = a[:, 0] if rows is None else a[:, 0] * rows.to(a.device, torch.float32)
+            total = total + weight * a
         if offset is not None:
             a, _ = compute_group_advantages(offset.float()[:, None] * ones, ones, group_ids, baseline="mean",
                                             norm_by_std=False)

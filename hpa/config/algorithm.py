@@ -307,6 +307,41 @@ class BalanceConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class CoverageConfig:
+    """Per-row trust of the learned reward from the coverage of its preference data
+    (``hpa.algorithms.coverage``): the learned component of each rollout's advantage is weighted by how
+    close the rollout (prompt + response, in the first reward model's pooled embedding space) lies to the
+    chosen sequences of ``data.preference_path`` (the pairs the reward models were trained on), calibrated
+    on ``data.heldout_preference_path``. Off by default: no ablation has measured it yet. Needs
+    per-component advantages, ``reward.model_paths`` and the held-out pairs.
+
+    Attributes:
+        enabled: weight the learned component per row by its coverage trust.
+        k: neighbours whose mean cosine distance is a row's distance.
+        low_quantile: trust is 1 up to this quantile of the held-out pairs' distances (0.5: a rollout as
+            close to the data as a typical held-out pair keeps its full learned advantage).
+        high_quantile: with ``margin``, where trust reaches 0.
+        margin: trust is 0 from ``high_quantile`` of the held-out distances times this (>= 1; 1.5 keeps
+            the held-out tail above 0).
+    """
+
+    enabled: bool = False
+    k: int = 5
+    low_quantile: float = 0.5
+    high_quantile: float = 0.95
+    margin: float = 1.5
+
+    def __post_init__(self):
+        check_range("k", self.k, low=1)
+        check_range("low_quantile", self.low_quantile, low=0.0, high=1.0)
+        check_range("high_quantile", self.high_quantile, low=0.0, high=1.0)
+        if self.high_quantile <= self.low_quantile:
+            raise ConfigError("high_quantile", f"must be above low_quantile ({self.low_quantile}), got "
+                              f"{self.high_quantile}")
+        check_range("margin", self.margin, low=1.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class HPAConfig:
     """Mixing weights and hierarchical-KL weights, each a schedule of training progress.
 
@@ -319,6 +354,7 @@ class HPAConfig:
         semantic_distance: mse | cosine, between mean-pooled final hidden states.
         gate: the trust gate on the learned reward.
         balance: the automatic balance of the rollout and pair gradients.
+        coverage: per-row trust of the learned reward from the coverage of its preference data (off).
     """
 
     w_ppo: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", value=0.4))
@@ -331,6 +367,7 @@ class HPAConfig:
     semantic_distance: str = "mse"
     gate: TrustGateConfig = field(default_factory=TrustGateConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
+    coverage: CoverageConfig = field(default_factory=CoverageConfig)
 
     def __post_init__(self):
         for key in ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic"):

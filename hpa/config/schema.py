@@ -612,6 +612,16 @@ def validate(cfg: Config, world_size: int) -> None:
         if algo.hpa.gate.signal in GATE_SIGNALS_ON_REWARD_MODELS and not cfg.reward.model_paths:
             raise ConfigError("algorithm.hpa.gate.signal", f"{algo.hpa.gate.signal!r} scores the held-out chosen "
                               "responses with the reward models; set reward.model_paths or signal: heldout_nll")
+    if algo.hpa.coverage.enabled:
+        missing = [(not component_advantages(cfg), "per-component advantages (algorithm.advantage.estimator: grpo "
+                    "with per_component true)"),
+                   (not cfg.reward.model_paths, "reward models (reward.model_paths), whose embeddings it reads"),
+                   (cfg.data.heldout_preference_path is None, "held-out preference pairs for its calibration "
+                    "(data.heldout_preference_path)")]
+        for absent, what in missing:
+            if absent:
+                raise ConfigError("algorithm.hpa.coverage.enabled", f"the coverage trust weights the learned "
+                                  f"component per row and needs {what}; set it, or enabled: false")
     check_diversity_source(cfg.reward.shaping, has_reward_model=bool(cfg.reward.model_paths))
     rescaled = cfg.reward.shaping.normalize or cfg.reward.shaping.clip is not None
     if algo.advantage.per_component is True and rescaled:
@@ -650,6 +660,11 @@ def trust_gate_enabled(cfg: Config) -> bool:
         return enabled
     return component_advantages(cfg) and cfg.data.heldout_preference_path is not None \
         and (cfg.algorithm.hpa.gate.signal not in GATE_SIGNALS_ON_REWARD_MODELS or bool(cfg.reward.model_paths))
+
+
+def heldout_pairs_needed(cfg: Config) -> bool:
+    """Whether a run reads the held-out preference pairs: the trust gate or the coverage calibration."""
+    return trust_gate_enabled(cfg) or cfg.algorithm.hpa.coverage.enabled
 
 
 def to_dict(cfg) -> dict:

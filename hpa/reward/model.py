@@ -253,6 +253,20 @@ class ModelReward:
         """K of the output: models · heads."""
         return len(self.models) * self.num_heads
 
+    def sequence_embeddings(self, response_ids: torch.Tensor, response_mask: torch.Tensor,
+                            prompt_ids: Optional[torch.Tensor] = None,
+                            prompt_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The first reward model's final hidden state mean-pooled over every real token of ``prompt + response``
+        (the coverage trust's space: where a sequence lies against the preference data), ``[b, h]`` float32.
+        ``response_*`` ``[b, r]``, ``prompt_*`` ``[b, p]``, as ``__call__``'s inputs."""
+        input_ids, attention_mask, _ = join_prompt_response(
+            response_ids.cpu(), response_mask.cpu(), self.pad_id, None if prompt_ids is None else prompt_ids.cpu(),
+            None if prompt_mask is None else prompt_mask.cpu())
+        _, embeddings = score_sequences(self.models[0], input_ids, attention_mask, self.groups,
+                                        num_heads=self.num_heads, micro_batch_size=self.micro_batch_size,
+                                        pool_mask=attention_mask, hidden_size=self.hidden_size, packed=self.packed)
+        return embeddings.to(response_ids.device)
+
     def __call__(self, inputs: RewardInputs) -> BaseRewardOutput:
         input_ids, attention_mask, response_mask = join_prompt_response(
             inputs.response_ids.cpu(), inputs.response_mask.cpu(), self.pad_id,

@@ -1,5 +1,6 @@
 """What the trust gate's signals read on the held-out preference pairs (``data.heldout_preference_path``):
-the policy's NLL of their chosen responses, and the reward models' ceiling over them.
+the policy's NLL of their chosen responses, and the reward models' ceiling over them; and the reward model's
+embeddings of the chosen sequences of a pair set (the coverage trust's bank and calibration).
 """
 
 from __future__ import annotations
@@ -55,3 +56,19 @@ def heldout_reward_ceiling(model_reward, examples, *, pad_id: int, micro_batch_s
         raise ValueError("the trust gate's reward ceiling needs held-out preference pairs; "
                          "data.heldout_preference_path has none")
     return float(torch.cat(chosen).mean()), float(torch.cat(margin).mean())
+
+
+def chosen_embeddings(model_reward, examples, *, pad_id: int, micro_batch_size: int = 64) -> torch.Tensor:
+    """The first reward model's pooled embedding of each pair's chosen sequence (prompt + chosen response),
+    ``[n, h]``. Every rank scores every pair (the reward models' contract), once per run."""
+    from hpa.data.collate import pad_left, pad_right
+
+    out = []
+    for start in range(0, len(examples), micro_batch_size):
+        rows = examples[start:start + micro_batch_size]
+        prompt_ids, prompt_mask = pad_left([e.prompt_ids for e in rows], pad_id)
+        response_ids, response_mask = pad_right([e.chosen_ids for e in rows], pad_id)
+        out.append(model_reward.sequence_embeddings(response_ids, response_mask, prompt_ids, prompt_mask))
+    if not out:
+        raise ValueError("the coverage trust needs preference pairs to embed; the pair file has none")
+    return torch.cat(out)

@@ -106,7 +106,8 @@ def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: fl
     With ``algorithm.advantage.per_component`` the rule reward (``rule_scores``) and the learned rest of
     the shaped reward are group-normalised apart and added with their shares of the reward weights
     (``reward.rule_weight`` : 1 for the reward models), the learned share times ``learned_weight`` (the
-    trust gate); the in-reward KL penalty enters centred within its group, ungated.
+    trust gate) and each learned row times its ``learned_trust`` when the batch has one (the coverage
+    trust); the in-reward KL penalty enters centred within its group, ungated.
     """
     algo = ctx.cfg.algorithm
     metrics: Dict[str, float] = {}
@@ -127,7 +128,8 @@ def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: fl
         shares = component_shares(ctx.cfg.reward)
         advantages, returns = adv_lib.compute_component_advantages(
             [rule, learned], [shares["rule"], shares["learned"] * learned_weight], mask, group_ids,
-            offset=(rewards - token_scores).sum(dim=1), norm_by_std=a.norm_by_std, epsilon=a.epsilon)
+            offset=(rewards - token_scores).sum(dim=1), row_weights=[None, batch.extras.get("learned_trust")],
+            norm_by_std=a.norm_by_std, epsilon=a.epsilon)
         metrics["hpa/learned_share"] = shares["learned"] * learned_weight
     else:
         advantages, returns = adv_lib.compute_advantages(a.estimator, rewards, mask,

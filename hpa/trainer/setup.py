@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from hpa.config.schema import Config, trust_gate_enabled
+from hpa.config.schema import Config, heldout_pairs_needed
 from hpa.data.preferences import PreferenceDataset
 from hpa.data.prompts import PromptDataset
 from hpa.data.sampler import DistributedBatchSampler
@@ -58,7 +58,7 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
     prompts = PromptDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
     pairs = PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
     heldout = (PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects, split="heldout")
-               if trust_gate_enabled(cfg) else None)
+               if heldout_pairs_needed(cfg) else None)
     seed = cfg.data.seed if cfg.data.seed is not None else t.seed
 
     def sampler(n: int, batch_size: int, seed: int) -> DistributedBatchSampler:

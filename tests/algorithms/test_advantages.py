@@ -281,3 +281,32 @@ def test_component_advantages_add_the_offset_centred_and_unnormalised():
     torch.testing.assert_close(adv[:, 0], torch.tensor([0.01, -0.01, 0.01, -0.01]), atol=1e-7, rtol=0)
     with pytest.raises(ValueError, match="one weight per component"):
         compute_component_advantages([zero, zero], [1.0], mask, group_ids)
+
+
+def test_component_row_weights_scale_their_component_after_normalisation_and_leave_the_others():
+    """The coverage trust: a far row's learned part gets weight 0, a near row's keeps all of it; the group's
+    baseline is still the unweighted one, and the rule component is the same bits with or without weights."""
+    from hpa.algorithms.advantages import compute_component_advantages
+
+    rule = torch.tensor([4.0, 0.0, 1.0, 3.0])
+    learned = torch.tensor([0.3, 0.9, 1.0, 0.2])
+    mask = torch.ones(4, 2)
+    group_ids = torch.tensor([0, 0, 1, 1])
+    trust = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    rule_only, _ = compute_component_advantages([rule, learned], [0.5, 0.0], mask, group_ids)
+    learned_only, _ = compute_component_advantages([rule, learned], [0.0, 0.5], mask, group_ids)
+    plain, _ = compute_component_advantages([rule, learned], [0.5, 0.5], mask, group_ids)
+    weighted, _ = compute_component_advantages([rule, learned], [0.5, 0.5], mask, group_ids,
+                                                row_weights=[None, trust])
+    torch.testing.assert_close(weighted, rule_only + learned_only * trust[:, None], atol=1e-6, rtol=0)
+    assert weighted[1, 0] == rule_only[1, 0]  # the far row: its rule part alone, untouched
+    # row weights on the rule component alone leave the learned component's rows as they were
+    rule_weighted, _ = compute_component_advantages([rule, learned], [0.5, 0.5], mask, group_ids,
+                                                    row_weights=[torch.zeros(4), None])
+    torch.testing.assert_close(rule_weighted, learned_only, atol=1e-6, rtol=0)
+    # all-ones weights change nothing
+    ones, _ = compute_component_advantages([rule, learned], [0.5, 0.5], mask, group_ids,
+                                           row_weights=[torch.ones(4), torch.ones(4)])
+    torch.testing.assert_close(ones, plain, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="row weights for 2 components"):
+        compute_component_advantages([rule, learned], [0.5, 0.5], mask, group_ids, row_weights=[trust])

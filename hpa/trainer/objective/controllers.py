@@ -11,7 +11,8 @@ A new controller is its class and one entry of ``CONTROLLERS``.
 
 The factors read by the step: ``reward_kl`` (the in-reward KL coefficient, before its warm-up),
 ``learned_advantage`` (the weight of the learned component of the advantages) and ``pairs`` (the
-balance's factor on the pair stream).
+balance's factor on the pair stream). A per-row weight is written to the batch instead: the coverage
+trust's ``learned_trust``.
 
 The automatic balance of the rollout and pair gradients (``algorithm.hpa.balance``):
 A step's gradient is the sum of the rollout group's (PPO, entropy, hierarchical KL, all on rollouts)
@@ -38,6 +39,7 @@ import math
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Protocol
 
 
+from hpa.algorithms.coverage import calibrate, coverage_trust, knn_distance, trust_metrics
 from hpa.algorithms.gate import TrustGate
 from hpa.algorithms.kl import kl_penalty, make_kl_controller
 from hpa.algorithms.masked import masked_mean
@@ -228,6 +230,59 @@ class BalanceController(GradientBalance):
         return {"pairs": self.factor}
 
 
+class CoverageTrust:
+    """The coverage trust (``algorithm.hpa.coverage``, ``hpa.algorithms.coverage``): each rollout row's
+    weight of the learned advantage component, written to the batch as ``learned_trust`` ``[b]``.
+
+    At start-up the bank is the first reward model's embeddings of the chosen sequences of
+    ``data.preference_path`` (the pairs the reward models were trained on), and the held-out pairs'
+    distances to it give the trust ramp's ``low`` and ``high``. The bank is recomputed at every start
+    (frozen reward model, fixed file: the same rows; too large for the run state); the two constants are
+    saved, and a restore keeps the saved ones, so a resumed run is the uninterrupted one even where a
+    new layout rounds the start-up forwards differently. Costs one forward of the first reward model per
+    step over the rollouts (prompt + response) and, once, over both pair files.
+    """
+
+    name, observes = "coverage", "rollouts"
+
+    def __init__(self, cfg, parts, ctx):
+        c = cfg.algorithm.hpa.coverage
+        self.k, self.model_reward, self.dp_group = c.k, parts.model_reward, ctx.groups.dp_group
+        self.bank = heldout.chosen_embeddings(parts.model_reward, parts.pairs, pad_id=ctx.pad_id)  # [m, h]
+        held = knn_distance(heldout.chosen_embeddings(parts.model_reward, parts.heldout_pairs, pad_id=ctx.pad_id),
+                            self.bank, self.k)  # [n]
+        self.low, self.high = calibrate(held, low_quantile=c.low_quantile, high_quantile=c.high_quantile,
+                                        margin=c.margin)
+        logging.getLogger("hpa").info("coverage trust: %d pairs in the bank; trust 1 up to distance %.4f, 0 from "
+                                      "%.4f", self.bank.shape[0], self.low, self.high)
+
+    def update(self, s: StepSignals) -> Dict[str, float]:
+        batch = s.batch
+        with s.ctx.timer("coverage"):
+            embeddings = self.model_reward.sequence_embeddings(batch.response_ids, batch.response_mask,
+                                                               batch.prompt_ids, batch.prompt_mask)  # [b, h]
+            trust = coverage_trust(knn_distance(embeddings, self.bank, self.k), self.low, self.high)  # [b]
+        batch.set("learned_trust", trust)
+        valid = batch.get("mask").sum(dim=1) > 0  # the rows that train (not dropped by the filter)
+        trust = comm.all_gather_cat(trust.float(), self.dp_group)[comm.all_gather_cat(valid.float(), self.dp_group) > 0]
+        nan = float("nan")
+        metrics = trust_metrics(trust) if trust.numel() else {
+            f"coverage/{k}": nan for k in ("trust_mean", "trust_p10", "trust_p90", "far_share")}
+        return {**metrics, "coverage/low": self.low, "coverage/high": self.high}
+
+    def factors(self) -> Dict[str, float]:
+        return {}
+
+    def metrics(self) -> Dict[str, float]:
+        return {}
+
+    def state_dict(self) -> Dict:
+        return {"low": self.low, "high": self.high}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.low, self.high = state["low"], state["high"]
+
+
 @dataclasses.dataclass(frozen=True)
 class ControllerEntry:
     """A controller of the registry: its class and whether a run's config turns it on."""
@@ -246,6 +301,7 @@ CONTROLLERS: Dict[str, ControllerEntry] = {
     "kl_ctrl": ControllerEntry(KLCoefficient, lambda cfg: True),
     "trust_gate": ControllerEntry(TrustGateController, _gate_enabled),
     "balance": ControllerEntry(BalanceController, lambda cfg: cfg.algorithm.hpa.balance.enabled),
+    "coverage": ControllerEntry(CoverageTrust, lambda cfg: cfg.algorithm.hpa.coverage.enabled),
 }
 
 

@@ -1,0 +1,96 @@
+"""Coverage of the reward models' preference data: how far a sequence lies from the pairs the reward models
+were trained on, and how far to trust their score there (issue 33; off by default, not yet measured).
+
+A reward model is validated only near its training data; far from it the learned reward extrapolates and a
+policy can exploit it. The distance is the k-nearest-neighbour cosine distance in the reward model's own
+pooled embedding space (OOD detection by kNN distance on normalised features, Sun et al., ICML 2022), gold
+free. It is calibrated on held-out preference pairs, which come from the same distribution as the training
+pairs but were never trained on, so their distances say what "in distribution" looks like:
+
+    trust(d) = 1                                  for d <= low  (the held-out distances' low quantile)
+             = (high - d) / (high - low)          in between
+             = 0                                  for d >= high (the high quantile times a margin)
+
+Defaults: low = the held-out median (half of the in-distribution pairs are trusted fully, the other half
+still mostly: a rollout as close to the data as a typical held-out pair is not down-weighted), high = the
+95th percentile x 1.5 (a sequence farther than all but 5 % of held-out pairs by half as much again is
+beyond what the data supports; the margin keeps the in-distribution tail, 5 % of the held-out pairs,
+above 0).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+
+def knn_distance(queries: torch.Tensor, bank: torch.Tensor, k: int, *, chunk_size: int = 4096) -> torch.Tensor:
+    """The mean cosine distance of each query to its ``k`` nearest rows of ``bank``.
+
+    Both sides are L2-normalised, so the distance ``1 - cos`` lies in [0, 2]. The bank is read in chunks
+    of ``chunk_size`` rows, keeping a running top-k, so memory is ``O(n·(chunk_size + k))`` whatever ``m``.
+
+    Args:
+        queries: embeddings to score. # [n, h]
+        bank: embeddings of the covered data. # [m, h]
+        k: neighbours averaged (``min(k, m)`` when the bank is smaller).
+        chunk_size: bank rows per similarity matmul.
+
+    Returns:
+        the mean distance to the k nearest bank rows. # [n]
+    """
+    if queries.dim() != 2 or bank.dim() != 2 or queries.shape[1] != bank.shape[1]:
+        raise ValueError(f"queries [n, h] and bank [m, h] must share h; got {tuple(queries.shape)} and "
+                         f"{tuple(bank.shape)}")
+    if bank.shape[0] == 0:
+        raise ValueError("the coverage bank is empty: give at least one preference pair")
+    if k < 1 or chunk_size < 1:
+        raise ValueError(f"k and chunk_size must be >= 1, got k={k}, chunk_size={chunk_size}")
+    k = min(k, bank.shape[0])
+    with torch.no_grad():
+        q = torch.nn.functional.normalize(queries.float(), dim=1)  # [n, h]
+        best = q.new_full((q.shape[0], 0), -2.0)  # the k highest similarities so far [n, <=k]
+        for start in range(0, bank.shape[0], chunk_size):
+            b = torch.nn.functional.normalize(bank[start:start + chunk_size].float().to(q.device), dim=1)
+            best = torch.cat([best, q @ b.T], dim=1).topk(min(k, best.shape[1] + b.shape[0]), dim=1).values
+        return 1.0 - best.mean(dim=1)
+
+
+def calibrate(heldout_distances: torch.Tensor, *, low_quantile: float = 0.5, high_quantile: float = 0.95,
+              margin: float = 1.5) -> Tuple[float, float]:
+    """The distances where trust starts to fall and where it reaches 0, from held-out pairs' distances.
+
+    Args:
+        heldout_distances: ``knn_distance`` of the held-out pairs to the bank. # [n]
+        low_quantile: trust is 1 up to this quantile of the held-out distances.
+        high_quantile: trust is 0 from this quantile times ``margin``.
+        margin: >= 1; the factor on the high quantile.
+
+    Returns:
+        ``(low, high)``, with ``high > low`` (a degenerate calibration, all distances equal, gets a high
+        of ``low + 1e-6``).
+    """
+    if heldout_distances.numel() == 0:
+        raise ValueError("the coverage calibration needs held-out pairs; data.heldout_preference_path has none")
+    if not 0 <= low_quantile < high_quantile <= 1 or margin < 1:
+        raise ValueError(f"need 0 <= low_quantile < high_quantile <= 1 and margin >= 1; got {low_quantile}, "
+                         f"{high_quantile}, {margin}")
+    d = heldout_distances.double()
+    low = float(torch.quantile(d, low_quantile))
+    high = float(torch.quantile(d, high_quantile)) * margin
+    return low, max(high, low + 1e-6)
+
+
+def coverage_trust(distances: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """``1`` at or below ``low``, falling linearly to ``0`` at ``high``, clamped to [0, 1]. # [n] -> [n]"""
+    if not high > low:
+        raise ValueError(f"the trust ramp needs high > low, got low={low}, high={high}")
+    return ((high - distances.float()) / (high - low)).clamp(0.0, 1.0)
+
+
+def trust_metrics(trust: torch.Tensor) -> Dict[str, float]:
+    """``coverage/trust_mean``, ``trust_p10``, ``trust_p90`` and ``far_share`` (rows with trust 0) of ``[n]``."""
+    t = trust.double()
+    return {"coverage/trust_mean": float(t.mean()), "coverage/trust_p10": float(torch.quantile(t, 0.1)),
+            "coverage/trust_p90": float(torch.quantile(t, 0.9)), "coverage/far_share": float((t <= 0).double().mean())}

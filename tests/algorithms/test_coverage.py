@@ -1,0 +1,83 @@
+"""The coverage trust (``hpa.algorithms.coverage``) on hand-made embeddings."""
+
+import math
+
+import pytest
+import torch
+
+from hpa.algorithms.coverage import calibrate, coverage_trust, knn_distance, trust_metrics
+
+
+def _unit(*rows):
+    return torch.nn.functional.normalize(torch.tensor(rows, dtype=torch.float32), dim=1)
+
+
+def test_knn_distance_is_the_mean_cosine_distance_to_the_k_nearest():
+    bank = torch.tensor([[1.0, 0.0, 0.0], [2.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    # a bank row's own direction is at distance 0 whatever its length; k=2 averages the two nearest
+    d = knn_distance(torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, -5.0]]), bank, k=2)
+    torch.testing.assert_close(d, torch.tensor([0.0, 1.0]), atol=1e-6, rtol=0)
+    d3 = knn_distance(torch.tensor([[1.0, 0.0, 0.0]]), bank, k=3)
+    torch.testing.assert_close(d3, torch.tensor([(1 - 1 / math.sqrt(2)) / 3]), atol=1e-6, rtol=0)
+    # k beyond the bank averages the whole bank
+    torch.testing.assert_close(knn_distance(torch.tensor([[0.0, 0.0, 1.0]]), bank[:1], k=5), torch.tensor([1.0]))
+
+
+def test_knn_distance_chunking_equals_one_pass_and_a_brute_force_reference():
+    g = torch.Generator().manual_seed(0)
+    q, bank = torch.randn(9, 16, generator=g), torch.randn(101, 16, generator=g)
+    ref = 1 - (_unit(*q.tolist()) @ _unit(*bank.tolist()).T).topk(5, dim=1).values.mean(dim=1)
+    for chunk in (1, 7, 50, 101, 4096):
+        torch.testing.assert_close(knn_distance(q, bank, 5, chunk_size=chunk), ref, atol=1e-6, rtol=0)
+
+
+def test_knn_distance_errors():
+    with pytest.raises(ValueError, match="share h"):
+        knn_distance(torch.zeros(2, 3), torch.zeros(4, 2), 1)
+    with pytest.raises(ValueError, match="bank is empty"):
+        knn_distance(torch.zeros(2, 3), torch.zeros(0, 3), 1)
+    with pytest.raises(ValueError, match="k and chunk_size"):
+        knn_distance(torch.zeros(2, 3), torch.ones(4, 3), 0)
+
+
+def test_calibrated_trust_is_full_near_the_data_and_none_far_from_it():
+    """Bank around the x axis, held-out pairs from the same cone; a query along the bank keeps trust 1, one
+    orthogonal to it gets 0, one in between a value on the ramp."""
+    g = torch.Generator().manual_seed(1)
+    direction = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    bank = direction + 0.1 * torch.randn(200, 4, generator=g)
+    heldout = direction + 0.1 * torch.randn(50, 4, generator=g)
+    held = knn_distance(heldout, bank, 5)
+    low, high = calibrate(held, low_quantile=0.5, high_quantile=0.95, margin=1.5)
+    ordered = held.double().sort().values
+    assert low == pytest.approx(float(ordered[24] + ordered[25]) / 2, rel=1e-9)  # 50 pairs: the middle two
+    assert high == pytest.approx(1.5 * float(torch.quantile(held.double(), 0.95)), rel=1e-9)
+    near, far = direction[None], torch.tensor([[0.0, 1.0, 0.0, 0.0]])
+    trust = coverage_trust(knn_distance(torch.cat([near, far]), bank, 5), low, high)
+    assert trust.tolist() == [1.0, 0.0]
+    # the held-out pairs themselves: at least half fully trusted, at most the 5 % beyond the p95 at 0
+    held_trust = coverage_trust(held, low, high)
+    assert (held_trust == 1).float().mean() >= 0.5 and (held_trust == 0).float().mean() <= 0.05
+    # the ramp is linear between low and high
+    mid = coverage_trust(torch.tensor([low + 0.25 * (high - low)]), low, high)
+    torch.testing.assert_close(mid, torch.tensor([0.75]), atol=1e-5, rtol=0)
+
+
+def test_calibrate_errors_and_degenerate_distances():
+    with pytest.raises(ValueError, match="held-out pairs"):
+        calibrate(torch.zeros(0))
+    with pytest.raises(ValueError, match="low_quantile < high_quantile"):
+        calibrate(torch.ones(3), low_quantile=0.9, high_quantile=0.5)
+    with pytest.raises(ValueError, match="margin >= 1"):
+        calibrate(torch.ones(3), margin=0.5)
+    low, high = calibrate(torch.zeros(4))  # every held-out pair in the bank
+    assert low == 0.0 and high > low
+    with pytest.raises(ValueError, match="high > low"):
+        coverage_trust(torch.zeros(2), 1.0, 1.0)
+
+
+def test_trust_metrics():
+    m = trust_metrics(torch.tensor([0.0, 0.0, 0.5, 1.0, 1.0]))
+    assert m["coverage/trust_mean"] == pytest.approx(0.5)
+    assert m["coverage/far_share"] == pytest.approx(0.4)
+    assert m["coverage/trust_p10"] == 0.0 and m["coverage/trust_p90"] == 1.0
