@@ -139,6 +139,15 @@ def test_value_checks_name_the_full_key(cfg_file):
     (["algorithm.hpa.gate.enabled=true", "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
       "data.heldout_preference_path=h.jsonl"], 1, "algorithm.hpa.gate.signal"),
     (["algorithm.hpa.gate.signal=gold"], 1, "algorithm.hpa.gate.signal"),
+    # the coverage trust weights the learned component from the reward models' embeddings, calibrated on held-out
+    # pairs: it needs all three
+    (["algorithm.hpa.coverage.enabled=true", "reward.model_paths=[rm]", "data.heldout_preference_path=h.jsonl"], 1,
+     "algorithm.hpa.coverage.enabled"),
+    (["algorithm.hpa.coverage.enabled=true", "algorithm.advantage.estimator=grpo",
+      "algorithm.advantage.per_component=true", "data.heldout_preference_path=h.jsonl"], 1,
+     "algorithm.hpa.coverage.enabled"),
+    (["algorithm.hpa.coverage.enabled=true", "algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]"], 1,
+     "algorithm.hpa.coverage.enabled"),
     (["algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true", "reward.shaping.normalize=true"],
      1, "algorithm.advantage.per_component"),
 ])
@@ -157,6 +166,12 @@ def test_trust_options_name_their_keys(cfg_file):
         load_config(cfg_file, ["algorithm.hpa.balance.measure_steps=0"])
     with pytest.raises(ConfigError, match="algorithm.hpa.gate.reward_ema"):
         load_config(cfg_file, ["algorithm.hpa.gate.reward_ema=1.0"])
+    for bad in ("k=0", "low_quantile=-0.1", "high_quantile=1.5", "margin=0.9"):
+        with pytest.raises(ConfigError, match=f"algorithm.hpa.coverage.{bad.split('=')[0]}"):
+            load_config(cfg_file, [f"algorithm.hpa.coverage.{bad}"])
+    with pytest.raises(ConfigError, match="algorithm.hpa.coverage.high_quantile.*above low_quantile"):
+        load_config(cfg_file, ["algorithm.hpa.coverage.low_quantile=0.9", "algorithm.hpa.coverage.high_quantile=0.8"])
+    assert load_config(cfg_file, []).algorithm.hpa.coverage.enabled is False  # off until an ablation measures it
 
 
 def test_cross_checks_pass_for_valid_layout(cfg_file):
