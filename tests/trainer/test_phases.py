@@ -167,3 +167,56 @@ def test_heldout_reward_ceiling_is_the_chosen_mean_and_the_margin_over_the_rejec
     assert seen[0].response_ids[1].tolist() == [7, 7, 7] and seen[1].response_ids[:, 0].tolist() == [9, 9]
     with pytest.raises(ValueError, match="heldout_preference_path"):
         heldout.heldout_reward_ceiling(model_reward, [], pad_id=0)
+
+
+class _ScriptedEmbedder:
+    """A reward model's pooled embedding, scripted: the one-hot of the prompt's last token plus 0.05 x the
+    response length on the last axis (prompts are left-padded, so the last token is real)."""
+
+    def sequence_embeddings(self, response_ids, response_mask, prompt_ids, prompt_mask):
+        e = torch.nn.functional.one_hot(prompt_ids[:, -1], 8).float()
+        e[:, 7] += 0.05 * response_mask.sum(1).float()
+        return e
+
+
+def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_the_rule():
+    """The coverage controller on scripted embeddings: the bank and the held-out pairs ask about prompt 1;
+    rollouts on prompt 1 keep their learned advantage, rollouts on prompt 3 (orthogonal: no pair covers
+    it) get none of it, and the rule part of every row is the same as without the option."""
+    from hpa.data.preferences import PreferenceExample
+    from hpa.trainer.objective.controllers import CoverageTrust, StepSignals
+
+    overrides = ("algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
+                 "algorithm.kl.use_kl_in_reward=false", "reward.rule_weight=1.0", "reward.model_paths=[rm]",
+                 "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.enabled=true")
+    ctx = _ctx(*overrides)
+    pairs = [PreferenceExample(prompt_ids=[1], chosen_ids=[7] * n, rejected_ids=[9]) for n in range(1, 7)]
+    heldout_pairs = [PreferenceExample(prompt_ids=[2, 1], chosen_ids=[7] * n, rejected_ids=[9]) for n in (2, 3, 4, 5)]
+    parts = types.SimpleNamespace(model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout_pairs)
+    coverage = CoverageTrust(ctx.cfg, parts, ctx)
+    assert 0 <= coverage.low < coverage.high
+    rule, learned = [1.0, 0.0, 1.0, 0.0], [0.2, 0.9, 1.3, 0.1]
+    batch = _component_batch(rule, learned, [0, 0, 1, 1])
+    batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])
+    metrics = coverage.update(StepSignals(batch=batch, ctx=ctx))
+    trust = batch.get("learned_trust")
+    assert trust[2:].tolist() == [0.0, 0.0] and bool((trust[:2] > 0.5).all()) and trust[0] == trust[1]
+    assert metrics["coverage/trust_mean"] == pytest.approx(float(trust.mean()))
+    assert metrics["coverage/far_share"] == pytest.approx(0.5) and metrics["coverage/trust_p10"] == 0.0
+    phases.compute_advantages(batch, ctx, reward_kl_coef=0.0)
+    plain = _component_batch(rule, learned, [0, 0, 1, 1])
+    phases.compute_advantages(plain, ctx, reward_kl_coef=0.0)
+    rule_only = _component_batch(rule, learned, [0, 0, 1, 1])
+    phases.compute_advantages(rule_only, ctx, reward_kl_coef=0.0, learned_weight=0.0)
+    # each row: its rule part untouched plus its trust times its learned part; far rows: the rule part alone
+    learned_part = plain.get("advantages") - rule_only.get("advantages")
+    torch.testing.assert_close(batch.get("advantages"), rule_only.get("advantages") + trust[:, None] * learned_part)
+    torch.testing.assert_close(batch.get("advantages")[2:], rule_only.get("advantages")[2:], atol=0, rtol=0)
+    assert (plain.get("advantages")[2:] - rule_only.get("advantages")[2:]).abs().max() > 0
+    # the calibration constants are the controller's state; a restore keeps the saved ones
+    state = coverage.state_dict()
+    fresh = CoverageTrust(ctx.cfg, types.SimpleNamespace(model_reward=_ScriptedEmbedder(), pairs=pairs,
+                                                         heldout_pairs=heldout_pairs[:2]), ctx)
+    assert (fresh.low, fresh.high) != (state["low"], state["high"])
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
