@@ -96,3 +96,22 @@ def test_resumed_equals_uninterrupted_with_the_gate_and_balance_state(demo, ceil
     assert state["balance"]["factor"] == pytest.approx(first[-1]["hpa/balance_factor"], rel=1e-9)
     resumed = launch(demo, run_dir, 2, ceiling_extra)
     assert_same_metrics(ceiling_run, resumed, steps=[3, 4])
+
+
+def test_the_coverage_trust_runs_and_logs_its_distribution_every_step(demo, ceiling_extra):
+    """``algorithm.hpa.coverage.enabled`` on the reward-model run under DP2: calibrated once at start-up,
+    the trust distribution of the step's rollouts (gathered over DP) logged every step, and the
+    calibration constants saved in the checkpoint."""
+    run_dir = demo / "trust_coverage"
+    steps = [r for r in launch(demo, run_dir, 2, ceiling_extra + ["trainer.total_steps=3",
+                                                                    "algorithm.hpa.coverage.enabled=true"])
+             if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    low, high = steps[0]["coverage/low"], steps[0]["coverage/high"]
+    assert 0 <= low < high
+    for r in steps:
+        assert (r["coverage/low"], r["coverage/high"]) == (low, high)
+        assert 0 <= r["coverage/trust_p10"] <= r["coverage/trust_mean"] <= 1
+        assert r["coverage/trust_p10"] <= r["coverage/trust_p90"] <= 1 and 0 <= r["coverage/far_share"] <= 1
+    state = torch.load(run_dir / "checkpoints" / "step_00000003" / "trainer_state.pt", weights_only=False)
+    assert state["coverage"] == {"low": low, "high": high}
