@@ -145,14 +145,19 @@ class MicroBatch:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        from hpa.models.specs import ChunkLayout
+
         cache = self.__dict__.setdefault("_model_cache", {})
         if ("packed", pad) not in cache:
             lengths = self.lengths.tolist() + ([pad] if pad else [])
             host = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             cu = host_to_device(host, self.input_ids.device)
             longest = max(lengths)
-            cache[("packed", pad)] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                     max_seqlen_q=longest, max_seqlen_kv=longest)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=longest, max_seqlen_kv=longest)
+            # the chunks of rows of the attention without the varlen kernel, laid out on the host
+            params.hpa_chunks = ChunkLayout(lengths).moved(lambda x: host_to_device(x, self.input_ids.device))
+            cache[("packed", pad)] = params
         return cache[("packed", pad)]
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:

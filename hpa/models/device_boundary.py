@@ -31,7 +31,10 @@ def _packed(value, device: torch.device, what: str):
             if id(tensor) not in seen:
                 seen[id(tensor)] = _require(tensor, device, f"{what}.{f.name}")
             changes[f.name] = seen[id(tensor)]
-    return dataclasses.replace(value, **changes)
+    out = dataclasses.replace(value, **changes)
+    if hasattr(value, "hpa_chunks"):  # the attention's chunk layout (``hpa.models.specs.ChunkLayout``), an input too
+        out.hpa_chunks = value.hpa_chunks.moved(lambda x: _require(x, device, f"{what}.hpa_chunks"))
+    return out
 
 
 def install(gpt, device: torch.device):

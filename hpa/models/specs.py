@@ -64,8 +64,9 @@ def packed_local_attention():
       ``is_causal``;
     * packed rows (THD ``[t, heads, d]`` with ``cu_seqlens``): on CUDA in fp16/bf16, torch's
       variable-length flash attention (``torch.nn.attention.varlen``, causal within each row); elsewhere
-      one ``scaled_dot_product_attention`` with a block-diagonal causal mask built once per forward pass
-      from per-token row ids (exact, so packed = padded is a CPU test).
+      one ``scaled_dot_product_attention`` over chunks of consecutive rows batched together, each with a
+      block-diagonal causal mask (``ChunkLayout``, laid out on the host once per micro-batch; exact, so
+      packed = padded is a CPU test).
 
     Grouped-query attention is the kernels' own (``enable_gqa``), without expanding K/V. Anything else
     (an explicit mask, attention bias, query-key layer scaling, a learned softmax offset, a KV cache whose
@@ -109,28 +110,90 @@ def packed_local_attention():
                     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s, b, hp]
                 if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
                     out = varlen_causal_attention(query, key, value, packed_seq_params, scale=self.softmax_scale)
-                else:  # [t, heads, d] -> [1, heads, t, d]
-                    mask = block_causal_mask(packed_seq_params, query.shape[0], query.device)
-                    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                    out = sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale,
-                               enable_gqa=gqa)[0].transpose(0, 1)
+                else:
+                    out = chunked_causal_attention(query, key, value, packed_seq_params, dropout=dropout,
+                                                   scale=self.softmax_scale, gqa=gqa)
                 return out.reshape(query.shape[0], 1, -1)  # [t, 1, hp]
 
         _PackedLocalAttention = PackedLocalAttention
     return _PackedLocalAttention
 
 
-def block_causal_mask(packed_seq_params, tokens: int, device) -> torch.Tensor:
-    """``[t, t]`` bool, True where position ``i`` may attend to ``j``: same row, ``j <= i``.
+# packed rows attended to without the varlen kernel are cut into chunks of consecutive rows of at most this many
+# tokens (or the longest row), each padded to the longest chunk and attended in one batched call
+ATTENTION_CHUNK_TOKENS = 512
 
-    Built on the device from ``cu_seqlens_q`` (no host read) once per forward pass and kept on
-    ``packed_seq_params`` for every layer."""
-    cache = packed_seq_params.__dict__.setdefault("_hpa_mask", {})
-    if device not in cache:
-        position = torch.arange(tokens, device=device)
-        row = torch.searchsorted(packed_seq_params.cu_seqlens_q.to(device), position, right=True)
-        cache[device] = (row[:, None] == row[None, :]) & (position[None, :] <= position[:, None])
-    return cache[device]
+
+class ChunkLayout:
+    """Where each packed token sits in a batch of chunks of consecutive rows, built on the host from the
+    rows' lengths once per micro-batch (``MicroBatch.packed_seq_params``) and copied with it.
+
+    Attributes:
+        index: ``[n, c]`` token of each chunk slot (token 0 in pad slots: they attend to themselves only, and
+            their outputs are dropped).
+        rows: ``[n, c]`` row of each slot; every pad slot has a row of its own (it sees only itself).
+        inverse: ``[t]`` flat slot of each token.
+    """
+
+    def __init__(self, lengths, budget: int = ATTENTION_CHUNK_TOKENS):
+        lengths = [int(n) for n in lengths]
+        budget = max(budget, max(lengths, default=1))
+        chunks, current, size = [], [], 0
+        for row, n in enumerate(lengths):
+            if current and size + n > budget:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(row)
+            size += n
+        chunks.append(current)
+        width = max(sum(lengths[r] for r in chunk) for chunk in chunks)
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        tokens = starts[-1]
+        index = torch.zeros((len(chunks), width), dtype=torch.long)
+        rows = -1 - torch.arange(len(chunks) * width).view(len(chunks), width)  # pads: a row each
+        for c, chunk in enumerate(chunks):
+            first, last = starts[chunk[0]], starts[chunk[-1] + 1]
+            index[c, :last - first] = torch.arange(first, last)
+            rows[c, :last - first] = torch.repeat_interleave(torch.tensor(chunk), torch.tensor([lengths[r] for r in chunk]))
+        self.index, self.rows = index, rows
+        self.inverse = torch.nonzero(rows.flatten() >= 0).flatten()  # slots in token order (chunks keep it)
+        self.whole = len(chunks) == 1 and width == tokens  # one chunk without pads: no gather needed
+
+    def moved(self, move) -> "ChunkLayout":
+        """A copy with ``move(tensor)`` of each tensor (e.g. the micro-batch's host-to-device copy)."""
+        out = object.__new__(ChunkLayout)
+        out.index, out.rows, out.inverse = (move(x) for x in (self.index, self.rows, self.inverse))
+        out.whole = self.whole
+        return out
+
+    def mask(self) -> torch.Tensor:
+        """``[n, 1, c, c]`` bool, True where slot i may attend to slot j: the same row and ``j <= i``."""
+        if not hasattr(self, "_mask"):
+            width = self.rows.shape[1]
+            position = torch.arange(width, device=self.rows.device)
+            same = self.rows[:, :, None] == self.rows[:, None, :]
+            self._mask = (same & (position[None, None, :] <= position[None, :, None]))[:, None]
+        return self._mask
+
+
+def chunked_causal_attention(query, key, value, packed_seq_params, *, dropout: float, scale: float, gqa: bool):
+    """Causal attention within each packed row as one ``scaled_dot_product_attention`` call over chunks of
+    consecutive rows (``ChunkLayout``, kept on ``packed_seq_params`` as ``hpa_chunks``): ``[t, heads, d]`` in
+    and out, no host read. Exact (every row sees its own keys only); costs ``t · c`` scores for chunks of
+    ``c`` tokens, where one mask over the whole pack would cost ``t^2``."""
+    layout = packed_seq_params.hpa_chunks
+
+    def chunked(x):  # [t, heads, d] -> [n, heads, c, d]
+        return x.transpose(0, 1)[None] if layout.whole else x[layout.index].transpose(1, 2)
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        chunked(query), chunked(key), chunked(value), attn_mask=layout.mask(), dropout_p=dropout, scale=scale,
+        enable_gqa=gqa)  # [n, heads, c, d]
+    if layout.whole:
+        return out[0].transpose(0, 1)
+    return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1])[layout.inverse]  # [t, heads, d]
 
 
 def varlen_causal_attention(query, key, value, packed_seq_params, *, scale: float):
