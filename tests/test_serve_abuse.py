@@ -1,4 +1,4 @@
-"""``hpa serve`` under abuse (issue 32): the real server on localhost, with an API key and small limits,
+"""``hpa serve`` under abuse: the real server on localhost, with an API key and small limits,
 talked to with the ``openai`` client and raw HTTP. Each case is bounded in count and time; the server
 must stay up and answer every error in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 The last tests send SIGTERM: the exit is bounded by ``serve.drain_timeout_s``, and a second signal stops

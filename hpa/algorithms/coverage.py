@@ -1,5 +1,5 @@
 """Coverage of the reward models' preference data: how far a sequence lies from the pairs the reward models
-were trained on, and how far to trust their score there (issue 33; off by default, not yet measured).
+were trained on, and how far to trust their score there (off by default, not yet measured).
 
 A reward model is validated only near its training data; far from it the learned reward extrapolates and a
 policy can exploit it. The distance is the k-nearest-neighbour cosine distance in the reward model's own

@@ -1,4 +1,4 @@
-"""CUDA-graph decode of the native engine (issue 30 item 6) against eager decode, on one CUDA GPU.
+"""CUDA-graph decode of the native engine against eager decode, on one CUDA GPU.
 
 NEVER RUN YET: written on a machine without a GPU. The static-shape step it captures runs on CPU in
 ``tests/rollout/test_static_decode.py`` (equal to eager decode there); this file checks what only a GPU

@@ -1,4 +1,4 @@
-"""Static-shape decode (issue 30 item 6): the step that the native engine captures in a CUDA graph on a GPU,
+"""Static-shape decode: the step that the native engine captures in a CUDA graph on a GPU,
 run eagerly on CPU, against today's eager decode.
 
 One TP1/PP1 spawn runs every generate call; the tests compare what it returned:
