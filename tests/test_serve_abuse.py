@@ -168,17 +168,23 @@ def test_config_keys_are_checked():
             load_config(None, [override])
 
 
+def _in_flight(pool, server, body, count=4):
+    """``count`` requests of ``body`` sent from ``pool``, returned once the server counts them all in flight."""
+    futures = [pool.submit(_post, server, body) for _ in range(count)]
+    deadline = time.monotonic() + 60
+    while server.metric("hpa_requests_in_flight") < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    return futures
+
+
 def test_sigterm_bounds_the_exit_by_the_drain_timeout(server):
     """``serve.drain_timeout_s=1`` with more work queued than a second holds: the engine stops between
     decode steps, the cut requests get 503 in the OpenAI shape, the process exits 0 soon after."""
     big = {"model": "tiny", "prompt": "add 1 2 =", "n": MAX_ROWS, "max_tokens": 40, "temperature": 1.0,
            "logprobs": 5}
     with ThreadPoolExecutor(4) as pool:
-        slow = [pool.submit(_post, server, big) for _ in range(4)]
-        deadline = time.monotonic() + 60
-        while server.metric("hpa_requests_in_flight") < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        slow = _in_flight(pool, server, big)
         server.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         answers = [f.result() for f in slow]
@@ -194,11 +200,7 @@ def test_a_second_signal_stops_at_once(demo):
     try:
         big = {"model": "tiny", "prompt": "add 1 2 =", "n": MAX_ROWS, "max_tokens": 40, "temperature": 1.0}
         with ThreadPoolExecutor(4) as pool:
-            slow = [pool.submit(_post, s, big) for _ in range(4)]
-            deadline = time.monotonic() + 60
-            while s.metric("hpa_requests_in_flight") < 4:
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
+            slow = _in_flight(pool, s, big)
             s.proc.send_signal(signal.SIGTERM)
             time.sleep(0.2)
             s.proc.send_signal(signal.SIGTERM)

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from hpa.engine.sequences import TrainingSequences, gather_positions  # noqa: F401 (built here, used by engines)
+from hpa.engine.sequences import TrainingSequences
 
 FINISH_STOP = "stop"  # EOS or a stop id was sampled (and is part of the response)
 FINISH_LENGTH = "length"  # max_new_tokens reached
