@@ -4,7 +4,7 @@ whose numbers feed the reward-hacking monitor (``hacking/*``)."""
 from __future__ import annotations
 
 import logging
-from typing import Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -58,15 +58,19 @@ class Evaluator:
     def load_state_dict(self, state: Dict) -> None:
         self.monitor.load_state_dict(state)
 
-    def evaluate(self, policy, reference, generate, step: int) -> Dict[str, float]:
+    def evaluate(self, policy, reference, generate, step: int,
+                 trust: Optional[Callable[[object], torch.Tensor]] = None) -> Dict[str, float]:
         """``eval/*`` of the held-out prompts and ``hacking/*`` of the adversarial set (alerts logged).
 
         Args:
             generate: ``(prompt_ids, SamplingParams) -> RolloutBatch`` on the policy's current weights.
+            trust: with the coverage trust on, its per-row weight of a ``RolloutBatch`` ``[b]``: the held-out
+                responses' mean trust is logged overall and per category (``eval/trust``, ``eval/trust/<c>``).
         """
         metrics: Dict[str, float] = {}
         if self.eval_prompts is not None:
-            held_out = self.evaluate_prompts(self.eval_prompts, policy, reference, generate, self.categories)
+            held_out = self.evaluate_prompts(self.eval_prompts, policy, reference, generate, self.categories,
+                                             trust=trust)
             metrics.update({f"eval/{k}": v for k, v in held_out.items()})
         if self.adversarial_prompts is not None:
             adv = self.evaluate_prompts(self.adversarial_prompts, policy, reference, generate)
@@ -79,13 +83,15 @@ class Evaluator:
         return metrics
 
     def evaluate_prompts(self, dataset: PromptDataset, policy, reference, generate,
-                         categories: Sequence[str] = ()) -> Dict[str, float]:
+                         categories: Sequence[str] = (),
+                         trust: Optional[Callable[[object], torch.Tensor]] = None) -> Dict[str, float]:
         """Greedy responses to ``dataset`` and their means over the whole set: the gold rule ``score``
         (``reward.rules``, exact match by default), the configured base ``reward`` (r̂: reward-model
         heads and rules), the ``model_reward`` (the reward models' heads alone, what a policy can
         exploit; r̂ without a reward model), the k1 ``kl`` to the reference per response token at
         temperature 1, the n-gram ``copy_rate`` and the ``response_length``; and ``score/<c>``, the gold
-        score of the prompts of each of ``categories`` (their ``category`` field)."""
+        score of the prompts of each of ``categories`` (their ``category`` field); with ``trust``, the responses'
+        mean coverage ``trust`` and ``trust/<c>`` per category."""
         g = self.groups
         mine = list(range(g.dp_rank, len(dataset), g.data_parallel_size))
         n = comm.all_reduce_max(torch.tensor([len(mine)]), g.dp_group).item()
@@ -104,19 +110,26 @@ class Evaluator:
                                    self.copy_ngram)  # [b]
             kl = response_kl(policy, reference, batch, g, micro_batch_size=self.micro_batch_size, packed=self.packed,
                              vocab_size=self.tokenizer.vocab_size).sum(dim=1)  # [b]
+            weight = trust(batch).cpu().float() if trust is not None else None  # [b]
         policy.train()
         lengths = batch.response_mask.float().sum(dim=1)  # [b]
         counted = len(set(mine))
         gold = gold.cpu().float()
         in_category = torch.tensor([[float(e.category == c) for e in examples] for c in categories]).reshape(
             len(categories), len(examples))  # [c, b]
+        trusted = weight if weight is not None else torch.zeros_like(lengths)  # [b]
         sums = torch.cat([torch.stack([gold, reward.cpu(), learned.cpu(), copy.cpu().float(), lengths, kl,
-                                       torch.ones_like(lengths)]), in_category * gold, in_category])
+                                       torch.ones_like(lengths), trusted]), in_category * gold, in_category,
+                          in_category * trusted])
         sums = sums[:, :counted].sum(dim=1).double()
         comm.all_reduce_sum(sums, g.dp_group)
-        score, reward_sum, learned_sum, copy_sum, tokens, kl_sum, rows, *per_category = sums.tolist()
+        score, reward_sum, learned_sum, copy_sum, tokens, kl_sum, rows, trust_sum, *per_category = sums.tolist()
         out = {"score": score / rows, "reward": reward_sum / rows, "model_reward": learned_sum / rows,
                "copy_rate": copy_sum / rows, "response_length": tokens / rows, "kl": kl_sum / max(tokens, 1.0)}
         n = len(categories)
-        out.update({f"score/{c}": s / max(k, 1.0) for c, s, k in zip(categories, per_category[:n], per_category[n:])})
+        counts = per_category[n:2 * n]
+        out.update({f"score/{c}": s / max(k, 1.0) for c, s, k in zip(categories, per_category[:n], counts)})
+        if weight is not None:
+            out["trust"] = trust_sum / rows
+            out.update({f"trust/{c}": s / max(k, 1.0) for c, s, k in zip(categories, per_category[2 * n:], counts)})
         return out

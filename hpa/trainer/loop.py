@@ -215,4 +215,6 @@ class HPATrainer:
 
     def evaluate(self) -> Dict[str, float]:
         p = self.parts
-        return p.evaluator.evaluate(p.policy.model, p.reference, self.generate, self.state.step)
+        coverage = self.controllers.parts().get("coverage")
+        return p.evaluator.evaluate(p.policy.model, p.reference, self.generate, self.state.step,
+                                    trust=coverage.trust if coverage is not None else None)

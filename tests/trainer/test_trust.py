@@ -100,12 +100,17 @@ def test_resumed_equals_uninterrupted_with_the_gate_and_balance_state(demo, ceil
 
 def test_the_coverage_trust_runs_and_logs_its_distribution_every_step(demo, ceiling_extra):
     """``algorithm.hpa.coverage.enabled`` on the reward-model run under DP2: calibrated once at start-up,
-    the trust distribution of the step's rollouts (gathered over DP) logged every step, and the
-    calibration constants saved in the checkpoint."""
+    the trust distribution of the step's rollouts (gathered over DP) logged every step, the held-out
+    responses' trust per category at every evaluation, and the calibration constants saved in the checkpoint."""
     run_dir = demo / "trust_coverage"
-    steps = [r for r in launch(demo, run_dir, 2, ceiling_extra + ["trainer.total_steps=3",
-                                                                    "algorithm.hpa.coverage.enabled=true"])
-             if r["step"] > 0]
+    records = launch(demo, run_dir, 2, ceiling_extra + ["trainer.total_steps=3", "algorithm.hpa.coverage.enabled=true"])
+    evals = [r for r in records if "eval/score" in r]
+    assert [r["step"] for r in evals] == [0, 2, 3]
+    for r in evals:  # 12 held-out prompts, 4 of each category, over 2 DP ranks
+        per_category = [r[f"eval/trust/{c}"] for c in ("add", "copy", "reverse")]
+        assert all(0 <= v <= 1 for v in per_category)
+        assert r["eval/trust"] == pytest.approx(sum(per_category) / 3, abs=1e-6)
+    steps = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3]
     low, high = steps[0]["coverage/low"], steps[0]["coverage/high"]
     assert 0 <= low < high

@@ -256,12 +256,16 @@ class CoverageTrust:
         logging.getLogger("hpa").info("coverage trust: %d pairs in the bank; trust 1 up to distance %.4f, 0 from "
                                       "%.4f", self.bank.shape[0], self.low, self.high)
 
+    def trust(self, batch) -> torch.Tensor:
+        """The trust of each row of a rollout batch (prompt + response) ``[b]``."""
+        embeddings = self.model_reward.sequence_embeddings(batch.response_ids, batch.response_mask,
+                                                           batch.prompt_ids, batch.prompt_mask)  # [b, h]
+        return coverage_trust(knn_distance(embeddings, self.bank, self.k), self.low, self.high)
+
     def update(self, s: StepSignals) -> Dict[str, float]:
         batch = s.batch
         with s.ctx.timer("coverage"):
-            embeddings = self.model_reward.sequence_embeddings(batch.response_ids, batch.response_mask,
-                                                               batch.prompt_ids, batch.prompt_mask)  # [b, h]
-            trust = coverage_trust(knn_distance(embeddings, self.bank, self.k), self.low, self.high)  # [b]
+            trust = self.trust(batch)  # [b]
         batch.set("learned_trust", trust)
         valid = batch.get("mask").sum(dim=1) > 0  # the rows that train (not dropped by the filter)
         trust = comm.all_gather_cat(trust.float(), self.dp_group)[comm.all_gather_cat(valid.float(), self.dp_group) > 0]
