@@ -20,12 +20,13 @@ above 0).
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 
-def knn_distance(queries: torch.Tensor, bank: torch.Tensor, k: int, *, chunk_size: int = 4096) -> torch.Tensor:
+def knn_distance(queries: torch.Tensor, bank: torch.Tensor, k: int, *, chunk_size: int = 4096,
+                 center: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The mean cosine distance of each query to its ``k`` nearest rows of ``bank``.
 
     Both sides are L2-normalised, so the distance ``1 - cos`` lies in [0, 2]. The bank is read in chunks
@@ -36,6 +37,9 @@ def knn_distance(queries: torch.Tensor, bank: torch.Tensor, k: int, *, chunk_siz
         bank: embeddings of the covered data. # [m, h]
         k: neighbours averaged (``min(k, m)`` when the bank is smaller).
         chunk_size: bank rows per similarity matmul.
+        center: subtracted from both sides before the normalisation (the bank's mean, ``bank_center``):
+            a transformer's pooled states share one large common direction, which on its own makes every
+            cosine distance tiny; removed, the distances spread. # [h]
 
     Returns:
         the mean distance to the k nearest bank rows. # [n]
@@ -49,12 +53,26 @@ def knn_distance(queries: torch.Tensor, bank: torch.Tensor, k: int, *, chunk_siz
         raise ValueError(f"k and chunk_size must be >= 1, got k={k}, chunk_size={chunk_size}")
     k = min(k, bank.shape[0])
     with torch.no_grad():
-        q = torch.nn.functional.normalize(queries.float(), dim=1)  # [n, h]
+        shift = center.float().to(queries.device) if center is not None else 0.0
+        q = torch.nn.functional.normalize(queries.float() - shift, dim=1)  # [n, h]
         best = q.new_full((q.shape[0], 0), -2.0)  # the k highest similarities so far [n, <=k]
         for start in range(0, bank.shape[0], chunk_size):
-            b = torch.nn.functional.normalize(bank[start:start + chunk_size].float().to(q.device), dim=1)
+            b = torch.nn.functional.normalize(bank[start:start + chunk_size].float().to(q.device) - shift, dim=1)
             best = torch.cat([best, q @ b.T], dim=1).topk(min(k, best.shape[1] + b.shape[0]), dim=1).values
         return 1.0 - best.mean(dim=1)
+
+
+def bank_center(bank: torch.Tensor) -> torch.Tensor:
+    """The mean row of the bank, the ``center`` of ``knn_distance``. # [m, h] -> [h]"""
+    return bank.float().mean(dim=0)
+
+
+def unique_rows(rows: Sequence[Sequence[int]]) -> Tuple[List[List[int]], torch.Tensor]:
+    """The distinct token sequences of ``rows`` in first-seen order and, for each row, the index of its
+    sequence there (``[n]``, long): a prompt is embedded and scored once however many rows share it."""
+    index: Dict[Tuple[int, ...], int] = {}
+    where = [index.setdefault(tuple(r), len(index)) for r in rows]
+    return [list(r) for r in index], torch.tensor(where, dtype=torch.long)
 
 
 def calibrate(heldout_distances: torch.Tensor, *, low_quantile: float = 0.5, high_quantile: float = 0.95,

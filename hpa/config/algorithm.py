@@ -306,32 +306,42 @@ class BalanceConfig:
         check_range("measure_steps", self.measure_steps, low=1)
 
 
+COVERAGE_SPACES = ("prompt", "sequence")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CoverageConfig:
     """Per-row trust of the learned reward from the coverage of its preference data
     (``hpa.algorithms.coverage``): the learned component of each rollout's advantage is weighted by how
-    close the rollout (prompt + response, in the first reward model's pooled embedding space) lies to the
-    chosen sequences of ``data.preference_path`` (the pairs the reward models were trained on), calibrated
-    on ``data.heldout_preference_path``. Off by default: no ablation has measured it yet. Needs
-    per-component advantages, ``reward.model_paths`` and the held-out pairs.
+    close its prompt (in the first reward model's pooled embedding space) lies to the prompts of
+    ``data.preference_path`` (the pairs the reward models were trained on), calibrated on
+    ``data.heldout_preference_path``. Needs per-component advantages, ``reward.model_paths`` and the
+    held-out pairs.
 
     Attributes:
         enabled: weight the learned component per row by its coverage trust.
+        space: ``prompt`` (each prompt alone against every pair's prompt: one trust per prompt, the same
+            for every response to it, as a rule abstains per prompt; it separates the uncovered kind of the
+            hackable demo tasks best, docs/objective.md) or ``sequence`` (prompt + response against the
+            pairs' chosen sequences).
         k: neighbours whose mean cosine distance is a row's distance.
         low_quantile: trust is 1 up to this quantile of the held-out pairs' distances (0.5: a rollout as
             close to the data as a typical held-out pair keeps its full learned advantage).
         high_quantile: with ``margin``, where trust reaches 0.
-        margin: trust is 0 from ``high_quantile`` of the held-out distances times this (>= 1; 1.5 keeps
-            the held-out tail above 0).
+        margin: trust is 0 from ``high_quantile`` of the held-out distances times this (>= 1; 2.0: twice
+            as far as all but 5 % of the held-out prompts; measured, docs/objective.md).
     """
 
     enabled: bool = False
+    space: str = "prompt"
     k: int = 5
     low_quantile: float = 0.5
     high_quantile: float = 0.95
-    margin: float = 1.5
+    margin: float = 2.0
 
     def __post_init__(self):
+        if self.space not in COVERAGE_SPACES:
+            raise ConfigError("space", f"must be one of {list(COVERAGE_SPACES)}, got {self.space!r}")
         check_range("k", self.k, low=1)
         check_range("low_quantile", self.low_quantile, low=0.0, high=1.0)
         check_range("high_quantile", self.high_quantile, low=0.0, high=1.0)

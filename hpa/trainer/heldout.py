@@ -5,7 +5,7 @@ embeddings of the chosen sequences of a pair set (the coverage trust's bank and 
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -71,4 +71,19 @@ def chosen_embeddings(model_reward, examples, *, pad_id: int, micro_batch_size: 
         out.append(model_reward.sequence_embeddings(response_ids, response_mask, prompt_ids, prompt_mask))
     if not out:
         raise ValueError("the coverage trust needs preference pairs to embed; the pair file has none")
+    return torch.cat(out)
+
+
+def prompt_embeddings(model_reward, prompts: Sequence[Sequence[int]], *, pad_id: int,
+                      micro_batch_size: int = 64) -> torch.Tensor:
+    """The first reward model's pooled embedding of each prompt alone (its real tokens, no response),
+    ``[n, h]``: the coverage trust's ``prompt`` space."""
+    from hpa.data.collate import pad_right
+
+    out: List[torch.Tensor] = []
+    for start in range(0, len(prompts), micro_batch_size):
+        ids, mask = pad_right([list(p) for p in prompts[start:start + micro_batch_size]], pad_id)
+        out.append(model_reward.sequence_embeddings(ids, mask))
+    if not out:
+        raise ValueError("the coverage trust needs prompts to embed; the pair file has none")
     return torch.cat(out)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hpa.algorithms.coverage import calibrate, coverage_trust, knn_distance, trust_metrics
+from hpa.algorithms.coverage import bank_center, calibrate, coverage_trust, knn_distance, trust_metrics, unique_rows
 
 
 def _unit(*rows):
@@ -81,3 +81,29 @@ def test_trust_metrics():
     assert m["coverage/trust_mean"] == pytest.approx(0.5)
     assert m["coverage/far_share"] == pytest.approx(0.4)
     assert m["coverage/trust_p10"] == 0.0 and m["coverage/trust_p90"] == 1.0
+
+
+def test_centering_on_the_bank_spreads_distances_a_common_direction_hides():
+    """Pooled states share one large common direction: raw, a query off the bank's two clusters is only
+    ~1e-3 away in cosine; centred on the bank's mean it is ~1 away, while a query in a cluster stays near.
+    Centering equals subtracting the mean by hand."""
+    g = torch.Generator().manual_seed(2)
+    e = torch.eye(8)
+    common = 50.0 * e[0]
+    bank = common + torch.cat([e[1].expand(150, 8), e[2].expand(150, 8)]) + 0.05 * torch.randn(300, 8, generator=g)
+    queries = torch.stack([common + e[1], common + e[3]])  # in the first cluster; off both
+    raw = knn_distance(queries, bank, 5)
+    assert raw[1] < 2e-3  # hidden by the common direction
+    c = bank_center(bank)
+    torch.testing.assert_close(c, bank.mean(dim=0))
+    centred = knn_distance(queries, bank, 5, center=c)
+    torch.testing.assert_close(centred, knn_distance(queries - c, bank - c, 5), atol=1e-6, rtol=0)
+    assert centred[0] < 0.05 and centred[1] > 0.7
+
+
+def test_unique_rows_keeps_first_seen_order_and_maps_every_row_back():
+    rows = [[3, 4], [1], [3, 4], [], [1], [3, 5]]
+    distinct, where = unique_rows(rows)
+    assert distinct == [[3, 4], [1], [], [3, 5]]
+    assert where.tolist() == [0, 1, 0, 2, 1, 3]
+    assert [distinct[i] for i in where.tolist()] == rows

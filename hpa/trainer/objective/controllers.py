@@ -39,7 +39,7 @@ import math
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Protocol
 
 
-from hpa.algorithms.coverage import calibrate, coverage_trust, knn_distance, trust_metrics
+from hpa.algorithms.coverage import bank_center, calibrate, coverage_trust, knn_distance, trust_metrics, unique_rows
 from hpa.algorithms.gate import TrustGate
 from hpa.algorithms.kl import kl_penalty, make_kl_controller
 from hpa.algorithms.masked import masked_mean
@@ -234,33 +234,49 @@ class CoverageTrust:
     """The coverage trust (``algorithm.hpa.coverage``, ``hpa.algorithms.coverage``): each rollout row's
     weight of the learned advantage component, written to the batch as ``learned_trust`` ``[b]``.
 
-    At start-up the bank is the first reward model's embeddings of the chosen sequences of
-    ``data.preference_path`` (the pairs the reward models were trained on), and the held-out pairs'
-    distances to it give the trust ramp's ``low`` and ``high``. The bank is recomputed at every start
-    (frozen reward model, fixed file: the same rows; too large for the run state); the two constants are
-    saved, and a restore keeps the saved ones, so a resumed run is the uninterrupted one even where a
-    new layout rounds the start-up forwards differently. Costs one forward of the first reward model per
-    step over the rollouts (prompt + response) and, once, over both pair files.
+    At start-up the bank is the first reward model's embeddings of ``data.preference_path`` (the pairs the
+    reward models were trained on): of each pair's prompt (``space: prompt``) or chosen sequence
+    (``space: sequence``), centred on the bank's mean; the held-out pairs' distances to it give the trust
+    ramp's ``low`` and ``high``. The bank is recomputed at every start (frozen reward model, fixed file:
+    the same rows; too large for the run state); the two constants are saved, and a restore keeps the
+    saved ones, so a resumed run is the uninterrupted one even where a new layout rounds the start-up
+    forwards differently. Costs one forward of the first reward model per step over the step's distinct
+    prompts (or its rollouts) and, once, over both pair files.
     """
 
     name, observes = "coverage", "rollouts"
 
     def __init__(self, cfg, parts, ctx):
         c = cfg.algorithm.hpa.coverage
-        self.k, self.model_reward, self.dp_group = c.k, parts.model_reward, ctx.groups.dp_group
-        self.bank = heldout.chosen_embeddings(parts.model_reward, parts.pairs, pad_id=ctx.pad_id)  # [m, h]
-        held = knn_distance(heldout.chosen_embeddings(parts.model_reward, parts.heldout_pairs, pad_id=ctx.pad_id),
-                            self.bank, self.k)  # [n]
+        self.k, self.space, self.model_reward, self.pad_id = c.k, c.space, parts.model_reward, ctx.pad_id
+        self.dp_group = ctx.groups.dp_group
+        self.bank = self._embed_pairs(parts.pairs)  # [m, h]
+        self.center = bank_center(self.bank)  # [h]
+        held = knn_distance(self._embed_pairs(parts.heldout_pairs), self.bank, self.k, center=self.center)  # [n]
         self.low, self.high = calibrate(held, low_quantile=c.low_quantile, high_quantile=c.high_quantile,
                                         margin=c.margin)
-        logging.getLogger("hpa").info("coverage trust: %d pairs in the bank; trust 1 up to distance %.4f, 0 from "
-                                      "%.4f", self.bank.shape[0], self.low, self.high)
+        logging.getLogger("hpa").info("coverage trust (%s space): %d rows in the bank; trust 1 up to distance "
+                                      "%.4g, 0 from %.4g", self.space, self.bank.shape[0], self.low, self.high)
+
+    def _embed_pairs(self, examples) -> torch.Tensor:
+        if self.space == "prompt":  # every pair's prompt (a prompt with more pairs weighs more), each embedded once
+            prompts, where = unique_rows([e.prompt_ids for e in examples])
+            return heldout.prompt_embeddings(self.model_reward, prompts, pad_id=self.pad_id)[where]
+        return heldout.chosen_embeddings(self.model_reward, examples, pad_id=self.pad_id)
 
     def trust(self, batch) -> torch.Tensor:
-        """The trust of each row of a rollout batch (prompt + response) ``[b]``."""
-        embeddings = self.model_reward.sequence_embeddings(batch.response_ids, batch.response_mask,
-                                                           batch.prompt_ids, batch.prompt_mask)  # [b, h]
-        return coverage_trust(knn_distance(embeddings, self.bank, self.k), self.low, self.high)
+        """The trust of each row of a rollout batch ``[b]``: of its prompt (``space: prompt``, each distinct
+        prompt embedded once) or of its prompt + response (``space: sequence``)."""
+        if self.space == "prompt":
+            rows = [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids.cpu(), batch.prompt_mask.cpu())]
+            prompts, where = unique_rows(rows)
+            embeddings = heldout.prompt_embeddings(self.model_reward, prompts, pad_id=self.pad_id)  # [u, h]
+        else:
+            embeddings = self.model_reward.sequence_embeddings(batch.response_ids, batch.response_mask,
+                                                               batch.prompt_ids, batch.prompt_mask)  # [b, h]
+            where = torch.arange(embeddings.shape[0])
+        trust = coverage_trust(knn_distance(embeddings, self.bank, self.k, center=self.center), self.low, self.high)
+        return trust[where].to(batch.response_ids.device)
 
     def update(self, s: StepSignals) -> Dict[str, float]:
         batch = s.batch
