@@ -14,6 +14,16 @@ read on held-out preference pairs (never trained on). Two signals (``algorithm.h
 
       e_t = (R_t - ceiling) / margin - slack      (R_t: the learned reward's EMA over the steps)
 
+- ``sampled_ceiling``: the same constraint with the ceiling moved onto the rollouts' scale. The ceiling
+  is a score of chosen responses, the kind a policy gives greedily; the rollouts are sampled (temperature,
+  top-p), and sampled responses score lower than greedy ones of the same policy, so a policy whose greedy
+  answers are already above the ceiling can keep its sampled rollouts below it for a whole run (measured
+  on re-drawn hackable tasks: the gate never closed). At start-up the reward models score the start
+  policy's greedy responses and its sampled ones (``rollout.*``, ``rollout.n`` per prompt) on the held-out
+  pairs' prompts, and the ceiling is lowered by the difference (the offset, ``gate/offset``):
+
+      e_t = (R_t - (ceiling - offset)) / margin - slack
+
 - ``heldout_nll``: the policy's per-token NLL of the held-out chosen responses against its best value
   so far, counted only while the learned reward rises:
 
@@ -64,6 +74,7 @@ class TrustGate:
         self.signal, self.slack, self.kp, self.ki, self.reward_ema = signal, slack, kp, ki, reward_ema
         self.ceiling: Optional[float] = None  # reward_ceiling: the held-out chosen responses' learned reward
         self.margin: Optional[float] = None  # and the mean chosen - rejected margin there (the unit)
+        self.offset = 0.0  # sampled_ceiling: the start policy's greedy - sampled learned reward (lowers the ceiling)
         self.best: Optional[float] = None  # the lowest held-out NLL seen
         self.reward_at_best: Optional[float] = None  # the learned-reward EMA when it was seen
         self.reward: Optional[float] = None  # the learned-reward EMA
@@ -75,13 +86,15 @@ class TrustGate:
         """The weight of the learned component, ``1/(1+λ)``."""
         return 1.0 / (1.0 + self.lam)
 
-    def set_ceiling(self, chosen_reward: float, margin: float) -> None:
+    def set_ceiling(self, chosen_reward: float, margin: float, offset: float = 0.0) -> None:
         """reward_ceiling: the learned reward of the held-out chosen responses (mean) and the mean margin
         over the rejected ones. A margin <= 0 (the reward models do not rank the held-out pairs) makes
-        any reward above the ceiling a full violation: the unit falls back to 1e-3."""
-        if not (math.isfinite(chosen_reward) and math.isfinite(margin)):
-            raise ValueError(f"the held-out ceiling must be finite, got reward {chosen_reward}, margin {margin}")
-        self.ceiling, self.margin = float(chosen_reward), float(margin)
+        any reward above the ceiling a full violation: the unit falls back to 1e-3. sampled_ceiling: the
+        ``offset`` (greedy - sampled) lowers the ceiling."""
+        if not (math.isfinite(chosen_reward) and math.isfinite(margin) and math.isfinite(offset)):
+            raise ValueError(f"the held-out ceiling must be finite, got reward {chosen_reward}, margin {margin}, "
+                             f"offset {offset}")
+        self.ceiling, self.margin, self.offset = float(chosen_reward) - float(offset), float(margin), float(offset)
 
     def update(self, nll: Optional[float], learned_reward: float) -> Dict[str, float]:
         """One step: the held-out NLL of the current policy (heldout_nll; None for reward_ceiling) and the
@@ -126,7 +139,8 @@ class TrustGate:
             excess = (self.reward - self.ceiling) / max(self.margin, 1e-3)
             error = excess - self.slack
             self._control(error)
-        return {"gate/ceiling": self.ceiling, "gate/margin": self.margin, "gate/excess": excess,
+        return {"gate/ceiling": self.ceiling, "gate/margin": self.margin, "gate/offset": self.offset,
+                "gate/excess": excess,
                 "gate/error": error, "gate/integral": self.integral, "gate/lambda": self.lam, "gate/gate": self.gate,
                 "gate/reward_ema": self.reward if self.reward is not None else float("nan")}
 
@@ -138,15 +152,18 @@ class TrustGate:
 
     def state_dict(self) -> Dict[str, Optional[float]]:
         return {"best": self.best, "reward_at_best": self.reward_at_best, "reward": self.reward,
-                "integral": self.integral, "lam": self.lam, "ceiling": self.ceiling, "margin": self.margin}
+                "integral": self.integral, "lam": self.lam, "ceiling": self.ceiling, "margin": self.margin,
+                "offset": self.offset}
 
     def load_state_dict(self, state: Dict[str, Optional[float]]) -> None:
         self.best, self.reward_at_best, self.reward = state["best"], state["reward_at_best"], state["reward"]
         self.integral, self.lam = state["integral"], state["lam"]
         self.ceiling, self.margin = state.get("ceiling", self.ceiling), state.get("margin", self.margin)
+        self.offset = state.get("offset", self.offset)
 
 
 # each signal's update (the names are ``algorithm.hpa.gate.signal``'s)
 _UPDATES = {"heldout_nll": lambda gate, nll, reward: gate._update_nll(nll, reward),
-            "reward_ceiling": lambda gate, nll, reward: gate._update_ceiling(reward)}
+            "reward_ceiling": lambda gate, nll, reward: gate._update_ceiling(reward),
+            "sampled_ceiling": lambda gate, nll, reward: gate._update_ceiling(reward)}
 GATE_SIGNALS = tuple(sorted(_UPDATES))

@@ -30,8 +30,8 @@ DPO_LOSS_NAMES = ("hinge", "ipo", "robust", "sigmoid")
 SCHEDULE_NAMES = ("constant", "cosine", "linear", "piecewise", "warmup_constant")
 SEMANTIC_DISTANCE_NAMES = ("cosine", "mse")
 ROLLOUT_FILTER_NAMES = ("dapo_groups", "none", "reward_above_mean_std")
-GATE_SIGNALS = ("heldout_nll", "reward_ceiling")  # hpa.algorithms.gate.GATE_SIGNALS
-GATE_SIGNALS_ON_REWARD_MODELS = ("reward_ceiling",)  # the signals the reward models compute
+GATE_SIGNALS = ("heldout_nll", "reward_ceiling", "sampled_ceiling")  # hpa.algorithms.gate.GATE_SIGNALS
+GATE_SIGNALS_ON_REWARD_MODELS = ("reward_ceiling", "sampled_ceiling")  # the signals the reward models compute
 ROLLOUT_FILTER_SCOPES = ("batch", "group")
 ROLLOUT_FILTER_METRICS = ("raw", "shaped")
 # estimators that whiten advantages over a rank's own rows: a rank whose rows are all filtered out has none
@@ -262,9 +262,11 @@ class TrustGateConfig:
             ``data.heldout_preference_path`` is set; true requires both; false is off.
         signal: reward_ceiling (default): λ rises while the learned reward of the rollouts (EMA) is above
             the reward models' mean score of the held-out chosen responses, in units of their mean
-            chosen - rejected margin; heldout_nll: λ rises while the policy's per-token NLL of the held-out
+            chosen - rejected margin; sampled_ceiling: the same, the ceiling lowered by the start policy's
+            greedy - sampled learned reward on the held-out prompts (the rollouts are sampled, the chosen
+            responses are not; ``hpa.algorithms.gate``); heldout_nll: λ rises while the policy's per-token NLL of the held-out
             chosen responses regresses beyond its best while the learned reward rises.
-        slack: violation that costs nothing: margins above the ceiling (reward_ceiling) or relative
+        slack: violation that costs nothing: margins above the ceiling (the two ceilings) or relative
             regression of the NLL (heldout_nll; 0.02 = 2 %).
         kp: proportional gain (λ per unit of violation beyond the slack).
         ki: integral gain (λ per unit of accumulated violation, one unit per step).

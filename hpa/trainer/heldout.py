@@ -58,6 +58,37 @@ def heldout_reward_ceiling(model_reward, examples, *, pad_id: int, micro_batch_s
     return float(torch.cat(chosen).mean()), float(torch.cat(margin).mean())
 
 
+def greedy_and_sampled_reward(parts, ctx) -> Tuple[float, float]:
+    """The reward models' mean score of the policy's greedy responses and of its sampled ones
+    (``rollout.*``: temperature, top-p, ``rollout.n`` per prompt) to the held-out pairs' distinct prompts:
+    the ``sampled_ceiling`` gate's offset is their difference. The prompts are sharded over DP (each rank
+    samples with its own seed) and the sums reduced, so every rank returns the same two numbers."""
+    from hpa.algorithms.coverage import unique_rows
+    from hpa.rollout.base import SamplingParams
+    from hpa.trainer.rollout_step import generate
+
+    g, rollout = ctx.groups, ctx.cfg.rollout
+    prompts, _ = unique_rows([e.prompt_ids for e in parts.heldout_pairs or ()])
+    if not prompts:
+        raise ValueError("the sampled_ceiling gate needs held-out preference pairs; data.heldout_preference_path "
+                         "has none")
+    per_rank = -(-len(prompts) // g.data_parallel_size)
+    mine = prompts[g.dp_rank::g.data_parallel_size]
+    counted = len(mine)
+    mine = (mine + prompts[:1] * per_rank)[:per_rank]  # equal work on every DP rank (the repeats not counted)
+    sums = torch.zeros(4, dtype=torch.float64)  # greedy sum, greedy rows, sampled sum, sampled rows
+    for i, params in enumerate((SamplingParams.from_config(rollout, n=1, temperature=0.0),
+                                SamplingParams.from_config(rollout, seed=rollout.seed + 7_919 + g.dp_rank))):
+        batch = generate(parts, ctx, mine, params)
+        with torch.no_grad():
+            scores = parts.model_reward(RewardInputs.from_batch(batch, parts.tokenizer, [None] * batch.batch_size))
+        counts = (batch.group_ids < counted).double()  # [rows]: rows of the counted prompts
+        sums[2 * i] += (scores.rewards.double().mean(dim=1).cpu() * counts.cpu()).sum()
+        sums[2 * i + 1] += counts.sum().cpu()
+    comm.all_reduce_sum(sums, g.dp_group)
+    return float(sums[0] / sums[1]), float(sums[2] / sums[3])
+
+
 def chosen_embeddings(model_reward, examples, *, pad_id: int, micro_batch_size: int = 64) -> torch.Tensor:
     """The first reward model's pooled embedding of each pair's chosen sequence (prompt + chosen response),
     ``[n, h]``. Every rank scores every pair (the reward models' contract), once per run."""

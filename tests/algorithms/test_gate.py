@@ -124,3 +124,21 @@ def test_gate_signals_match_the_config():
     from hpa.config.algorithm import GATE_SIGNALS as CONFIG_SIGNALS
 
     assert GATE_SIGNALS == CONFIG_SIGNALS
+
+
+def test_sampled_ceiling_lowers_the_ceiling_by_the_offset_and_closes_where_the_plain_one_stays_open():
+    """Greedy answers of the start policy score 0.2 above its sampled ones: rollouts at 0.4 are below the
+    plain ceiling (0.5) but 0.1 above it on the rollouts' scale (0.3): 0.4 margins, 0.38 beyond the slack."""
+    plain, sampled = ceiling_gate(), TrustGate(signal="sampled_ceiling", slack=0.02, kp=10.0, ki=1.0, reward_ema=0.0)
+    sampled.set_ceiling(0.5, 0.25, offset=0.2)
+    assert plain.update(None, 0.4)["gate/gate"] == 1.0
+    m = sampled.update(None, 0.4)
+    assert m["gate/ceiling"] == pytest.approx(0.3) and m["gate/offset"] == pytest.approx(0.2)
+    assert m["gate/excess"] == pytest.approx(0.4)
+    assert m["gate/lambda"] == pytest.approx(10 * 0.38 + 0.38) and m["gate/gate"] == pytest.approx(1 / 5.18)
+    # the offset is saved and restored with the ceiling
+    other = TrustGate(signal="sampled_ceiling", slack=0.02, kp=10.0, ki=1.0, reward_ema=0.0)
+    other.load_state_dict(sampled.state_dict())
+    assert other.offset == pytest.approx(0.2) and other.update(None, 0.35) == sampled.update(None, 0.35)
+    with pytest.raises(ValueError, match="finite"):
+        sampled.set_ceiling(0.5, 0.25, offset=float("nan"))

@@ -171,27 +171,38 @@ def test_heldout_reward_ceiling_is_the_chosen_mean_and_the_margin_over_the_rejec
 
 class _ScriptedEmbedder:
     """A reward model's pooled embedding, scripted: the one-hot of the prompt's last token plus 0.05 x the
-    response length on the last axis (prompts are left-padded, so the last token is real)."""
+    response length on the last axis (prompts are left-padded, so the last token is real); a prompt alone
+    (right-padded, no response: the prompt space) gives the one-hot of its last token plus 0.05 x its length."""
 
-    def sequence_embeddings(self, response_ids, response_mask, prompt_ids, prompt_mask):
+    def sequence_embeddings(self, response_ids, response_mask, prompt_ids=None, prompt_mask=None):
+        if prompt_ids is None:
+            lengths = response_mask.sum(1)
+            e = torch.nn.functional.one_hot(response_ids.gather(1, (lengths - 1)[:, None])[:, 0], 8).float()
+            e[:, 7] += 0.05 * lengths.float()
+            return e
         e = torch.nn.functional.one_hot(prompt_ids[:, -1], 8).float()
         e[:, 7] += 0.05 * response_mask.sum(1).float()
         return e
 
 
-def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_the_rule():
-    """The coverage controller on scripted embeddings: the bank and the held-out pairs ask about prompt 1;
-    rollouts on prompt 1 keep their learned advantage, rollouts on prompt 3 (orthogonal: no pair covers
-    it) get none of it, and the rule part of every row is the same as without the option."""
+@pytest.mark.parametrize("space", ["prompt", "sequence"])
+def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_the_rule(space):
+    """The coverage controller on scripted embeddings, in both spaces: the pairs and the held-out pairs ask
+    about prompts ending in 1 or 2; rollouts on prompt 1 keep their learned advantage, rollouts on prompt 3
+    (orthogonal: no pair covers it) get none of it, and the rule part of every row is the same as without
+    the option."""
     from hpa.data.preferences import PreferenceExample
     from hpa.trainer.objective.controllers import CoverageTrust, StepSignals
 
     overrides = ("algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
                  "algorithm.kl.use_kl_in_reward=false", "reward.rule_weight=1.0", "reward.model_paths=[rm]",
-                 "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.enabled=true")
+                 "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.enabled=true",
+                 f"algorithm.hpa.coverage.space={space}", "algorithm.hpa.coverage.k=2")
     ctx = _ctx(*overrides)
-    pairs = [PreferenceExample(prompt_ids=[1], chosen_ids=[7] * n, rejected_ids=[9]) for n in range(1, 7)]
-    heldout_pairs = [PreferenceExample(prompt_ids=[2, 1], chosen_ids=[7] * n, rejected_ids=[9]) for n in (2, 3, 4, 5)]
+    prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
+    pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
+    heldout_pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
+                     for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
     parts = types.SimpleNamespace(model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout_pairs)
     coverage = CoverageTrust(ctx.cfg, parts, ctx)
     assert 0 <= coverage.low < coverage.high

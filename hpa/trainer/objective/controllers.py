@@ -38,6 +38,7 @@ import logging
 import math
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Protocol
 
+import torch
 
 from hpa.algorithms.coverage import bank_center, calibrate, coverage_trust, knn_distance, trust_metrics, unique_rows
 from hpa.algorithms.gate import TrustGate
@@ -131,6 +132,16 @@ def _set_ceiling(gate: TrustGate, parts, ctx) -> None:
                                   gate.ceiling, gate.margin)
 
 
+def _set_sampled_ceiling(gate: TrustGate, parts, ctx) -> None:
+    chosen, margin = heldout.heldout_reward_ceiling(parts.model_reward, parts.heldout_pairs, pad_id=ctx.pad_id)
+    greedy, sampled = heldout.greedy_and_sampled_reward(parts, ctx)
+    gate.set_ceiling(chosen, margin, offset=greedy - sampled)
+    logging.getLogger("hpa").info("trust gate: the held-out chosen responses' learned reward is %.4f, margin %.4f; "
+                                  "the start policy's greedy responses score %.4f, its sampled ones %.4f: the "
+                                  "ceiling on the rollouts' scale is %.4f", chosen, margin, greedy, sampled,
+                                  gate.ceiling)
+
+
 def _heldout_nll(s: StepSignals) -> float:
     with s.ctx.timer("gate"):
         return heldout.heldout_nll(s.parts.policy.model, s.parts.heldout_pairs, s.ctx)
@@ -138,6 +149,7 @@ def _heldout_nll(s: StepSignals) -> float:
 
 GATE_SIGNAL_INPUTS: Dict[str, GateSignal] = {
     "reward_ceiling": GateSignal(start=_set_ceiling, measure=lambda s: None),
+    "sampled_ceiling": GateSignal(start=_set_sampled_ceiling, measure=lambda s: None),
     "heldout_nll": GateSignal(start=lambda gate, parts, ctx: None, measure=_heldout_nll),
 }
 
