@@ -120,3 +120,21 @@ def test_the_coverage_trust_runs_and_logs_its_distribution_every_step(demo, ceil
         assert r["coverage/trust_p10"] <= r["coverage/trust_p90"] <= 1 and 0 <= r["coverage/far_share"] <= 1
     state = torch.load(run_dir / "checkpoints" / "step_00000003" / "trainer_state.pt", weights_only=False)
     assert state["coverage"] == {"low": low, "high": high}
+
+
+def test_the_sampled_ceiling_gate_moves_the_ceiling_by_the_start_policys_greedy_minus_sampled_reward(
+        demo, ceiling_extra, ceiling_run):
+    """``gate.signal=sampled_ceiling`` under DP2: the same held-out ceiling as ``reward_ceiling`` lowered by
+    the offset measured once at start-up (every rank the same: one gate), the offset in the checkpoint."""
+    run_dir = demo / "trust_sampled_ceiling"
+    steps = [r for r in launch(demo, run_dir, 2, ceiling_extra + ["trainer.total_steps=2",
+                                                                    "algorithm.hpa.gate.signal=sampled_ceiling"])
+             if r["step"] > 0]
+    offset, plain = steps[0]["gate/offset"], ceiling_run[1]["gate/ceiling"]
+    assert math.isfinite(offset) and offset != 0
+    for r in steps:
+        assert r["gate/offset"] == offset and r["gate/margin"] == ceiling_run[1]["gate/margin"]
+        assert r["gate/ceiling"] == pytest.approx(plain - offset, rel=1e-9, abs=1e-12)
+        assert r["gate/excess"] == pytest.approx((r["gate/reward_ema"] - r["gate/ceiling"]) / max(r["gate/margin"], 1e-3))
+    state = torch.load(run_dir / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=False)
+    assert state["trust_gate"]["offset"] == pytest.approx(offset, rel=1e-12)
