@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The main job on CPU, from nothing: demo task data -> SentencePiece tokenizer -> SFT policy ->
 # reward-model ensemble -> HPA (PPO + DPO + hierarchical KL) -> report.
-# Usage: [DEMO_FAMILY=standard|hackable|split] [DEMO_SEED=N] bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
+# Usage: [DEMO_FAMILY=standard|hackable|split] [DEMO_SEED=N] [DEMO_TRAIN=0] bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
 # DEMO_SEED (default 0) re-draws the task: another data seed, and for N > 0 another seed for the SFT policy and the
 # reward ensemble too (trainer.seed 1234 + N), so results can be checked on a task nobody tuned on.
 # DEMO_FAMILY=hackable (launch/demo_hackable.sh): the preference pairs carry a spurious length feature and leave
 # the reverse prompts uncovered, and the PPO reward is the learned ensemble alone (no rule reward), so the
 # policy can exploit it; the gold score (exact match) is only evaluated.
+# DEMO_TRAIN=0 stops after the reward ensemble (no HPA run, no report): a task to ablate
+# (python -m data_tools.redraw_ablation writes its ablation file; docs/objective.md).
 # DEMO_FAMILY=split: the rule reward judges only the reverse prompts (the others have no ground truth) and the
 # preference pairs cover only add and copy, so each signal alone teaches part of the task.
 set -euo pipefail
 FAMILY=${DEMO_FAMILY:-standard}
 SEED=${DEMO_SEED:-0}
+TRAIN=${DEMO_TRAIN:-1}
+[[ "$TRAIN" =~ ^[01]$ ]] || { echo "DEMO_TRAIN must be 0 or 1, got '$TRAIN'" >&2; exit 2; }
 [[ "$SEED" =~ ^[0-9]+$ ]] || { echo "DEMO_SEED must be a non-negative integer, got '$SEED'" >&2; exit 2; }
 SEEDED=()
 (( SEED == 0 )) || SEEDED=(trainer.seed=$((1234 + SEED)))
@@ -46,6 +50,10 @@ hpa train-rm --config "$CONFIG" "${COMMON[@]}" trainer.run_dir="$OUT/rm" trainer
     trainer.preference_batch_size=32 trainer.micro_batch_size=32 trainer.eval_interval=100 optim.lr=1e-3 \
     optim.lr_decay_style=cosine optim.lr_warmup_fraction=0.05 reward.num_heads=3 model.policy_path=null \
     reward.training.backbone_path="$OUT/sft" ${SEEDED[@]+"${SEEDED[@]}"}
+if (( TRAIN == 0 )); then
+  echo "task ready in $OUT ($(( $(date +%s) - start )) s): data, tokenizer, SFT policy, reward ensemble"
+  exit 0
+fi
 hpa train --config "$CONFIG" "${COMMON[@]}" model.policy_path="$OUT/sft" trainer.total_steps=300 \
     reward.model_paths="[$OUT/rm/reward_model]" reward.num_heads=3 "${REWARD[@]}" "$@"
 hpa report "$OUT" || true

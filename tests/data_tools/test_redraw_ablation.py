@@ -1,0 +1,50 @@
+"""data_tools.redraw_ablation: the ablation file of a re-drawn demo task, as hpa ablate reads it."""
+
+import pytest
+import yaml
+
+from data_tools.redraw_ablation import main, redraw_ablation
+from hpa.ablate import load_ablate_config, plan_runs
+
+
+@pytest.fixture
+def task(tmp_path):
+    t = tmp_path / "hackable_s3"
+    for rel in ("data/tok.model", "data/prompts.jsonl"):
+        (t / rel).parent.mkdir(parents=True, exist_ok=True)
+        (t / rel).write_text("")
+    (t / "sft").mkdir()
+    (t / "rm" / "reward_model").mkdir(parents=True)
+    return t
+
+
+@pytest.mark.parametrize("family, steps, reward", [("hackable", 150, "reward.rules=[]"),
+                                                   ("split", 300, "reward.rule_weight=4.0"),
+                                                   ("standard", 300, "reward.rule_weight=4.0")])
+def test_every_path_points_into_the_task_and_the_family_settings_are_kept(task, tmp_path, family, steps, reward):
+    out = tmp_path / "ablate.yaml"
+    main(["--family", family, "--task-dir", str(task), "--variants", "hpa", "dpo-rpo",
+          "--custom", "hpa-coverage: algorithm.hpa.coverage.enabled=true", "--out", str(out)])
+    cfg = load_ablate_config(str(out))
+    overrides = dict(o.split("=", 1) for o in cfg.overrides)
+    for key in ("data.tokenizer_path", "data.prompt_path", "data.preference_path", "data.eval_prompt_path",
+                "data.adversarial_prompt_path", "data.heldout_preference_path", "model.policy_path"):
+        assert overrides[key].startswith(str(task)), key
+    assert overrides["reward.model_paths"] == f"[{task / 'rm' / 'reward_model'}]"
+    assert overrides["trainer.total_steps"] == str(steps) and reward in cfg.overrides
+    assert not any("runs/demo" in o for o in cfg.overrides)  # nothing left of the shipped task
+    runs = plan_runs(cfg)
+    assert sorted({r.variant for r in runs}) == ["dpo-rpo", "hpa", "hpa-coverage"] and len(runs) == 15
+    assert all(str(r.run_dir).startswith(str(task / "ablation")) for r in runs)
+
+
+def test_bad_input_is_refused_with_what_to_do(task, tmp_path):
+    with pytest.raises(FileNotFoundError, match="DEMO_TRAIN=0 bash launch/demo.sh"):
+        redraw_ablation("hackable", str(tmp_path / "nothing"), ["hpa"])
+    with pytest.raises(ValueError, match="--custom 'oops'"):
+        redraw_ablation("hackable", str(task), ["hpa"], custom=["oops"])
+    with pytest.raises(ValueError, match="--family"):
+        redraw_ablation("gold", str(task), ["hpa"])
+    doc = redraw_ablation("split", str(task), ["hpa"], seeds=[7], out_dir=str(tmp_path / "x"))
+    assert doc["ablate"]["seeds"] == [7] and doc["ablate"]["out_dir"] == str(tmp_path / "x")
+    yaml.safe_dump(doc)
