@@ -209,9 +209,12 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     rule, learned = [1.0, 0.0, 1.0, 0.0], [0.2, 0.9, 1.3, 0.1]
     batch = _component_batch(rule, learned, [0, 0, 1, 1])
     batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])
+    batch.set("raw_rewards", torch.tensor(rule) + torch.tensor(learned))
     metrics = coverage.update(StepSignals(batch=batch, ctx=ctx))
     trust = batch.get("learned_trust")
     assert trust[2:].tolist() == [0.0, 0.0] and bool((trust[:2] > 0.5).all()) and trust[0] == trust[1]
+    # the covered rows' learned reward (what the gate then reads): the two rows on prompt 1, equal trust
+    assert metrics["coverage/learned_reward"] == pytest.approx((0.2 + 0.9) / 2)
     assert metrics["coverage/trust_mean"] == pytest.approx(float(trust.mean()))
     assert metrics["coverage/far_share"] == pytest.approx(0.5) and metrics["coverage/trust_p10"] == 0.0
     phases.compute_advantages(batch, ctx, reward_kl_coef=0.0)

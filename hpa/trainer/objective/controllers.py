@@ -167,7 +167,10 @@ class TrustGateController:
         self.signal.start(self.gate, parts, ctx)
 
     def update(self, s: StepSignals) -> Dict[str, float]:
-        return self.gate.update(self.signal.measure(s), s.metrics["reward/learned_mean"])
+        # with the coverage trust on, the covered rows' learned reward (like with like: the ceiling is a score
+        # of covered responses); else every row's
+        learned = s.metrics.get("coverage/learned_reward", s.metrics["reward/learned_mean"])
+        return self.gate.update(self.signal.measure(s), learned)
 
     def factors(self) -> Dict[str, float]:
         return {"learned_advantage": self.gate.gate}
@@ -242,6 +245,21 @@ class BalanceController(GradientBalance):
         return {"pairs": self.factor}
 
 
+def covered_learned_reward(batch, dp_group) -> float:
+    """The learned part of the rollouts' reward (r̂ minus the rule) averaged with their coverage trust as
+    weights, over the rows that train and the DP ranks: what the trust gate compares with its ceiling when
+    the coverage trust is on (the ceiling is scored on held-out pairs, which are covered by construction;
+    a row the pairs do not cover trains no learned advantage and says nothing about the ceiling). NaN when
+    no row is covered."""
+    valid = batch.get("mask").sum(dim=1) > 0  # [b]
+    learned = torch.where(valid, batch.get("raw_rewards").double() - batch.get("rule_scores").double(),
+                          torch.zeros((), dtype=torch.float64))  # [b]
+    weight = batch.get("learned_trust").double() * valid.double()  # [b]
+    sums = torch.stack([(weight * learned).sum(), weight.sum()]).cpu()
+    comm.all_reduce_sum(sums, dp_group)
+    return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+
+
 class CoverageTrust:
     """The coverage trust (``algorithm.hpa.coverage``, ``hpa.algorithms.coverage``): each rollout row's
     weight of the learned advantage component, written to the batch as ``learned_trust`` ``[b]``.
@@ -300,7 +318,8 @@ class CoverageTrust:
         nan = float("nan")
         metrics = trust_metrics(trust) if trust.numel() else {
             f"coverage/{k}": nan for k in ("trust_mean", "trust_p10", "trust_p90", "far_share")}
-        return {**metrics, "coverage/low": self.low, "coverage/high": self.high}
+        return {**metrics, "coverage/low": self.low, "coverage/high": self.high,
+                "coverage/learned_reward": covered_learned_reward(batch, self.dp_group)}
 
     def factors(self) -> Dict[str, float]:
         return {}
@@ -331,9 +350,10 @@ def _gate_enabled(cfg) -> bool:
 
 CONTROLLERS: Dict[str, ControllerEntry] = {
     "kl_ctrl": ControllerEntry(KLCoefficient, lambda cfg: True),
+    # the coverage trust before the gate: the gate reads the covered rows' learned reward it publishes
+    "coverage": ControllerEntry(CoverageTrust, lambda cfg: cfg.algorithm.hpa.coverage.enabled),
     "trust_gate": ControllerEntry(TrustGateController, _gate_enabled),
     "balance": ControllerEntry(BalanceController, lambda cfg: cfg.algorithm.hpa.balance.enabled),
-    "coverage": ControllerEntry(CoverageTrust, lambda cfg: cfg.algorithm.hpa.coverage.enabled),
 }
 
 
@@ -352,8 +372,8 @@ class Controllers:
     def update(self, point: str, signals: StepSignals) -> Dict[str, float]:
         """Update the controllers that observe ``point``; their metrics."""
         metrics: Dict[str, float] = {}
-        for c in self.at(point):
-            metrics.update(c.update(signals))
+        for c in self.at(point):  # each sees the metrics of those before it
+            metrics.update(c.update(dataclasses.replace(signals, metrics={**signals.metrics, **metrics})))
         return metrics
 
     def factor(self, name: str) -> float:
