@@ -118,12 +118,13 @@ def test_the_coverage_trust_runs_and_logs_its_distribution_every_step(demo, ceil
         assert (r["coverage/low"], r["coverage/high"]) == (low, high)
         assert 0 <= r["coverage/trust_p10"] <= r["coverage/trust_mean"] <= 1
         assert r["coverage/trust_p10"] <= r["coverage/trust_p90"] <= 1 and 0 <= r["coverage/far_share"] <= 1
-    # the gate (on: ceiling_extra) reads the covered rows' learned reward, not every row's
-    ema = steps[0]["coverage/learned_reward"]
+    # the gate (on: ceiling_extra) reads every row's learned reward; the covered rows' is logged apart
+    ema = steps[0]["reward/learned_mean"]
     assert steps[0]["gate/reward_ema"] == pytest.approx(ema, rel=1e-9)
     for r in steps[1:]:
-        ema = 0.9 * ema + 0.1 * r["coverage/learned_reward"]
+        ema = 0.9 * ema + 0.1 * r["reward/learned_mean"]
         assert r["gate/reward_ema"] == pytest.approx(ema, rel=1e-9)
+        assert math.isfinite(r["coverage/learned_reward"]) or r["coverage/trust_mean"] == 0
     state = torch.load(run_dir / "checkpoints" / "step_00000003" / "trainer_state.pt", weights_only=False)
     assert state["coverage"] == {"low": low, "high": high}
 

@@ -167,10 +167,9 @@ class TrustGateController:
         self.signal.start(self.gate, parts, ctx)
 
     def update(self, s: StepSignals) -> Dict[str, float]:
-        # with the coverage trust on, the covered rows' learned reward (like with like: the ceiling is a score
-        # of covered responses); else every row's
-        learned = s.metrics.get("coverage/learned_reward", s.metrics["reward/learned_mean"])
-        return self.gate.update(self.signal.measure(s), learned)
+        # every row's learned reward, also with the coverage trust on: the covered rows' alone (the metric
+        # coverage/learned_reward) kept the gate open where it should close (docs/objective.md)
+        return self.gate.update(self.signal.measure(s), s.metrics["reward/learned_mean"])
 
     def factors(self) -> Dict[str, float]:
         return {"learned_advantage": self.gate.gate}
@@ -247,10 +246,9 @@ class BalanceController(GradientBalance):
 
 def covered_learned_reward(batch, dp_group) -> float:
     """The learned part of the rollouts' reward (r̂ minus the rule) averaged with their coverage trust as
-    weights, over the rows that train and the DP ranks: what the trust gate compares with its ceiling when
-    the coverage trust is on (the ceiling is scored on held-out pairs, which are covered by construction;
-    a row the pairs do not cover trains no learned advantage and says nothing about the ceiling). NaN when
-    no row is covered."""
+    weights, over the rows that train and the DP ranks (``coverage/learned_reward``, logged; NaN when no
+    row is covered). Not the gate's input: measured as one, it kept the gate open where every row's
+    learned reward closed it (docs/objective.md)."""
     valid = batch.get("mask").sum(dim=1) > 0  # [b]
     learned = torch.where(valid, batch.get("raw_rewards").double() - batch.get("rule_scores").double(),
                           torch.zeros((), dtype=torch.float64))  # [b]
@@ -350,7 +348,7 @@ def _gate_enabled(cfg) -> bool:
 
 CONTROLLERS: Dict[str, ControllerEntry] = {
     "kl_ctrl": ControllerEntry(KLCoefficient, lambda cfg: True),
-    # the coverage trust before the gate: the gate reads the covered rows' learned reward it publishes
+    # the coverage trust first: its metrics (coverage/learned_reward) are there for the controllers after it
     "coverage": ControllerEntry(CoverageTrust, lambda cfg: cfg.algorithm.hpa.coverage.enabled),
     "trust_gate": ControllerEntry(TrustGateController, _gate_enabled),
     "balance": ControllerEntry(BalanceController, lambda cfg: cfg.algorithm.hpa.balance.enabled),
