@@ -260,11 +260,12 @@ class TrustGateConfig:
     Attributes:
         enabled: None (default): on whenever per-component advantages are in effect and
             ``data.heldout_preference_path`` is set; true requires both; false is off.
-        signal: reward_ceiling (default): λ rises while the learned reward of the rollouts (EMA) is above
-            the reward models' mean score of the held-out chosen responses, in units of their mean
-            chosen - rejected margin; sampled_ceiling: the same, the ceiling lowered by the start policy's
+        signal: sampled_ceiling (default): λ rises while the learned reward of the rollouts (EMA) is above
+            the reward models' mean score of the held-out chosen responses lowered by the start policy's
             greedy - sampled learned reward on the held-out prompts (the rollouts are sampled, the chosen
-            responses are not; ``hpa.algorithms.gate``); heldout_nll: λ rises while the policy's per-token NLL of the held-out
+            responses are not; ``hpa.algorithms.gate``), in units of their mean chosen - rejected margin;
+            reward_ceiling: the same without the offset (the default until 2026-11-26: on re-drawn
+            hackable tasks it stayed open while the policy was hacked, docs/results.md); heldout_nll: λ rises while the policy's per-token NLL of the held-out
             chosen responses regresses beyond its best while the learned reward rises.
         slack: violation that costs nothing: margins above the ceiling (the two ceilings) or relative
             regression of the NLL (heldout_nll; 0.02 = 2 %).
@@ -274,7 +275,7 @@ class TrustGateConfig:
     """
 
     enabled: Optional[bool] = None
-    signal: str = "reward_ceiling"
+    signal: str = "sampled_ceiling"
     slack: float = 0.02
     kp: float = 10.0
     ki: float = 1.0

@@ -54,11 +54,12 @@ def test_the_trust_parts_log_their_state_every_step(trust_run):
 
 @pytest.fixture(scope="module")
 def ceiling_extra(demo):
-    """The default gate (reward_ceiling) on a reward model (random weights: the gate only needs its scores)."""
+    """The reward_ceiling gate on a reward model (random weights: the gate only needs its scores)."""
     rm = demo / "random_rm"
     if not rm.exists():
         run_ranks(save_random_reward_model, args=(str(rm),))
-    return [*[o for o in TRUST if not o.startswith("algorithm.hpa.gate.signal")], f"reward.model_paths=[{rm}]",
+    return [*[o for o in TRUST if not o.startswith("algorithm.hpa.gate.signal")], "algorithm.hpa.gate.signal=reward_ceiling",
+            f"reward.model_paths=[{rm}]",
             f"reward.num_heads={RM_HEADS}", f"data.heldout_preference_path={demo / 'data' / 'heldout_preferences.jsonl'}"]
 
 
@@ -131,12 +132,11 @@ def test_the_coverage_trust_runs_and_logs_its_distribution_every_step(demo, ceil
 
 def test_the_sampled_ceiling_gate_moves_the_ceiling_by_the_start_policys_greedy_minus_sampled_reward(
         demo, ceiling_extra, ceiling_run):
-    """``gate.signal=sampled_ceiling`` under DP2: the same held-out ceiling as ``reward_ceiling`` lowered by
+    """The default signal (``gate.signal=sampled_ceiling``) under DP2: the same held-out ceiling as ``reward_ceiling`` lowered by
     the offset measured once at start-up (every rank the same: one gate), the offset in the checkpoint."""
     run_dir = demo / "trust_sampled_ceiling"
-    steps = [r for r in launch(demo, run_dir, 2, ceiling_extra + ["trainer.total_steps=2",
-                                                                    "algorithm.hpa.gate.signal=sampled_ceiling"])
-             if r["step"] > 0]
+    sampled = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.gate.signal")]  # the default signal
+    steps = [r for r in launch(demo, run_dir, 2, sampled + ["trainer.total_steps=2"]) if r["step"] > 0]
     offset, plain = steps[0]["gate/offset"], ceiling_run[1]["gate/ceiling"]
     assert math.isfinite(offset) and offset != 0
     for r in steps:
