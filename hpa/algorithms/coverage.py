@@ -1,10 +1,11 @@
-"""Coverage of the reward models' preference data: how far a sequence lies from the pairs the reward models
-were trained on, and how far to trust their score there (off by default, not yet measured).
+"""Coverage of the reward models' preference data: how far a prompt (or a sequence) lies from the pairs the
+reward models were trained on, and how far to trust their score there (``algorithm.hpa.coverage``, an option;
+measured in docs/results.md).
 
 A reward model is validated only near its training data; far from it the learned reward extrapolates and a
 policy can exploit it. The distance is the k-nearest-neighbour cosine distance in the reward model's own
-pooled embedding space (OOD detection by kNN distance on normalised features, Sun et al., ICML 2022), gold
-free. It is calibrated on held-out preference pairs, which come from the same distribution as the training
+pooled embedding space, centred on the bank's mean (OOD detection by kNN distance on normalised features,
+Sun et al., ICML 2022), gold free. It is calibrated on held-out preference pairs, which come from the same distribution as the training
 pairs but were never trained on, so their distances say what "in distribution" looks like:
 
     trust(d) = 1                                  for d <= low  (the held-out distances' low quantile)
@@ -13,9 +14,8 @@ pairs but were never trained on, so their distances say what "in distribution" l
 
 Defaults: low = the held-out median (half of the in-distribution pairs are trusted fully, the other half
 still mostly: a rollout as close to the data as a typical held-out pair is not down-weighted), high = the
-95th percentile x 1.5 (a sequence farther than all but 5 % of held-out pairs by half as much again is
-beyond what the data supports; the margin keeps the in-distribution tail, 5 % of the held-out pairs,
-above 0).
+95th percentile x 2 (twice as far as all but 5 % of the held-out pairs is beyond what the data supports;
+the margin keeps the in-distribution tail above 0). Why these values: docs/objective.md.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def unique_rows(rows: Sequence[Sequence[int]]) -> Tuple[List[List[int]], torch.T
 
 
 def calibrate(heldout_distances: torch.Tensor, *, low_quantile: float = 0.5, high_quantile: float = 0.95,
-              margin: float = 1.5) -> Tuple[float, float]:
+              margin: float = 2.0) -> Tuple[float, float]:
     """The distances where trust starts to fall and where it reaches 0, from held-out pairs' distances.
 
     Args:

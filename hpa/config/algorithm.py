@@ -343,8 +343,7 @@ class CoverageConfig:
     margin: float = 2.0
 
     def __post_init__(self):
-        if self.space not in COVERAGE_SPACES:
-            raise ConfigError("space", f"must be one of {list(COVERAGE_SPACES)}, got {self.space!r}")
+        check_choice("space", self.space, COVERAGE_SPACES)
         check_range("k", self.k, low=1)
         check_range("low_quantile", self.low_quantile, low=0.0, high=1.0)
         check_range("high_quantile", self.high_quantile, low=0.0, high=1.0)

@@ -1,6 +1,7 @@
 """What the trust gate's signals read on the held-out preference pairs (``data.heldout_preference_path``):
-the policy's NLL of their chosen responses, and the reward models' ceiling over them; and the reward model's
-embeddings of the chosen sequences of a pair set (the coverage trust's bank and calibration).
+the policy's NLL of their chosen responses, the reward models' ceiling over them and their scores of the
+policy's greedy and sampled answers to their prompts (the sampled ceiling's offset); and the first reward
+model's embeddings of a pair set's prompts or chosen sequences (the coverage trust's bank and calibration).
 """
 
 from __future__ import annotations

@@ -348,10 +348,9 @@ def _gate_enabled(cfg) -> bool:
 
 CONTROLLERS: Dict[str, ControllerEntry] = {
     "kl_ctrl": ControllerEntry(KLCoefficient, lambda cfg: True),
-    # the coverage trust first: its metrics (coverage/learned_reward) are there for the controllers after it
-    "coverage": ControllerEntry(CoverageTrust, lambda cfg: cfg.algorithm.hpa.coverage.enabled),
     "trust_gate": ControllerEntry(TrustGateController, _gate_enabled),
     "balance": ControllerEntry(BalanceController, lambda cfg: cfg.algorithm.hpa.balance.enabled),
+    "coverage": ControllerEntry(CoverageTrust, lambda cfg: cfg.algorithm.hpa.coverage.enabled),
 }
 
 
@@ -370,8 +369,8 @@ class Controllers:
     def update(self, point: str, signals: StepSignals) -> Dict[str, float]:
         """Update the controllers that observe ``point``; their metrics."""
         metrics: Dict[str, float] = {}
-        for c in self.at(point):  # each sees the metrics of those before it
-            metrics.update(c.update(dataclasses.replace(signals, metrics={**signals.metrics, **metrics})))
+        for c in self.at(point):
+            metrics.update(c.update(signals))
         return metrics
 
     def factor(self, name: str) -> float:
