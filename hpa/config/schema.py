@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 from .algorithm import GATE_SIGNALS_ON_REWARD_MODELS, AlgorithmConfig
 from .data import DataConfig
@@ -79,6 +79,55 @@ class ParallelConfig:
             raise ConfigError("sequence_parallel", "sequence parallelism needs tensor_model_parallel_size > 1")
 
 
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters over one frozen base (docs/lora.md).
+
+    With ``rank`` > 0 the base weights are frozen and shared: the policy trains its adapters, the reference is
+    the same weights with the adapters off (no second copy), and a critic, where the algorithm has one, trains
+    its own adapters and value head over the same base. ``rank: 0`` trains every weight as before.
+
+    Attributes:
+        rank: the adapters' rank r; 0: LoRA off (full fine-tuning).
+        alpha: the scaling numerator: the update is (alpha / r) · B·A, or (alpha / sqrt(r)) · B·A with rslora.
+        dropout: dropout on the adapter's input (the base path never sees it).
+        target_modules: which of megatron's linear layers carry adapters: linear_qkv | linear_proj |
+            linear_fc1 | linear_fc2.
+        rslora: rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023) instead of alpha / r.
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Tuple[str, ...] = LORA_TARGET_MODULES
+    rslora: bool = False
+
+    def __post_init__(self):
+        check_range("rank", self.rank, low=0)
+        check_range("alpha", self.alpha, low=0.0, low_open=True)
+        check_range("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
+        if self.rank and not self.target_modules:
+            raise ConfigError("target_modules", f"is empty; with rank {self.rank} name at least one of "
+                              f"{', '.join(LORA_TARGET_MODULES)}")
+        for name in self.target_modules:
+            check_choice("target_modules", name, LORA_TARGET_MODULES)
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ConfigError("target_modules", f"lists a module twice: {list(self.target_modules)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        if not self.rank:
+            return 0.0
+        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A Llama-style decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention).
@@ -112,6 +161,7 @@ class ModelConfig:
         policy_path: initial policy weights (a Megatron checkpoint directory); null: random initialisation.
         reference_path: the frozen reference's weights; null: the policy's starting weights.
         critic_path: the critic's starting weights; null: the policy's backbone with a fresh value head.
+        lora: low-rank adapters over one frozen base (rank 0: off).
     """
 
     num_layers: int
@@ -137,6 +187,7 @@ class ModelConfig:
     policy_path: Optional[str] = None
     reference_path: Optional[str] = None
     critic_path: Optional[str] = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         _positive(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
