@@ -155,7 +155,8 @@ class MicroBatch:
             longest = max(lengths)
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=longest, max_seqlen_kv=longest)
-            # the chunks of rows of the attention without the varlen kernel, laid out on the host
+            # the chunks of rows of the attention without the varlen kernel: laid out on the host and copied at
+            # its first read (the varlen kernel reads none)
             params.hpa_chunks = ChunkLayout(lengths).moved(lambda x: host_to_device(x, self.input_ids.device))
             cache[("packed", pad)] = params
         return cache[("packed", pad)]

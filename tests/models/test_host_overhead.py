@@ -182,7 +182,11 @@ def test_a_micro_batch_enters_the_device_without_blocking_and_builds_its_inputs_
         assert copies.calls == [True, True, True]  # ids, labels, the mask
         positions = on.position_ids()
         params = on.packed_seq_params()
-        assert copies.calls == [True] * 8  # one copy each, built on the host (+ the attention's chunk layout: 3)
+        assert copies.calls == [True] * 5  # one copy each, built on the host; no chunk layout yet (varlen: none)
+        params.hpa_chunks.index, params.hpa_chunks.mask()
+        assert copies.calls == [True] * 8  # the attention's chunk layout without the varlen kernel: 3, once
+        params.hpa_chunks.moved(lambda x: x).inverse
+        assert copies.calls == [True] * 8
         assert on.position_ids() is positions and on.packed_seq_params() is params
         assert positions.device == DEVICE and params.cu_seqlens_q.device == DEVICE
     assert positions.as_subclass(torch.Tensor).tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
@@ -279,3 +283,27 @@ def test_gpu_check_phase_figures_and_sync_count_run_without_a_gpu():
         assert gpu_check._counting_syncs(lambda: 7) == (7, None)
         assert gpu_check._per_step(None, [{}]) is None
     assert gpu_check._per_step(12, [{}, {}, {}]) == 4.0
+
+
+def test_varlen_signature_is_read_once(monkeypatch):
+    """``inspect.signature`` of the kernel once per process, not on every attention call."""
+    import inspect
+
+    import torch.nn.attention.varlen as varlen
+
+    from hpa.models import specs
+
+    calls = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda fn: calls.append(fn) or real(fn))
+
+    def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+             enable_gqa=False):
+        return query
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    params = _packed([3, 1, 4]).packed_seq_params()
+    q = torch.randn(8, 2, 4)
+    for _ in range(3):
+        specs.varlen_causal_attention(q, q, q, params, scale=0.5)
+    assert calls == [fake]
