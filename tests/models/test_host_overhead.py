@@ -306,4 +306,4 @@ def test_varlen_signature_is_read_once(monkeypatch):
     q = torch.randn(8, 2, 4)
     for _ in range(3):
         specs.varlen_causal_attention(q, q, q, params, scale=0.5)
-    assert calls == [fake]
+    assert [fn for fn in calls if fn is fake] == [fake]
