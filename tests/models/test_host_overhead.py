@@ -257,6 +257,10 @@ def test_host_cost_of_a_micro_batch_does_not_grow_with_its_rows():
         syncs = {r[phase][layout][rows]["syncs"] for r in (full, two) for layout in ("padded", "packed")
                  for rows in ("rows8", "rows32")}
         assert syncs == {0}, (phase, syncs)
+        # nor any operation that waits for a CUDA device, forward or backward, the heads included (SyncOps)
+        sync_ops = {r[phase][layout][rows]["sync_ops"] for r in (full, two) for layout in ("padded", "packed")
+                    for rows in ("rows8", "rows32")}
+        assert sync_ops == {0}, (phase, [r[phase] for r in (full, two)])
     assert two["syncs_per_step"]["packed"] == two["syncs_per_step"]["padded"], two["syncs_per_step"]
 
 
