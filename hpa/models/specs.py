@@ -204,15 +204,17 @@ def _chunk_layout(lengths, budget: int) -> dict:
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)
+    # Python lists, not tensor ops: this may run inside a model's forward, where the ops would stand for the
+    # device's (``hpa.distributed.sync_ops``); it is host work on host values
     index = torch.zeros((len(chunks), width), dtype=torch.long)
     rows = -1 - torch.arange(len(chunks) * width).view(len(chunks), width)  # pads: a row each
+    inverse = []  # slots in token order (chunks keep it)
     for c, chunk in enumerate(chunks):
         first, last = starts[chunk[0]], starts[chunk[-1] + 1]
         index[c, :last - first] = torch.arange(first, last)
-        rows[c, :last - first] = torch.repeat_interleave(torch.tensor(chunk),
-                                                         torch.tensor([lengths[r] for r in chunk]))
-    return {"index": index, "rows": rows,
-            "inverse": torch.nonzero(rows.flatten() >= 0).flatten(),  # slots in token order (chunks keep it)
+        rows[c, :last - first] = torch.tensor([r for r in chunk for _ in range(lengths[r])], dtype=torch.long)
+        inverse.extend(range(c * width, c * width + last - first))
+    return {"index": index, "rows": rows, "inverse": torch.tensor(inverse, dtype=torch.long),
             "whole": len(chunks) == 1 and width == starts[-1]}
 
 
