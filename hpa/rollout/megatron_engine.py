@@ -170,6 +170,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self._graph_by_default = decode == "auto" and self.decode == "graph"  # a failed capture falls back
         self._steps = {}  # (rows, slots) -> StaticDecodeStep, kept for the run
         self.decoded = None  # the decode the last generate ran: "eager", "static" or "graph"
+        self._reports_decode = self.decode != "eager"
 
     def _decode_mode(self, decode: str) -> str:
         if decode not in DECODE_MODES:
@@ -197,6 +198,16 @@ class MegatronRolloutEngine(RolloutEngine):
     def sleep(self) -> None:
         """Nothing to free: the buckets' caches and graphs stay, so the next rollout replays without a capture
         (a graph reads fixed addresses; freeing them would mean capturing again, with its synchronisations)."""
+
+    def decode_metrics(self) -> dict:
+        """Which decode the last ``generate`` ran and the captures so far, where a static or graph decode was
+        asked for (``"auto"`` on CUDA included; nothing on an engine that decodes eagerly from the start):
+        ``rollout/decode_graph`` (1 graph, 0 not: a failed ``"auto"`` capture), ``rollout/graph_captures``
+        and ``rollout/decode_buckets`` (the buckets used, each captured once while the parameters stay put)."""
+        if not self._reports_decode:
+            return {}
+        return {"rollout/decode_graph": float(self.decoded == "graph"), "rollout/graph_captures": float(self.captures),
+                "rollout/decode_buckets": float(len(self._steps))}
 
     @property
     def captures(self) -> int:

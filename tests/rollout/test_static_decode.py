@@ -166,6 +166,7 @@ def captures_worker(groups):
         graph.sync_weights()
         graph.sleep()
     out["captures"], out["engine_captures"] = fake.captures, graph.captures
+    out["metrics"], out["eager_metrics"] = graph.decode_metrics(), eager.decode_metrics()
     with torch.no_grad():
         p = next(model.parameters())
         p.data = p.data.clone()  # same values, new storage: a captured graph would read the old one
@@ -179,6 +180,9 @@ def test_graph_decode_captures_once_per_bucket_for_the_run():
     assert all(out["same"]) and len(out["same"]) == 6 and out["decoded"] == {"graph"}
     assert out["captures"] == 2 == out["engine_captures"]  # two buckets, three rollouts, three weight updates
     assert out["after_storage"] == 3  # the bucket used again captures again
+    assert out["metrics"] == {"rollout/decode_graph": 1.0, "rollout/graph_captures": 2.0,
+                              "rollout/decode_buckets": 2.0}
+    assert out["eager_metrics"] == {}  # an engine that decodes eagerly from the start adds no keys
 
 
 @pytest.fixture(scope="module")
