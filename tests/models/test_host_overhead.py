@@ -311,3 +311,69 @@ def test_varlen_signature_is_read_once(monkeypatch):
     for _ in range(3):
         specs.varlen_causal_attention(q, q, q, params, scale=0.5)
     assert [fn for fn in calls if fn is fake] == [fake]
+
+
+def _gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _probe_worker(groups):
+    """``bench/gpu_check.py``'s packing probe on CPU (fp32, the chunked attention): with hpa's attention, and with
+    one that lets every packed token see the whole pack (what a broken varlen call would do)."""
+    from hpa.config.schema import ModelConfig, ParallelConfig
+    from hpa.models import build_policy, specs
+
+    gpu_check = _gpu_check()
+    cfg = ModelConfig(num_layers=2, hidden_size=48, num_attention_heads=6, num_query_groups=2, ffn_hidden_size=64,
+                      vocab_size=64, max_sequence_length=32, make_vocab_size_divisible_by=16, add_qkv_bias=True)
+    torch.manual_seed(0)
+    model = build_policy(cfg, ParallelConfig(), groups)
+    out = {"good": gpu_check.packing_probe(model, groups, 64, lengths=[9, 5, 12, 7])}
+
+    def leaky(query, key, value, params, *, dropout, scale, gqa):  # [t, heads, d]: no mask at all
+        q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+
+    specs.chunked_causal_attention = leaky
+    out["leaky"] = gpu_check.packing_probe(model, groups, 64, lengths=[9, 5, 12, 7])
+    return out
+
+
+@pytest.mark.multirank
+def test_gpu_checks_packing_probe_sees_a_leak():
+    out = run_ranks(_probe_worker)[0]
+    good, leaky = out["good"], out["leaky"]
+    assert good["causality_leak_max"] == 0.0 and good["changed_after_max"] > 0, good
+    assert good["logprob_gap_mean"] < 1e-5 and good["varlen_calls"] == 0 and good["tokens"] == 33  # CPU: chunked
+    assert leaky["causality_leak_max"] > 1e-3 and leaky["logprob_gap_mean"] > 1e-3, leaky
+
+
+def test_gpu_check_fails_when_a_path_it_checks_did_not_run():
+    """``failed_checks``: passes only with the config packing, the padded run done, graph decode at every step
+    with one capture per bucket, and a probe that saw the varlen kernel, no leak and a small gap."""
+    gpu_check = _gpu_check()
+    probe = {"varlen_calls": 48, "causality_leak_max": 0.0, "changed_after_max": 0.3, "logprob_gap_mean": 0.01}
+    steps = [{"rollout/decode_graph": 1.0, "rollout/graph_captures": 1.0, "rollout/decode_buckets": 1.0}] * 4
+    good = {"device": "NVIDIA H100", "sequence_packing": True, "packing": {"padded_run_ok": True},
+            "decode": gpu_check.decode_figures(steps), "packing_probe": probe}
+    assert gpu_check.failed_checks(good) == []
+    fallback = [dict(steps[0], **{"rollout/decode_graph": 0.0})] + steps[1:]
+    recaptured = steps[:3] + [dict(steps[0], **{"rollout/graph_captures": 4.0})]
+    cases = {"does not pack": dict(good, sequence_packing=False),
+             "padded reference": dict(good, packing={"padded_run_ok": False}),
+             "did not run at every step": dict(good, decode=gpu_check.decode_figures(fallback)),
+             "captured again": dict(good, decode=gpu_check.decode_figures(recaptured)),
+             "varlen kernel": dict(good, packing_probe=dict(probe, varlen_calls=0)),
+             "causality probe": dict(good, packing_probe=dict(probe, causality_leak_max=0.2)),
+             "differ by": dict(good, packing_probe=dict(probe, logprob_gap_mean=0.4)),
+             "packing probe: initialise": dict(good, packing_probe={"error": "initialise: nccl"})}
+    eager = dict(good, decode=gpu_check.decode_figures([{}] * 4))
+    assert "did not run at every step" in gpu_check.failed_checks(eager)[0]
+    for expected, figures in cases.items():
+        failed = gpu_check.failed_checks(figures)
+        assert len(failed) == 1 and expected in failed[0], (expected, failed)
