@@ -85,7 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _api_key(s) -> Optional[str]:
-    key = s.api_key or os.environ.get(API_KEY_ENV) or None
+    from hpa.config import ConfigError
+
+    env = os.environ.get(API_KEY_ENV)
+    if s.api_key is None and env is not None and (not env or env != env.strip()):
+        what = "is set but empty (unset it for no key)" if not env else \
+            "has leading or trailing whitespace, so no client's key can ever match it"
+        raise ConfigError("serve.api_key", f"its fallback, the environment variable {API_KEY_ENV}, {what}",
+                          source=f"environment variable {API_KEY_ENV}")
+    key = s.api_key or env or None
     if key is None and not _loopback(s.host):
         print(f"hpa serve: WARNING: listening on {s.host} beyond this machine without an API key; anyone who "
               f"reaches the port can use the model: set serve.api_key or {API_KEY_ENV}", file=sys.stderr, flush=True)
@@ -123,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from hpa.distributed.init import read_launch_env
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, world_size=1, command="serve")
     if read_launch_env().world_size != 1:
         raise ConfigError("parallel.tensor_model_parallel_size",
                           "hpa serve runs as one process: start it without torchrun or srun, with "
