@@ -83,7 +83,7 @@ def _positive_int(text: str) -> int:
 
 def _load(args, command: str):
     """The config of a launched command, checked at this launch's world size, with its paths."""
-    from hpa.distributed.init import read_launch_env
+    from hpa.distributed.init import read_launch_env  # no torch import: the launch environment alone
 
     overrides = with_preset(getattr(args, "preset", None), args.overrides)
     return load_config(args.config, overrides, world_size=read_launch_env().world_size, command=command)
@@ -91,11 +91,12 @@ def _load(args, command: str):
 
 def train(argv: List[str]) -> int:
     args = config_parser("train").parse_args(argv)
+    cfg = _load(args, "train")  # before megatron's import: a bad config is told in a moment
     from hpa.distributed import launched
     from hpa.distributed.watchdog import EXIT_COLLECTIVE_FAILURE, CollectiveFailure
     from hpa.trainer.loop import HPATrainer
 
-    with launched(_load(args, "train")) as (cfg, groups):
+    with launched(cfg) as (cfg, groups):
         try:
             trainer = HPATrainer(cfg, groups)
         except CollectiveFailure as exc:  # at start-up: the message names the phase and the ranks waited for
@@ -121,10 +122,11 @@ def train(argv: List[str]) -> int:
 
 def sft(argv: List[str]) -> int:
     args = config_parser("sft").parse_args(argv)
+    cfg = _load(args, "sft")
     from hpa.distributed import launched
     from hpa.trainer.sft import run_sft
 
-    with launched(_load(args, "sft")) as (cfg, groups):
+    with launched(cfg) as (cfg, groups):
         run_sft(cfg, groups)
     return 0
 

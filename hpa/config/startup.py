@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import filecmp
 import os
-from typing import List, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 from .errors import ConfigError
 from .schema import Config
@@ -24,8 +24,9 @@ PATHS_READ = {
     "train-rm": (_TOKENIZER, ("data.preference_path", "file"), ("reward.training.eval_path", "file"),
                  ("reward.training.init_path", "dir"), ("reward.training.backbone_path", "any")),
     "serve": (_TOKENIZER, *_POLICY, ("model.reference_path", "any")),
+    "generate": (_TOKENIZER, *_POLICY, ("model.reference_path", "any")),
 }
-REQUIRED = {"sft": ("data.sft_path",), "serve": ("model.policy_path",)}
+REQUIRED = {"sft": ("data.sft_path",), "serve": ("model.policy_path",), "generate": ("model.policy_path",)}
 _KIND_WORD = {"file": "a file", "dir": "a directory", "any": "a file or directory"}
 
 
@@ -56,6 +57,19 @@ def check_paths(cfg: Config, command: str) -> None:
                 raise ConfigError(item, f"{path!r} is a directory; give a file")
             if kind == "dir" and not os.path.isdir(path):
                 raise ConfigError(item, f"{path!r} is a file; give a checkpoint directory")
+
+
+def serve_api_key(serve, environ: Mapping[str, str], env_name: str) -> Optional[str]:
+    """``serve.api_key``, else the environment variable ``env_name``, else None (no key). A set but empty
+    variable or one with stray whitespace is an error: it would silently mean no key, or a key no client can
+    match."""
+    env = environ.get(env_name)
+    if serve.api_key is None and env is not None and (not env or env != env.strip()):
+        what = "is set but empty (unset it for no key)" if not env else \
+            "has leading or trailing whitespace, so no client's key can ever match it"
+        raise ConfigError("serve.api_key", f"its fallback, the environment variable {env_name}, {what}",
+                          source=f"environment variable {env_name}")
+    return serve.api_key or env or None
 
 
 def _row_tokens(cfg: Config) -> int:

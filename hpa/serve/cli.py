@@ -85,15 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _api_key(s) -> Optional[str]:
-    from hpa.config import ConfigError
+    from hpa.config.startup import serve_api_key
 
-    env = os.environ.get(API_KEY_ENV)
-    if s.api_key is None and env is not None and (not env or env != env.strip()):
-        what = "is set but empty (unset it for no key)" if not env else \
-            "has leading or trailing whitespace, so no client's key can ever match it"
-        raise ConfigError("serve.api_key", f"its fallback, the environment variable {API_KEY_ENV}, {what}",
-                          source=f"environment variable {API_KEY_ENV}")
-    key = s.api_key or env or None
+    key = serve_api_key(s, os.environ, API_KEY_ENV)
     if key is None and not _loopback(s.host):
         print(f"hpa serve: WARNING: listening on {s.host} beyond this machine without an API key; anyone who "
               f"reaches the port can use the model: set serve.api_key or {API_KEY_ENV}", file=sys.stderr, flush=True)
