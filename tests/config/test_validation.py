@@ -236,3 +236,29 @@ def test_the_api_key_environment_variable_is_checked():
             serve_api_key(serve, {"X_KEY": bad}, "X_KEY")
     assert serve_api_key(serve, {"X_KEY": "k"}, "X_KEY") == "k"
     assert serve_api_key(serve, {}, "X_KEY") is None
+
+
+def test_a_key_that_documents_infinity_accepts_plus_infinity_and_the_reference_says_what_it_means():
+    from hpa.config.load import _build_dataclass
+    from hpa.config.reference import _checks, entries
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Limits:
+        """Test limits.
+
+        Attributes:
+            timeout_s: how long to wait.
+            margin: a margin.
+        """
+
+        timeout_s: float = dataclasses.field(default=1.0, metadata={"infinity": "wait forever"})
+        margin: float = 0.5
+
+    assert _build_dataclass(Limits, {"timeout_s": math.inf}, "x.", {}).timeout_s == math.inf
+    for bad in ({"timeout_s": -math.inf}, {"timeout_s": math.nan}, {"margin": math.inf}):
+        with pytest.raises(ConfigError, match=f"x.{next(iter(bad))}"):
+            _build_dataclass(Limits, bad, "x.", {})
+    rows = list(entries(Limits, "x."))
+    assert rows[0].infinity == "wait forever" and rows[1].infinity == ""
+    assert "`x.timeout_s`: wait forever" in " ".join(_checks(rows))
+    assert "no key accepts infinity" in " ".join(_checks(list(entries())))  # none in the schema today
