@@ -170,3 +170,20 @@ def test_start_up_prints_the_warnings_with_their_source(data, capsys):
     load_config(None, [*data, "trainer.ppo_max_token_len_per_rank=8"], command="train")
     err = capsys.readouterr().err
     assert "warning: command line: config key 'trainer.ppo_max_token_len_per_rank'" in err
+
+
+@pytest.mark.parametrize("argv,needle", [(["--world-size", "0", "--gpu-memory-gb", "80"], "--world-size"),
+                                         (["--world-size", "1", "--gpu-memory-gb", "nan"], "--gpu-memory-gb"),
+                                         (["--world-size", "1", "--gpu-memory-gb", "80", "optim.lr=.inf"], "optim.lr")])
+def test_plan_bad_arguments(argv, needle, capsys):
+    _one_line_error(capsys, main(["plan", *argv]), needle)
+
+
+def test_convert_bad_directories(tmp_path, capsys):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    for argv, needle in [(["hf-to-megatron", "--hf-dir", str(tmp_path / "none"), "--out", str(tmp_path / "o")], "--hf-dir"),
+                         (["hf-to-megatron", "--hf-dir", str(tmp_path), "--out", str(tmp_path / "full")], "--out"),
+                         (["megatron-to-hf", "--megatron-dir", str(tmp_path / "none"), "--out", str(tmp_path / "o")],
+                          "--megatron-dir")]:
+        _one_line_error(capsys, main(["convert", *argv]), needle, "command line")

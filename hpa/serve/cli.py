@@ -125,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from hpa.distributed.init import read_launch_env
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = load_config(args.config, args.overrides, world_size=1, command="serve")
+    cfg = load_config(args.config, args.overrides, command="serve")
     if read_launch_env().world_size != 1:
         raise ConfigError("parallel.tensor_model_parallel_size",
                           "hpa serve runs as one process: start it without torchrun or srun, with "
