@@ -21,6 +21,8 @@ def data(tmp_path):
     for name in names:
         (tmp_path / name).write_text(f'{{"name": "{name}"}}\n')
     (tmp_path / "rm").mkdir()
+    (tmp_path / "rm" / "metadata.json").write_text("{}")
+    (tmp_path / "rm" / "hpa_reward_model.json").write_text('{"num_heads": 3}')
     return [f"data.tokenizer_path={tmp_path / 'tok.model'}", f"data.prompt_path={tmp_path / 'prompts.jsonl'}",
             f"data.preference_path={tmp_path / 'prefs.jsonl'}", f"data.eval_prompt_path={tmp_path / 'eval.jsonl'}",
             f"data.sft_path={tmp_path / 'sft.jsonl'}"]
@@ -67,7 +69,16 @@ def test_reward_models_and_directories_name_their_key(data, tmp_path):
         check_paths(cfg, "train")
     with pytest.raises(ConfigError, match="data.sft_path.*not set"):
         check_paths(load_config(None, [*data, "data.sft_path=null"]), "sft")
-    check_paths(load_config(None, [*data, f"reward.model_paths=[{tmp_path / 'rm'}]"]), "train")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"reward\.model_paths\[0\].*not a reward model checkpoint"):
+        check_paths(load_config(None, [*data, f"reward.model_paths=[{tmp_path / 'empty'}]"]), "train")
+    with pytest.raises(ConfigError, match=r"reward\.num_heads.*has 3 heads"):
+        check_paths(load_config(None, [*data, f"reward.model_paths=[{tmp_path / 'rm'}]"]), "train")
+    check_paths(load_config(None, [*data, f"reward.model_paths=[{tmp_path / 'rm'}]", "reward.num_heads=3"]), "train")
+
+
+def test_report_bad_run_dir(tmp_path, capsys):
+    _one_line_error(capsys, main(["report", str(tmp_path / "none")]), "hpa report")
 
 
 def test_generate_names_a_missing_prompts_file(data, tmp_path, capsys):

@@ -6,6 +6,7 @@ sources (file:line or command line).
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 from typing import List, Mapping, Optional, Tuple
 
@@ -57,6 +58,26 @@ def check_paths(cfg: Config, command: str) -> None:
                 raise ConfigError(item, f"{path!r} is a directory; give a file")
             if kind == "dir" and not os.path.isdir(path):
                 raise ConfigError(item, f"{path!r} is a file; give a checkpoint directory")
+    _check_reward_models(cfg)
+
+
+def _check_reward_models(cfg: Config) -> None:
+    """A reward model directory is a megatron checkpoint (``metadata.json``) with the heads the config says
+    (``hpa_reward_model.json``, written by ``hpa train-rm``), as ``hpa.reward.model.load_reward_model`` reads it."""
+    for i, path in enumerate(cfg.reward.model_paths):
+        key = f"reward.model_paths[{i}]"
+        if not any(os.path.isfile(os.path.join(path, *p)) for p in (("metadata.json",), ("policy", "metadata.json"))):
+            raise ConfigError(key, f"{path!r} is not a reward model checkpoint (no metadata.json); give the "
+                                   "reward_model/ directory that hpa train-rm wrote")
+        info = os.path.join(path, "hpa_reward_model.json")
+        try:
+            with open(info) as f:
+                heads = json.load(f).get("num_heads")
+        except (OSError, ValueError):
+            continue  # a checkpoint without the record: its heads are checked when it loads
+        if heads is not None and heads != cfg.reward.num_heads:
+            raise ConfigError("reward.num_heads", f"{cfg.reward.num_heads}, but the reward model {path} has {heads} "
+                                                  f"heads; set reward.num_heads: {heads}")
 
 
 def serve_api_key(serve, environ: Mapping[str, str], env_name: str) -> Optional[str]:
