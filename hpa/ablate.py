@@ -190,7 +190,7 @@ def load_ablate_config(path: Optional[str], overrides: Sequence[str] = ()) -> Ab
     from hpa.config.load import _build_dataclass, _set_dotted, _yaml_with_lines, parse_overrides
 
     if path is not None and not Path(path).is_file():
-        what = "is a directory" if Path(path).is_dir() else "does not exist"
+        what = "is a directory" if Path(path).is_dir() else "is not a file" if Path(path).exists() else "does not exist"
         raise ConfigError("--config", f"the ablation file {path} {what}; give an ablation YAML file (one "
                                       "section, 'ablate')", source="command line")
     data, sources = _yaml_with_lines(Path(path)) if path else ({}, {})
@@ -691,9 +691,11 @@ def precheck(cfg: AblateConfig, runs: Sequence[Run]) -> None:
             train_cfg = load_config(cfg.config, run.overrides, world_size=world_size, command="train",
                                     warn=run.variant not in warned)
             warned.add(run.variant)
-        except ConfigError as exc:
+        except ConfigError as exc:  # the runs' overrides are the ablation file's, not a command line's
+            source = f"the overrides of variant {run.variant!r} (ablate.overrides, then its own, then the seed's)" \
+                if exc.source == "command line" else exc.source
             raise ConfigError(exc.key, f"variant {run.variant!r} (seed {run.seed}) cannot start: {exc.message}",
-                              source=exc.source) from None
+                              source=source) from None
         if cfg.metric.startswith("eval/") and (train_cfg.data.eval_prompt_path is None
                                                or train_cfg.trainer.eval_interval <= 0):
             raise ConfigError("ablate.metric", f"{cfg.metric!r} is logged by the evaluation, which variant "

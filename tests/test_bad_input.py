@@ -116,7 +116,7 @@ def _ablation(tmp_path, data, **section):
 
 @pytest.mark.parametrize("section,overrides,needles", [
     ({"custom": [{"name": "cov", "overrides": ["algorithm.hpa.coverage.enabled=true"]}]}, [],
-     ("variant 'cov'", "algorithm.hpa.coverage.enabled", "command line")),
+     ("the overrides of variant 'cov'", "algorithm.hpa.coverage.enabled")),
     ({"variants": ["hpa", "hpa-gate"]}, [], ("variant 'hpa-gate'", "algorithm.hpa.gate.enabled")),
     ({}, ["ablate.seeds=[1, -1]"], ("ablate.seeds", "4294967295")),
     ({"seeds": [1, 4294967296]}, [], ("ablate.seeds", "ablate.yaml:")),

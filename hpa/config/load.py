@@ -238,8 +238,8 @@ def build(data: dict, sources: Optional[_Sources] = None, world_size: Optional[i
     and with ``world_size`` the layout checks too. Every error names its key's source (``origin``: the
     config file, for keys left at their default)."""
     sources = sources or {}
-    cfg = _build_dataclass(Config, data, "", sources)
     try:
+        cfg = _build_dataclass(Config, data, "", sources)
         validate(cfg, world_size)
     except ConfigError as exc:
         raise ConfigError(exc.key, exc.message, source=exc.source or source_of(exc.key, sources, origin)) from None
@@ -268,7 +268,7 @@ def load_config(path: Optional[os.PathLike] = None, overrides: Iterable[str] = (
         overrides: ``section.key=value`` strings, applied in order (values parsed as YAML).
         world_size: when given, the data-parallel checks (batch sizes divisible by DP) run too; every other
             check always runs.
-        command: ``train``, ``sft``, ``train-rm`` or ``serve``: also check the paths that command reads
+        command: ``train``, ``sft``, ``train-rm``, ``generate`` or ``serve``: also check the paths that command reads
             (``hpa.config.startup.check_paths``) and, with ``warn``, print the warnings of ``config_warnings``
             (rank 0).
     """
