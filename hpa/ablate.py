@@ -84,7 +84,8 @@ BUILTIN_VARIANTS: Dict[str, Tuple[str, ...]] = {
 }
 LAUNCHER_NAMES = ("sequential", "torchrun")
 # the held-out numbers an evaluation logs (hpa.trainer.evaluate: eval/<name>, and eval/score/<category>,
-# eval/trust/<category> per category of the eval prompts); a test keeps this equal to what it logs
+# eval/trust/<category> per category of the eval prompts); tests/trainer/test_train_e2e.py checks every eval/*
+# number a real run logs against it
 EVAL_METRIC_NAMES = ("score", "reward", "model_reward", "copy_rate", "response_length", "kl", "trust")
 PER_CATEGORY_METRICS = ("score", "trust")
 RUN_RECORD = "ablate_run.json"
