@@ -193,8 +193,8 @@ def test_plan_bad_arguments(argv, needle, capsys):
 def test_convert_bad_directories(tmp_path, capsys):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    for argv, needle in [(["hf-to-megatron", "--hf-dir", str(tmp_path / "none"), "--out", str(tmp_path / "o")], "--hf-dir"),
+    none, out = str(tmp_path / "none"), str(tmp_path / "o")
+    for argv, needle in [(["hf-to-megatron", "--hf-dir", none, "--out", out], "--hf-dir"),
                          (["hf-to-megatron", "--hf-dir", str(tmp_path), "--out", str(tmp_path / "full")], "--out"),
-                         (["megatron-to-hf", "--megatron-dir", str(tmp_path / "none"), "--out", str(tmp_path / "o")],
-                          "--megatron-dir")]:
+                         (["megatron-to-hf", "--megatron-dir", none, "--out", out], "--megatron-dir")]:
         _one_line_error(capsys, main(["convert", *argv]), needle, "command line")

@@ -168,7 +168,8 @@ def _checks(all_entries: List[Entry]) -> List[str]:
         "the key) about valid values that make a run pathological: a token budget below one row, held-out pairs "
         "that are the training pairs, `algorithm.hpa.balance.measure_steps` beyond `trainer.total_steps`.",
         "",
-        f"Numbers are finite: `.nan`, `.inf` and `-.inf` are refused{inf}. Seeds ({', '.join(f'`{k}`' for k in seeds)}, "
+        f"Numbers are finite: `.nan`, `.inf` and `-.inf` are refused{inf}. "
+        f"Seeds ({', '.join(f'`{k}`' for k in seeds)}, "
         f"and `hpa ablate`'s `ablate.seeds`) lie in [0, {SEED_MAX}]. An empty value on the command line (`key=`, "
         "often an unset shell variable) is the empty string for a string key that cannot be null and an error "
         "for any other key; `key=null` is null. Secrets (`serve.api_key`) may not begin or end with whitespace.",

@@ -2,6 +2,9 @@
 without an edit: numbers are finite (unless the field's ``metadata["infinity"]`` says what infinity means),
 seeds lie in [0, 2^32 - 1], secrets carry no stray whitespace.
 
+A key that accepts infinity says what it means in its field, ``field(default=..., metadata={"infinity": "no
+limit"})``, and passes ``allow_inf=True`` to its own ``check_range``; the generated reference lists it.
+
 ``check_field`` runs while the loader builds each section (so the error names the file and line);
 ``check_values`` walks a built config (the same checks for configs made in code).
 """
