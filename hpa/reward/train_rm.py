@@ -39,6 +39,8 @@ from hpa.config import ConfigError, load_config, write_resolved
 from hpa.config.schema import Config
 from hpa.data import DistributedBatchSampler, PreferenceDataset, build_tokenizer, collate_preferences
 from hpa.distributed import ParallelGroups, launched, read_launch_env, set_seed
+from hpa.distributed.console import due as console_due
+from hpa.distributed.console import progress_bar
 from hpa.distributed.comm import all_reduce_sum, barrier, broadcast_tensor
 from hpa.models import build_reward
 from hpa.registry import Registry
@@ -297,6 +299,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     trainable = make_trainable(model, cfg.optim, cfg.parallel, groups, t.total_steps)
     ddp, optimizer, scheduler = trainable.model, trainable.optimizer, trainable.scheduler
     sink = _MetricsSink(run_dir, groups.is_main)
+    bar = progress_bar("train-rm", t.total_steps) if groups.is_main and cfg.logging.progress_bar else None
     pad_id, margin, num_pairs = tokenizer.pad_id, rt.margin, t.preference_batch_size
 
     def loss_fn(batch, output, hidden):
@@ -335,8 +338,13 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
             save_reward_model(ddp, run_dir, groups, num_heads=num_heads, hidden_size=cfg.model.hidden_size,
                               step=step)
         sink.write(record)
-        if groups.is_main and step % t.log_interval == 0:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix({"rm/loss": f"{record['rm/loss']:.4g}", "rm/accuracy": f"{record['rm/accuracy']:.3g}"})
+        if groups.is_main and cfg.logging.console and console_due(step, cfg.logging.log_interval, t.total_steps):
             logger.info("train-rm step %d: %s", step, {k: round(v, 4) for k, v in record.items() if k != "step"})
+    if bar is not None:
+        bar.close()
     barrier()  # the metrics file and checkpoint are complete when any rank returns
     return record
 

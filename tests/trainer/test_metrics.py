@@ -37,18 +37,20 @@ def test_non_main_ranks_write_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_progress_bar_shows_steps_and_key_metrics(tmp_path, capsys):
-    w = MetricsWriter(tmp_path, cfg(), is_main=True, total_steps=5)
-    w.write(1, {"reward/raw_mean": 0.25, "kl/token": 0.0125, "actor/lr": 1e-5})
-    w.write(2, {"reward/raw_mean": 0.5, "kl/token": 0.02})
+def test_off_a_terminal_there_is_no_bar_and_a_console_line_every_log_interval_steps(tmp_path, caplog):
+    """capsys's stderr is no terminal: no bar; the console lines come at steps 2 and 4 and the last (5)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="hpa")
+    w = MetricsWriter(tmp_path, LoggingConfig(wandb=WandbConfig(mode="disabled"), log_interval=2), is_main=True,
+                      total_steps=5)
+    for step in range(1, 6):
+        w.write(step, {"dpo/loss": 0.5, "actor/lr": 1e-5})
     w.close()
-    err = capsys.readouterr().err
-    assert "2/5" in err and "reward/raw_mean=0.5" in err and "kl/token=0.02" in err
-    assert "actor/lr" not in err
-    none = MetricsWriter(tmp_path / "off", cfg(progress_bar=False), is_main=True, total_steps=5)
-    none.write(1, {"reward/raw_mean": 0.25})
-    none.close()
-    assert "0.25" not in capsys.readouterr().err
+    assert w._bar is None
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2", "4", "5"]
+    assert all("dpo/loss=0.5" in line and "actor/lr" not in line for line in lines)
 
 
 def test_tensorboard_event_file_holds_the_scalars(tmp_path):
