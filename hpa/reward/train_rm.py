@@ -261,6 +261,21 @@ def run_train_rm(cfg: Config, *, groups: Optional[ParallelGroups] = None) -> Dic
         return _train(cfg, groups)
 
 
+def _datasets(cfg: Config, tokenizer, run_dir: Path, groups: ParallelGroups) -> Tuple[List, List]:
+    """The training pairs and the held-out ones (``reward.training.eval_path``, else a split of the pairs)."""
+    rt = cfg.reward.training
+    rejects_dir = (cfg.data.rejects_dir or str(run_dir / "rejects")) if groups.is_main else None
+    dataset = PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects_dir)
+    if rt.eval_path is None:
+        train_idx, eval_idx = split_eval(len(dataset), rt.eval_fraction, cfg.trainer.seed)
+        return [dataset[i] for i in train_idx], [dataset[i] for i in eval_idx]
+    d = cfg.data
+    return list(dataset), list(PreferenceDataset.load(
+        rt.eval_path, tokenizer, max_prompt_length=d.max_prompt_length, max_response_length=d.max_response_length,
+        prompt_truncation=d.prompt_truncation, response_truncation=d.response_truncation, on_error=d.on_error,
+        apply_chat_template=d.apply_chat_template, append_eos=d.append_eos))
+
+
 def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     _check(cfg, groups)
     t, rt, num_heads = cfg.trainer, cfg.reward.training, cfg.reward.num_heads
@@ -271,18 +286,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     barrier()
 
     tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path, model_vocab_size=cfg.model.vocab_size)
-    rejects_dir = (cfg.data.rejects_dir or str(run_dir / "rejects")) if groups.is_main else None
-    dataset = PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects_dir)
-    if rt.eval_path is not None:
-        train_set = list(dataset)
-        eval_set = list(PreferenceDataset.load(
-            rt.eval_path, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
-            max_response_length=cfg.data.max_response_length, prompt_truncation=cfg.data.prompt_truncation,
-            response_truncation=cfg.data.response_truncation, on_error=cfg.data.on_error,
-            apply_chat_template=cfg.data.apply_chat_template, append_eos=cfg.data.append_eos))
-    else:
-        train_idx, eval_idx = split_eval(len(dataset), rt.eval_fraction, t.seed)
-        train_set, eval_set = [dataset[i] for i in train_idx], [dataset[i] for i in eval_idx]
+    train_set, eval_set = _datasets(cfg, tokenizer, run_dir, groups)
     weights = (bootstrap_weights(len(train_set), num_heads, t.seed, rt.bootstrap_kind) if rt.bootstrap
                else torch.ones(len(train_set), num_heads, dtype=torch.long))  # [N, K]
     sampler = DistributedBatchSampler(len(train_set), global_batch_size=t.preference_batch_size,
