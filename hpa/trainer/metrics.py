@@ -89,8 +89,12 @@ class MetricsWriter:
             logger.warning("wandb is not installed; logging.wandb.mode=%s ignored", self.cfg.wandb.mode)
             return None
         w = self.cfg.wandb
+        # wandb's own banner and run summary (some twenty lines per run) only at logging.level DEBUG
+        quiet = self.cfg.level != "DEBUG"
         run = wandb.init(project=w.project, entity=w.entity, name=w.name, mode=w.mode,
-                         dir=str(run_dir), config=dict(run_config or {}), resume="allow")
+                         dir=str(run_dir), config=dict(run_config or {}), resume="allow",
+                         settings=wandb.Settings(quiet=quiet, show_info=not quiet))
+        logger.info("wandb (%s): %s", w.mode, run.dir if w.mode == "offline" else run.url)
         # wandb's own step must only grow, but a rollback or a resume writes earlier steps again:
         # plot against hpa's step, a metric of its own
         run.define_metric(WANDB_STEP)

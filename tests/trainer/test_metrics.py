@@ -78,6 +78,8 @@ def test_wandb_logs_against_hpa_step_so_rewritten_steps_are_kept(tmp_path, monke
     calls = []
 
     class Run:
+        dir = str(tmp_path / "wandb")
+
         def define_metric(self, name, step_metric=None):
             calls.append(("define", name, step_metric))
 
@@ -87,14 +89,15 @@ def test_wandb_logs_against_hpa_step_so_rewritten_steps_are_kept(tmp_path, monke
         def finish(self):
             calls.append(("finish",))
 
-    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw["mode"])) or Run())
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw["mode"], kw["settings"])) or Run(),
+                                 Settings=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     w = MetricsWriter(tmp_path, LoggingConfig(wandb=WandbConfig(mode="offline"), console=False, progress_bar=False),
                       is_main=True)
     for step in (1, 2, 3, 2, 3):  # a rollback to step 1 replays 2 and 3
         w.write(step, {"kl/token": 0.1 * step})
     w.close()
-    assert calls[0] == ("init", "offline")
+    assert calls[0] == ("init", "offline", {"quiet": True, "show_info": False})  # wandb's banner: DEBUG only
     assert ("define", "*", "trainer/step") in calls
     logs = [c for c in calls if c[0] == "log"]
     assert [c[1]["trainer/step"] for c in logs] == [1, 2, 3, 2, 3] and all(c[2] is None for c in logs)
