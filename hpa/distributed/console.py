@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from typing import Optional
 
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # megatron-core logs its DDP buckets (every parameter's name) and its FSDP probe at INFO on every start
 CHATTY_LOGGERS = ("megatron",)
+# deprecations inside torch's and megatron's distributed checkpointing, two lines each per checkpoint load,
+# that nothing in hpa can act on
+QUIET_WARNING_MODULES = r"(torch\.distributed\.checkpoint|megatron\.core)(\.|$)"
 
 
 class BarSafeHandler(logging.StreamHandler):
@@ -32,8 +36,8 @@ class BarSafeHandler(logging.StreamHandler):
 
 def configure_logging(level: str = "INFO") -> None:
     """The root logger at ``level`` through a ``BarSafeHandler`` on stderr (unless the process configured
-    its own handlers first, as ``logging.basicConfig`` does); megatron's loggers at WARNING unless
-    ``level`` is DEBUG."""
+    its own handlers first, as ``logging.basicConfig`` does); unless ``level`` is DEBUG, megatron's loggers at
+    WARNING and the deprecation warnings of torch's and megatron's checkpointing off."""
     root = logging.getLogger()
     if not root.handlers:
         handler = BarSafeHandler(sys.stderr)
@@ -42,6 +46,8 @@ def configure_logging(level: str = "INFO") -> None:
     root.setLevel(level)
     for name in CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
+    if level != "DEBUG":
+        warnings.filterwarnings("ignore", category=FutureWarning, module=QUIET_WARNING_MODULES)
 
 
 def progress_bar(phase: str, total: int, initial: int = 0, file=None) -> Optional[object]:

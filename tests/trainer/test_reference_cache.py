@@ -51,8 +51,11 @@ def _reference(cfg, groups, root):
 def _ctx(cfg, groups, tokenizer, micro_batch_size):
     from hpa.trainer import phases
 
-    return phases.StepContext(cfg, groups, micro_batch_size=micro_batch_size, vocab_size=tokenizer.vocab_size,
-                              temperature=1.0, pad_id=tokenizer.pad_id)
+    import dataclasses
+
+    ctx = phases.StepContext.from_config(cfg, groups, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+    return dataclasses.replace(ctx, temperature=1.0,
+                               batching=dataclasses.replace(ctx.batching, micro_batch_size=micro_batch_size))
 
 
 def _cache(cfg, groups, tokenizer, pairs, reference, directory, calls):
