@@ -2,9 +2,9 @@
 
 A learned reward can be exploited (reward hacking) while the verifiable (rule) reward cannot. The gate
 decides how far to trust the learned part of the advantage from a signal that needs no gold labels,
-read on held-out preference pairs (never trained on). Two signals (``algorithm.hpa.gate.signal``):
+read on held-out preference pairs (never trained on). Three signals (``algorithm.hpa.gate.signal``):
 
-- ``reward_ceiling`` (default): the reward models are validated only up to the responses people
+- ``reward_ceiling``: the reward models are validated only up to the responses people
   preferred. The ceiling is the learned reward of the held-out pairs' chosen responses (their mean),
   the unit is the mean margin by which the reward models prefer chosen over rejected there; once the
   policy's rollouts score above the ceiling, the learned reward pays for something no preference
@@ -14,7 +14,7 @@ read on held-out preference pairs (never trained on). Two signals (``algorithm.h
 
       e_t = (R_t - ceiling) / margin - slack      (R_t: the learned reward's EMA over the steps)
 
-- ``sampled_ceiling``: the same constraint with the ceiling moved onto the rollouts' scale. The ceiling
+- ``sampled_ceiling`` (default, ``algorithm.hpa.gate.signal``): the same constraint with the ceiling moved onto the rollouts' scale. The ceiling
   is a score of chosen responses, the kind a policy gives greedily; the rollouts are sampled (temperature,
   top-p), and sampled responses score lower than greedy ones of the same policy, so a policy whose greedy
   answers are already above the ceiling can keep its sampled rollouts below it for a whole run (measured
@@ -32,7 +32,7 @@ read on held-out preference pairs (never trained on). Two signals (``algorithm.h
   Measured on the hackable demo task it does not close (docs/results.md, the hackable task): the DPO
   term's anchor keeps lowering that NLL while PPO exploits the reward elsewhere.
 
-Both feed the same PI form of the Lagrangian method (Stooke et al., ICML 2020), one multiplier for the
+All feed the same PI form of the Lagrangian method (Stooke et al., ICML 2020), one multiplier for the
 learned component:
 
     I_t = max(0, I_{t-1} + e_t)
@@ -57,14 +57,14 @@ class TrustGate:
     """The state and update of the gate (plain floats; every DP rank updates it with the same inputs).
 
     Args:
-        signal: reward_ceiling | heldout_nll (see the module docstring).
+        signal: sampled_ceiling | reward_ceiling | heldout_nll (see the module docstring).
         slack: violation that costs nothing (margins above the ceiling; relative NLL regression).
         kp: proportional gain.
         ki: integral gain.
         reward_ema: smoothing factor of the learned reward (EMA).
     """
 
-    def __init__(self, *, signal: str = "reward_ceiling", slack: float = 0.02, kp: float = 10.0, ki: float = 1.0,
+    def __init__(self, *, signal: str = "sampled_ceiling", slack: float = 0.02, kp: float = 10.0, ki: float = 1.0,
                  reward_ema: float = 0.9):
         if signal not in GATE_SIGNALS:
             raise ValueError(f"TrustGate signal must be one of {GATE_SIGNALS}, got {signal!r}")

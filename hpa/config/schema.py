@@ -26,6 +26,7 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 ROLLOUT_ENGINES = ("megatron", "vllm")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RESUME_MODES = ("auto", "never")
 SAVE_FAILURE_ACTIONS = ("continue", "stop")
@@ -336,7 +337,6 @@ class TrainerConfig:
             backward, so usually twice the update's; null: ``micro_batch_size`` rows.
         sequence_packing: pack each micro-batch's rows into one sequence, attention kept inside each row.
         eval_interval: greedy evaluation on ``data.eval_prompt_path`` every this many steps (and at step 0); 0: off.
-        log_interval: ``hpa train-rm`` logs every this many steps.
         peak_tflops_per_device: the device's peak TFLOP/s, for ``perf/mfu``; null: MFU is NaN.
         max_steps_per_run: end this process after that many steps with a checkpoint; the next launch resumes.
     """
@@ -353,14 +353,13 @@ class TrainerConfig:
     log_prob_max_token_len_per_rank: Optional[int] = None
     sequence_packing: bool = False
     eval_interval: int = 0
-    log_interval: int = 1
     peak_tflops_per_device: Optional[float] = None
     max_steps_per_run: Optional[int] = None
 
     def __post_init__(self):
         _positive(self, "total_steps", "global_batch_size", "micro_batch_size", "preference_batch_size",
                   "ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_rank",
-                  "log_prob_max_token_len_per_rank", "log_interval",
+                  "log_prob_max_token_len_per_rank",
                   "max_steps_per_run")
         check_range("eval_interval", self.eval_interval, low=0)
         if not self.run_dir:
@@ -510,18 +509,26 @@ class LoggingConfig:
     """Metrics sinks besides ``metrics.jsonl`` (always written).
 
     Attributes:
-        console: a log line with the key metrics every step.
-        progress_bar: a tqdm bar on rank 0 with the key metrics (to stderr).
+        console: a log line with the key metrics every ``log_interval`` steps (and the last step).
+        log_interval: steps between console lines of ``hpa sft``, ``hpa train-rm`` and ``hpa train`` (every
+            step stays in the metrics files and wandb).
+        progress_bar: one tqdm bar per phase on rank 0, on a terminal only (to stderr; log lines print above it).
         tensorboard: event files under ``<run_dir>/tensorboard`` (needs the ``tensorboard`` package).
         wandb: Weights & Biases.
-        level: reserved: the CLI logs at INFO whatever this says.
+        level: the level of the console's log records; DEBUG also shows megatron-core's start-up records
+            (its DDP buckets, its FSDP probe), which otherwise log at WARNING and above only.
     """
 
     wandb: WandbConfig = field(default_factory=WandbConfig)
     console: bool = True
+    log_interval: int = 25
     progress_bar: bool = True
     tensorboard: bool = False
     level: str = "INFO"
+
+    def __post_init__(self):
+        check_range("log_interval", self.log_interval, low=1)
+        check_choice("level", self.level, LOG_LEVELS)
 
 
 @dataclass(frozen=True, kw_only=True)

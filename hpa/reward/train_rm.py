@@ -39,6 +39,8 @@ from hpa.config import ConfigError, load_config, write_resolved
 from hpa.config.schema import Config
 from hpa.data import DistributedBatchSampler, PreferenceDataset, build_tokenizer, collate_preferences
 from hpa.distributed import ParallelGroups, launched, read_launch_env, set_seed
+from hpa.distributed.console import due as console_due
+from hpa.distributed.console import progress_bar
 from hpa.distributed.comm import all_reduce_sum, barrier, broadcast_tensor
 from hpa.models import build_reward
 from hpa.registry import Registry
@@ -259,6 +261,21 @@ def run_train_rm(cfg: Config, *, groups: Optional[ParallelGroups] = None) -> Dic
         return _train(cfg, groups)
 
 
+def _datasets(cfg: Config, tokenizer, run_dir: Path, groups: ParallelGroups) -> Tuple[List, List]:
+    """The training pairs and the held-out ones (``reward.training.eval_path``, else a split of the pairs)."""
+    rt = cfg.reward.training
+    rejects_dir = (cfg.data.rejects_dir or str(run_dir / "rejects")) if groups.is_main else None
+    dataset = PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects_dir)
+    if rt.eval_path is None:
+        train_idx, eval_idx = split_eval(len(dataset), rt.eval_fraction, cfg.trainer.seed)
+        return [dataset[i] for i in train_idx], [dataset[i] for i in eval_idx]
+    d = cfg.data
+    return list(dataset), list(PreferenceDataset.load(
+        rt.eval_path, tokenizer, max_prompt_length=d.max_prompt_length, max_response_length=d.max_response_length,
+        prompt_truncation=d.prompt_truncation, response_truncation=d.response_truncation, on_error=d.on_error,
+        apply_chat_template=d.apply_chat_template, append_eos=d.append_eos))
+
+
 def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     _check(cfg, groups)
     t, rt, num_heads = cfg.trainer, cfg.reward.training, cfg.reward.num_heads
@@ -269,18 +286,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     barrier()
 
     tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path, model_vocab_size=cfg.model.vocab_size)
-    rejects_dir = (cfg.data.rejects_dir or str(run_dir / "rejects")) if groups.is_main else None
-    dataset = PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects_dir)
-    if rt.eval_path is not None:
-        train_set = list(dataset)
-        eval_set = list(PreferenceDataset.load(
-            rt.eval_path, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
-            max_response_length=cfg.data.max_response_length, prompt_truncation=cfg.data.prompt_truncation,
-            response_truncation=cfg.data.response_truncation, on_error=cfg.data.on_error,
-            apply_chat_template=cfg.data.apply_chat_template, append_eos=cfg.data.append_eos))
-    else:
-        train_idx, eval_idx = split_eval(len(dataset), rt.eval_fraction, t.seed)
-        train_set, eval_set = [dataset[i] for i in train_idx], [dataset[i] for i in eval_idx]
+    train_set, eval_set = _datasets(cfg, tokenizer, run_dir, groups)
     weights = (bootstrap_weights(len(train_set), num_heads, t.seed, rt.bootstrap_kind) if rt.bootstrap
                else torch.ones(len(train_set), num_heads, dtype=torch.long))  # [N, K]
     sampler = DistributedBatchSampler(len(train_set), global_batch_size=t.preference_batch_size,
@@ -297,6 +303,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     trainable = make_trainable(model, cfg.optim, cfg.parallel, groups, t.total_steps)
     ddp, optimizer, scheduler = trainable.model, trainable.optimizer, trainable.scheduler
     sink = _MetricsSink(run_dir, groups.is_main)
+    bar = progress_bar("train-rm", t.total_steps) if groups.is_main and cfg.logging.progress_bar else None
     pad_id, margin, num_pairs = tokenizer.pad_id, rt.margin, t.preference_batch_size
 
     def loss_fn(batch, output, hidden):
@@ -335,8 +342,13 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
             save_reward_model(ddp, run_dir, groups, num_heads=num_heads, hidden_size=cfg.model.hidden_size,
                               step=step)
         sink.write(record)
-        if groups.is_main and step % t.log_interval == 0:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix({"rm/loss": f"{record['rm/loss']:.4g}", "rm/accuracy": f"{record['rm/accuracy']:.3g}"})
+        if groups.is_main and cfg.logging.console and console_due(step, cfg.logging.log_interval, t.total_steps):
             logger.info("train-rm step %d: %s", step, {k: round(v, 4) for k, v in record.items() if k != "step"})
+    if bar is not None:
+        bar.close()
     barrier()  # the metrics file and checkpoint are complete when any rank returns
     return record
 

@@ -116,6 +116,7 @@ def _stored(directory: Path, key: Dict, num_pairs: int) -> Tuple[Optional[torch.
     try:
         verify(directory)
         stored = json.loads((directory / KEY).read_text())
+        key = json.loads(json.dumps(key))  # as stored: a tuple in the key (model.lora.target_modules) reads back a list
         changed = sorted(k for k in key.keys() | stored.keys() if key.get(k) != stored.get(k))
         if changed:
             return None, f"changed: {', '.join(changed)}"

@@ -43,7 +43,7 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     trainable = make_trainable(model, optim, cfg.parallel, groups, cfg.sft.total_steps)
     ddp, opt, sched = trainable.model, trainable.optimizer, trainable.scheduler
     writer = MetricsWriter(run_dir / "sft_logs", cfg.logging, is_main=groups.is_main,
-                           total_steps=cfg.sft.total_steps)
+                           total_steps=cfg.sft.total_steps, phase="sft")
     vocab = tokenizer.vocab_size  # rows beyond the tokenizer's vocabulary are never normalised over
     metrics: Dict[str, float] = {}
     for step in range(1, cfg.sft.total_steps + 1):

@@ -142,3 +142,9 @@ def test_sampled_ceiling_lowers_the_ceiling_by_the_offset_and_closes_where_the_p
     assert other.offset == pytest.approx(0.2) and other.update(None, 0.35) == sampled.update(None, 0.35)
     with pytest.raises(ValueError, match="finite"):
         sampled.set_ceiling(0.5, 0.25, offset=float("nan"))
+
+
+def test_the_default_signal_is_the_configs_default():
+    from hpa.config.algorithm import TrustGateConfig
+
+    assert TrustGate().signal == TrustGateConfig().signal == "sampled_ceiling"
