@@ -163,3 +163,23 @@ def test_tp1_pp1_dp1_small_reward_model_loads_next_to_a_larger_policy(tokenizers
     torch.testing.assert_close(out["got"], out["expected"], rtol=0, atol=0)
     torch.testing.assert_close(out["old_got"], out["old_expected"], rtol=0, atol=0)
     assert out["mismatch"] is not None and "b.model" in out["mismatch"] and "a.model" in out["mismatch"]
+
+
+def test_train_rm_names_the_dimensions_of_a_smaller_starting_checkpoint(tmp_path):
+    """``reward.training.backbone_path`` at the SFT model of a smaller backbone (its run's config.yaml records
+    it): the reward model must be given those ``model.*`` dimensions, and the error says which."""
+    import yaml
+
+    from hpa.config import ConfigError
+    from hpa.reward.train_rm import check_recorded_architecture
+
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "elsewhere" / "ckpt").mkdir(parents=True)
+    small = {**dataclasses.asdict(policy_config()), **SMALL}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": small}))
+    with pytest.raises(ConfigError, match="reward.training.backbone_path") as err:
+        check_recorded_architecture(policy_config(), str(tmp_path / "sft"), "reward.training.backbone_path")
+    assert "model.hidden_size=32" in str(err.value) and "model.num_layers=1" in str(err.value)
+    same = dataclasses.replace(policy_config(), **SMALL)
+    check_recorded_architecture(same, str(tmp_path / "sft"), "reward.training.backbone_path")  # matches: fine
+    check_recorded_architecture(policy_config(), str(tmp_path / "elsewhere" / "ckpt"), "reward.training.init_path")
