@@ -73,10 +73,11 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
                                   model_cfg=cfg.model, checkpoint_path=cfg.model.policy_path)
     model_reward = None  # the learned (hackable) part of the reward, watched by the monitor
     if cfg.reward.model_paths:  # the reward-model ensemble (hpa train-rm), next to the rule rewards
-        from hpa.reward.model import ModelReward
+        from hpa.reward.model import ModelReward, tokenizer_record
 
         model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups, pad_id=tokenizer.pad_id,
-                                               micro_batch_size=t.micro_batch_size, packed=t.sequence_packing)
+                                               micro_batch_size=t.micro_batch_size, packed=t.sequence_packing,
+                                               tokenizer=tokenizer_record(tokenizer))
     reward = build_reward(cfg.reward, model_reward)
     evaluator = Evaluator(cfg.data, cfg.rollout, cfg.reward, groups, tokenizer, rejects_dir=rejects, reward=reward,
                           model_reward=model_reward, micro_batch_size=t.micro_batch_size, packed=t.sequence_packing)
