@@ -104,14 +104,19 @@ def test_7b_plan_sane():
     te = plan(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, transformer_impl="transformer_engine")),
               world_size=8, gpu_memory_gb=80)
     # Transformer Engine's fused attention keeps no [s, s] tensor, so selective recomputation saves
-    # nothing there; megatron's local attention keeps the softmax output, which it drops
+    # nothing there; nor does the local spec's, one SDPA call per layer (flash attention in bf16), unless
+    # attention dropout sends it through torch's math kernel on the CPU (float32) path
     te_acts = te["models"]["policy"]["activations_gb_by_recompute"]
     assert te["transformer_engine"] and te_acts["full"] < te_acts["selective"] == te_acts["none"]
     local = plan(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, transformer_impl="local")),
                  world_size=8, gpu_memory_gb=80)
     assert local["models"]["policy"]["activations_gb_by_recompute"] == acts
     local_acts = local["models"]["policy"]["activations_gb_by_recompute"]
-    assert local_acts["full"] < local_acts["selective"] < local_acts["none"]
+    assert local_acts["full"] < local_acts["selective"] == local_acts["none"]
+    math = plan(dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, transformer_impl="local", params_dtype="float32", attention_dropout=0.1)), world_size=8,
+        gpu_memory_gb=80)["models"]["policy"]["activations_gb_by_recompute"]
+    assert math["full"] < math["selective"] < math["none"]
     assert not result["fits"] and result["suggestions"]
     assert any("use_distributed_optimizer" in " ".join(s["changes"]) for s in result["suggestions"])
     assert all(s["total_gb"] <= 80 for s in result["suggestions"])
@@ -190,49 +195,97 @@ def storage_bytes(tensors):
     return seen
 
 
-def measure_activations(groups, cfg, recompute, rows, seq_length):
-    """Peak bytes saved for backward by one training micro-batch ``[rows, seq_length]`` (module docstring)."""
+class LiveStorages:
+    """A ``TorchDispatchMode`` that counts the bytes of every tensor storage an op creates while it is alive:
+    ``peak`` is the most bytes alive at once (after any op, forward or backward), as a caching allocator's
+    ``max_memory_allocated`` counts on a GPU (less its block rounding). A storage is freed when its last user
+    drops it (a finalizer on the storage's Python object, which torch keeps while the storage lives).
+    Storages that existed before (parameters, grad buffers) are not counted."""
+
+    def __new__(cls):
+        import weakref
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.live, self.now, self.peak = {}, 0, 0
+
+            def _free(self, key):
+                self.now -= self.live.pop(key, 0)
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        storage = t.untyped_storage()
+                        if id(storage) not in self.live:
+                            self.live[id(storage)] = storage.nbytes()
+                            self.now += storage.nbytes()
+                            weakref.finalize(storage, self._free, id(storage))
+                self.peak = max(self.peak, self.now)
+                return out
+
+        return Mode()
+
+
+def measure_activations(groups, cfg, recompute, rows, seq_length, kind="preference", forward_only=False,
+                        chunk_elements=None):
+    """Peak bytes alive during one micro-batch ``[rows, seq_length]`` through the trainer's path (module
+    docstring): megatron DDP, ``forward_backward``, the fused head at the response positions (rollout: log-probs
+    and entropy of the last ``rollout.max_new_tokens`` positions, plus the pooled hidden states; preference:
+    the label log-probs of the last ``data.max_response_length`` positions), or a forward-only pass."""
     import torch
 
-    from hpa.models import build_policy
-    from hpa.ops.vocab_parallel import vocab_parallel_log_probs
+    from hpa.algorithms.masked import mean_pool
+    from hpa.engine.head import label_log_probs, response_log_probs
+    from hpa.engine.micro_batch import MicroBatch
+    from hpa.engine.optimizer import wrap_ddp
     from hpa.engine.step import forward_backward
+    from hpa.models import build_policy
 
+    if chunk_elements is not None:
+        import hpa.ops.fused_head
+
+        hpa.ops.fused_head.CHUNK_ELEMENTS = chunk_elements
     torch.manual_seed(0)
     model = build_policy(dataclasses.replace(cfg.model, recompute_granularity=recompute), cfg.parallel, groups)
-    model.train()
-    params = set(storage_bytes(model.parameters()))
-    live, peak = {}, {"saved": 0, "forward_end": 0}
+    if cfg.model.lora.enabled:
+        from hpa.models.lora import attach_lora
 
-    class Saved:  # what autograd holds for backward; dropped when the graph frees it
-        def __init__(self, tensor):
-            self.tensor, st = tensor, tensor.untyped_storage()
-            self.ptr = None if st.data_ptr() in params else st.data_ptr()
-            if self.ptr is not None:
-                nbytes, count = live.get(self.ptr, (st.nbytes(), 0))
-                live[self.ptr] = (nbytes, count + 1)
-                peak["saved"] = max(peak["saved"], sum(n for n, _ in live.values()))
-
-        def __del__(self):
-            if self.ptr is not None:
-                nbytes, count = live.pop(self.ptr)
-                if count > 1:
-                    live[self.ptr] = (nbytes, count - 1)
-
-    def loss_fn(batch, logits, hidden):  # logits [b, s, v/tp]
-        logp = vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group, vocab_size=cfg.model.vocab_size)
-        working_copy = logits.numel() * 4  # the op's fp32 [b, s, v/tp] intermediate
-        peak["forward_end"] = sum(n for n, _ in live.values()) + working_copy
-        return logp.mean(), {}
-
+        attach_lora(model, cfg.model.lora, groups, seed=0)
+    ddp = wrap_ddp(model, cfg.parallel, groups)
+    ddp.train()
+    vocab = cfg.model.vocab_size
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.model.vocab_size, (rows, seq_length + 1), generator=gen)
-    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:],
-             "position_ids": torch.arange(seq_length).expand(rows, seq_length)}
-    with torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor):
-        forward_backward(model, [batch], loss_fn, groups)
-    assert not live, "saved tensors outlived backward"
-    return max(peak.values())
+    ids = torch.randint(3, vocab, (rows, seq_length + 1), generator=gen)
+    lengths = torch.full((rows,), seq_length)
+    if kind == "rollout":
+        r = cfg.rollout.max_new_tokens
+        index = (seq_length - r - 1 + torch.arange(r)).expand(rows, r).contiguous()
+        pool = torch.zeros(rows, seq_length)
+        pool[:, seq_length - r:] = 1
+        mb = MicroBatch.from_padded("rollout", ids[:, :-1], ids[:, 1:], lengths, response_index=index, pool_mask=pool)
+
+        def loss_fn(batch, logits, hidden):  # logits [b, s, v/tp], hidden [b, s, h]
+            logp, ent = response_log_probs(batch, logits, groups.tp_group, vocab_size=vocab, entropy=True)
+            pooled = mean_pool(batch.unpack(hidden).float(), batch["pool_mask"])
+            return logp.mean() + 0.01 * ent.mean() + 0.0 * pooled.sum(), {}
+    else:
+        mask = torch.zeros(rows, seq_length)
+        mask[:, seq_length - cfg.data.max_response_length:] = 1
+        mb = MicroBatch.from_padded("pairs", ids[:, :-1], ids[:, 1:], lengths, label_mask=mask)
+
+        def loss_fn(batch, logits, hidden):
+            return label_log_probs(batch, logits, groups.tp_group, vocab_size=vocab).mean(), {}
+
+    mode = LiveStorages()
+    with mode:
+        forward_backward(ddp, [mb], loss_fn, groups, forward_only=forward_only, capture_hidden=kind == "rollout")
+    return mode.peak
 
 
 def measure_kv_cache(groups, cfg, rows, positions):
@@ -254,9 +307,9 @@ def measure_worker(groups, cfgs):
     out = {"static": measure_static(groups, next(iter(cfgs.values())))}
     if groups.pipeline_model_parallel_size == 1:
         for size, cfg in cfgs.items():
-            rows, seq_length = planned_micro_batch(cfg)
+            kind, (rows, seq_length) = planned_micro_batch(cfg)
             out[size] = {
-                "activations": {r or "none": measure_activations(groups, cfg, r, rows, seq_length)
+                "activations": {r or "none": measure_activations(groups, cfg, r, rows, seq_length, kind)
                                 for r in (None, "selective", "full")},
                 # the KV-cache decoder refuses sequence parallelism (it decodes one position a step)
                 "kv_cache": None if cfg.parallel.sequence_parallel else
@@ -265,13 +318,14 @@ def measure_worker(groups, cfgs):
 
 
 def planned_micro_batch(cfg):
-    """The training micro-batch ``(rows, seq_length)`` whose activations the planner counts."""
-    from hpa.plan import activation_bytes, training_micro_batches
+    """``(kind, (rows, seq_length))`` of the training micro-batch whose activations the planner counts."""
+    from hpa.plan import activation_bytes, head_positions, training_micro_batches
 
     p = cfg.parallel
-    return max(training_micro_batches(cfg).values(), key=lambda shape: activation_bytes(
+    return max(training_micro_batches(cfg).items(), key=lambda item: activation_bytes(
         cfg.model, tp=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
-        recompute=cfg.model.recompute_granularity, micro_batch_size=shape[0], seq_length=shape[1]))
+        recompute=cfg.model.recompute_granularity, micro_batch_size=item[1][0], seq_length=item[1][1],
+        positions=head_positions(cfg, item[0], item[1][0])))
 
 
 TP1, TP2, PP2_DP2 = layout_id(1, 1, 1), layout_id(2, 1, 1), layout_id(1, 2, 2) + "_distopt"
@@ -324,15 +378,15 @@ def test_activation_estimate_matches_measured(layout_name, size):
 
     lay = LAYOUTS[layout_name]
     cfg = tiny_cfg(lay["tp"], size=size, sequence_parallel=lay.get("sequence_parallel", False))
-    rows, seq_length = planned_micro_batch(cfg)
-    assert (rows, seq_length) == (2 * cfg.trainer.micro_batch_size,
+    kind, (rows, seq_length) = planned_micro_batch(cfg)
+    assert kind == "preference" and (rows, seq_length) == (2 * cfg.trainer.micro_batch_size,
                                   cfg.data.max_prompt_length + cfg.data.max_response_length)  # DPO pairs
     policy = plan(cfg, world_size=lay["tp"], gpu_memory_gb=80)["models"]["policy"]
     for recompute, est_gb in policy["activations_gb_by_recompute"].items():
         est, got = est_gb * 1e9, max(r[size]["activations"][recompute] for r in measured(layout_name))
         print(f"{layout_name} {size} {rows}x{seq_length} recompute={recompute}: estimated {est:.0f} B, "
               f"measured {got} B, error {100 * (est - got) / got:+.2f}%")
-        assert abs(est - got) / got < 0.15, (recompute, est, got)
+        assert abs(est - got) / got < 0.10, (recompute, est, got)
     acts = measured(layout_name)[0][size]["activations"]
     assert acts["full"] < acts["selective"] < acts["none"]
 
@@ -443,25 +497,51 @@ def test_auto_follows_the_layer_spec_in_use(monkeypatch):
     assert not transformer_engine_expected(bf16)
 
 
-def test_bf16_local_attention_counts_the_fp32_softmax_output():
-    """In 16 bits megatron's local attention computes the softmax in fp32 and keeps that output next to
-    the bf16 probabilities: ``a·s·4/t`` more bytes per token and layer (1.4 GB per 1024-token sequence at a
-    Qwen2-0.5B shape)."""
+def test_local_attention_keeps_no_probabilities_outside_the_math_kernel():
+    """The local spec's core attention is one SDPA call per layer (flash attention on CUDA in 16 bits, torch's
+    flash kernel on CPU): no ``[s, s]`` term, so the bytes per token do not grow with the sequence, and
+    selective recomputation saves nothing. Only attention dropout on the float32 (CPU) path runs torch's math
+    kernel, which keeps the probabilities, their dropped-out copy and the mask: ``a·s·(2e + e)/t`` per token."""
     from hpa.config.schema import ModelConfig
     from hpa.plan import _layer_activations
 
-    a, s, b, layers = 14, 1024, 1, 24
+    a, layers = 14, 24
     model = ModelConfig(num_layers=layers, hidden_size=896, num_attention_heads=a, num_query_groups=2,
-                        ffn_hidden_size=4864, vocab_size=151936, max_sequence_length=s, params_dtype="bfloat16")
-    per_token = _layer_activations(model, tp=1, sequence_parallel=False, seq_length=s, transformer_engine=False)
-    fp32_copy = a * s * 4
-    assert fp32_copy * s * b * layers / 1e9 == pytest.approx(1.41, abs=0.01)  # one 1024-token sequence
-    # selective recomputation drops exactly the [s, s] terms (the bf16 probabilities and the fp32 copy)
-    # and GQA's repeated k, v (4·h·e instead of the kept qkv terms)
-    h, g, d, e = 896, 2, 64, 2
-    gqa = 4 * h * e - (2 * h + g * d + (a + 2 * g) * d) * e
-    assert per_token["none"] - per_token["selective"] == pytest.approx(a * s * e + fp32_copy + gqa, rel=1e-12)
-    fp32 = _layer_activations(dataclasses.replace(model, params_dtype="float32"), tp=1, sequence_parallel=False,
-                              seq_length=s, transformer_engine=False)
-    assert fp32["none"] - fp32["selective"] == pytest.approx(a * s * 4 + (4 * h * 4 - (2 * h + g * d + (a + 2 * g) * d) * 4),
-                                                             rel=1e-12)  # fp32: no second copy
+                        ffn_hidden_size=4864, vocab_size=151936, max_sequence_length=2048, params_dtype="bfloat16")
+    short, long = (_layer_activations(model, tp=1, sequence_parallel=False, seq_length=s, transformer_engine=False)
+                   for s in (128, 2048))
+    assert short == long and short["none"] == short["selective"]
+    h, g, d, f, e = 896, 2, 64, 4864, 2
+    # two RMSNorms (input, output, x·rstd), q and k after RoPE + the qkv output + the context + the fp32 LSE,
+    # SwiGLU's fc1 output, its two halves' activations and their product
+    assert short["none"] == pytest.approx(2 * 3 * h * e + (2 * h + g * d + (a + 2 * g) * d) * e + a * 4
+                                          + 5 * f * e, rel=1e-12)
+    math = dataclasses.replace(model, params_dtype="float32", attention_dropout=0.1)
+    m128, m2048 = (_layer_activations(math, tp=1, sequence_parallel=False, seq_length=s, transformer_engine=False)
+                   for s in (128, 2048))
+    assert m2048["none"] - m128["none"] == pytest.approx(a * (2048 - 128) * 3 * 4, rel=1e-12)
+
+
+def test_lm_head_is_the_fused_head_s_chunks_and_the_logits_gradient():
+    """The LM head by hand for the GPU-check shape (Qwen2-0.5B, bf16, TP1): the logits ``L`` and their gradient
+    (2 B each per token and vocabulary entry) plus the fused head's chunk of ``2^28 / V_pad`` rows (two fp32
+    copies and a bf16 read), never an fp32 copy of the whole ``[tokens, vocab]``; forward only: the logits'
+    contiguous copy (``2L``) or the logits and one forward chunk."""
+    from hpa.config.schema import ModelConfig
+    from hpa.ops.fused_head import CHUNK_ELEMENTS
+    from hpa.plan import lm_head_bytes
+
+    model = ModelConfig(num_layers=24, hidden_size=896, num_attention_heads=14, num_query_groups=2,
+                        ffn_hidden_size=4864, vocab_size=151936, max_sequence_length=512, params_dtype="bfloat16",
+                        untie_embeddings_and_output_weights=False)
+    v = 151936  # already a multiple of 128
+    tokens, positions = 8192, 5504
+    chunk = CHUNK_ELEMENTS // v  # 1,766 rows
+    assert lm_head_bytes(model, tp=1, tokens=tokens, positions=positions) == 2 * tokens * v * 2 + chunk * v * 10
+    # forward only: the logits' contiguous copy, or the logits and the forward's chunk (here the larger)
+    assert lm_head_bytes(model, tp=1, tokens=tokens, positions=positions, backward=False) == \
+        max(2 * tokens * v * 2, tokens * v * 2 + chunk * v * 10) == tokens * v * 2 + chunk * v * 10
+    few = lm_head_bytes(model, tp=1, tokens=64, positions=10)  # the output layer's backward dominates
+    assert few == 2 * 64 * v * 2 + v * 896 * 2 + 64 * 896 * 2
+    # the old estimate's fp32 copy of the whole logits would be 4 B per entry: 5.0 GB here
+    assert lm_head_bytes(model, tp=1, tokens=tokens, positions=positions) < tokens * v * (2 + 4) + chunk * v * 10
