@@ -283,7 +283,7 @@ def measure_activations(groups, cfg, recompute, rows, seq_length, kind="preferen
             return label_log_probs(batch, logits, groups.tp_group, vocab_size=vocab).mean(), {}
 
     mode = LiveStorages()
-    with mode:
+    with mode, torch.set_grad_enabled(not forward_only):  # as hpa.engine.forward runs the forward-only passes
         forward_backward(ddp, [mb], loss_fn, groups, forward_only=forward_only, capture_hidden=kind == "rollout")
     return mode.peak
 
@@ -545,3 +545,49 @@ def test_lm_head_is_the_fused_head_s_chunks_and_the_logits_gradient():
     assert few == 2 * 64 * v * 2 + v * 896 * 2 + 64 * 896 * 2
     # the old estimate's fp32 copy of the whole logits would be 4 B per entry: 5.0 GB here
     assert lm_head_bytes(model, tp=1, tokens=tokens, positions=positions) < tokens * v * (2 + 4) + chunk * v * 10
+
+
+# configs/qwen2_0.5b_gpu_check.yaml scaled down for a CPU run, in its proportions: a vocabulary ~130x the
+# width (Qwen2: 170x; the head dominates), GQA, qkv bias, tied embeddings, SwiGLU, token-budget micro-batches
+# (8192 and 16384 there, 10 and 20 rows here), and the fused head's chunk smaller than the positions it reads
+GPU_CHECK_SCALED = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4",
+                    "model.num_query_groups=2", "model.ffn_hidden_size=352", "model.vocab_size=8192",
+                    "model.max_sequence_length=64", "model.params_dtype=float32", "data.max_prompt_length=16",
+                    "data.max_response_length=32", "rollout.max_new_tokens=32", "trainer.micro_batch_size=4",
+                    "trainer.ppo_max_token_len_per_rank=480", "trainer.log_prob_max_token_len_per_rank=960"]
+SCALED_CHUNK_ELEMENTS = 2 ** 17  # 16 rows of the 8,192-entry vocabulary: 20 chunks per 320 read positions
+
+
+def scaled_gpu_check_worker(groups, cfg):
+    from hpa.plan import forward_micro_batch, training_micro_batches
+
+    rows, width = training_micro_batches(cfg)["rollout"]
+    fwd_rows, fwd_width = forward_micro_batch(cfg)
+    return {"training": measure_activations(groups, cfg, None, rows, width, "rollout",
+                                            chunk_elements=SCALED_CHUNK_ELEMENTS),
+            "forward": measure_activations(groups, cfg, None, fwd_rows, fwd_width, "rollout", forward_only=True,
+                                           chunk_elements=SCALED_CHUNK_ELEMENTS)}
+
+
+@pytest.mark.multirank
+def test_activation_term_against_a_cpu_run_of_the_gpu_check_shapes(monkeypatch):
+    """The plan's activation terms for the GPU-check config's shapes (scaled down, float32) against the peak
+    bytes alive (``LiveStorages``) in a CPU run of the same micro-batches: a rollout micro-batch of the update's
+    token budget through forward and backward with the fused head at the response positions, and a forward-only
+    micro-batch of the log-prob budget. Also: the plan no longer counts an fp32 copy of the whole logits."""
+    from hpa.config import load_config
+    from hpa.plan import plan
+
+    monkeypatch.setattr("hpa.ops.fused_head.CHUNK_ELEMENTS", SCALED_CHUNK_ELEMENTS)
+    cfg = load_config(ROOT / "configs" / "qwen2_0.5b_gpu_check.yaml", GPU_CHECK_SCALED)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="gloo"))
+    result = plan(cfg, world_size=1, gpu_memory_gb=80)
+    assert result["training_micro_batches"]["rollout"] == {"rows": 10, "seq_length": 48}
+    got = run_ranks(scaled_gpu_check_worker, args=(cfg,))[0]
+    policy = result["models"]["policy"]
+    for name, est in (("training", policy["activations_gb"] * 1e9), ("forward", policy["forward_gb"] * 1e9)):
+        print(f"gpu-check shapes (scaled) {name}: estimated {est:.0f} B, measured {got[name]} B, "
+              f"error {100 * (est - got[name]) / got[name]:+.2f}%")
+        assert abs(est - got[name]) / got[name] < 0.10, (name, est, got[name])
+    tokens_x_vocab = 10 * 48 * 8192 * 4
+    assert got["training"] < policy["activations_gb"] * 1e9 + tokens_x_vocab  # the old fp32 copy is not there
