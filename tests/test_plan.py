@@ -164,25 +164,33 @@ def measure_static(groups, cfg):
 
     torch.manual_seed(0)
     model = build_policy(cfg.model, cfg.parallel, groups)
+    if cfg.model.lora.enabled:  # the trainer's set-up: adapters over the frozen base, the reference is the base
+        from hpa.models.lora import attach_lora
+
+        attach_lora(model, cfg.model.lora, groups, seed=0)
     ddp = wrap_ddp(model, cfg.parallel, groups)
     opt = build_optimizer(ddp, cfg.optim, cfg.parallel, groups)
     zero_grad(ddp, opt)
     for p in ddp.parameters():
-        p.main_grad.fill_(1e-3)
+        if p.requires_grad:
+            p.main_grad.fill_(1e-3)
     optimizer_step(opt)
 
     params = storage_bytes(p.data for p in model.parameters())
-    grads = storage_bytes(p.main_grad for p in model.parameters())
+    grads = storage_bytes(p.main_grad for p in model.parameters() if p.requires_grad)
     inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
     state = [t for o in inner for s in o.state.values() for t in s.values()
              if torch.is_tensor(t) and t.dim() > 0]  # leaves out torch's one-element `step`
     masters = [p for o in inner for g in o.param_groups for p in g["params"]]
     opt_bytes = storage_bytes(state)
     opt_bytes.update({k: v for k, v in storage_bytes(masters).items() if k not in params})
-    reference = build_reference(cfg.model, cfg.parallel, groups)
+    if cfg.model.lora.enabled:  # BaseView(policy): no weights of its own
+        reference_bytes = 0
+    else:
+        reference = build_reference(cfg.model, cfg.parallel, groups)
+        reference_bytes = sum(storage_bytes(p.data for p in reference.parameters()).values())
     return {"params": sum(params.values()), "grads": sum(grads.values()),
-            "optimizer": sum(opt_bytes.values()),
-            "reference": sum(storage_bytes(p.data for p in reference.parameters()).values()),
+            "optimizer": sum(opt_bytes.values()), "reference": reference_bytes,
             "numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -591,3 +599,39 @@ def test_activation_term_against_a_cpu_run_of_the_gpu_check_shapes(monkeypatch):
         assert abs(est - got[name]) / got[name] < 0.10, (name, est, got[name])
     tokens_x_vocab = 10 * 48 * 8192 * 4
     assert got["training"] < policy["activations_gb"] * 1e9 + tokens_x_vocab  # the old fp32 copy is not there
+
+
+def lora_static_worker(groups, cfgs):
+    return {name: measure_static(groups, cfg) for name, cfg in cfgs.items()}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tiny_static_bytes_with_and_without_lora_match_the_plan(tp):
+    """configs/tiny_cpu.yaml's parameter + gradient + optimizer bytes (policy and reference), measured as the
+    unique storages after one optimizer step, against the plan, with and without LoRA (rank 8 on all four
+    linears; the base frozen and held once, fp32 grads and Adam state for the adapters only)."""
+    from hpa.config import load_config
+    from hpa.plan import plan
+
+    def cfg_of(*extra):
+        cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [f"parallel.tensor_model_parallel_size={tp}", *extra])
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="gloo"))
+
+    cfgs = {"full": cfg_of(), "lora": cfg_of("model.lora.rank=8", "model.lora.alpha=16")}
+    measured_by_rank = run_ranks(lora_static_worker, tp=tp, args=(cfgs,))
+    totals = {}
+    for name, cfg in cfgs.items():
+        models = plan(cfg, world_size=tp, gpu_memory_gb=80)["models"]
+        est = sum(r["static_gb"] for n, r in models.items() if n in ("policy", "reference")) * 1e9
+        got = max(r[name]["params"] + r[name]["grads"] + r[name]["optimizer"] + r[name]["reference"]
+                  for r in measured_by_rank)
+        print(f"tiny_cpu tp{tp} {name}: planned {est:.0f} B, measured {got} B, error {100 * (est - got) / got:+.2f}%")
+        assert abs(est - got) / got < 0.10, (name, est, got)
+        totals[name] = got
+        if name == "lora":
+            assert models["reference"]["static_gb"] == 0 and models["reference"]["shares_base"]
+            policy = models["policy"]
+            assert policy["trainable_per_gpu"] < policy["parameters_per_gpu"] / 2
+            assert policy["grads_gb"] * 1e9 == pytest.approx(4 * policy["trainable_per_gpu"])  # fp32 main grads
+    assert totals["lora"] < totals["full"] / 3  # no reference copy, no grads or Adam state for the base
