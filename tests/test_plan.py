@@ -434,23 +434,79 @@ def test_peak_estimate_matches_measured(layout_name):
     assert abs(est - got) / got < 0.15
 
 
-@pytest.mark.parametrize("name,world_size", [("llama2_7b.yaml", 8), ("llama2_70b.yaml", 64)])
-def test_shipped_gpu_configs_fit_their_nodes_with_colocated_vllm(name, world_size, monkeypatch):
-    """Colocated vLLM takes rollout.gpu_memory_utilization of the GPU while megatron's training state
-    stays: the rollout term is that budget, and the shipped configs fit 80 GB GPUs with headroom (on
-    their clusters, with Transformer Engine installed)."""
+# every shipped GPU config, the hardware its comment names (GPUs x GB), and the headroom it promises
+SHIPPED_GPU_CONFIGS = [("llama2_7b.yaml", 8, 80, 2.0), ("llama2_70b.yaml", 64, 80, 2.0),
+                       ("llama2_70b_lora.yaml", 8, 80, 8.0), ("qwen2_0.5b_gpu_check.yaml", 1, 80, 2.0)]
+
+
+def test_every_shipped_gpu_config_is_checked_here():
+    shipped = {p.name for p in (ROOT / "configs").glob("*.yaml")
+               if "backend: nccl" in p.read_text()}
+    assert shipped == {name for name, *_ in SHIPPED_GPU_CONFIGS}
+
+
+@pytest.mark.parametrize("te_installed", [True, False], ids=["te", "no_te"])
+@pytest.mark.parametrize("name,world_size,gpu_gb,headroom_gb", SHIPPED_GPU_CONFIGS)
+def test_shipped_gpu_configs_fit_the_hardware_their_comment_names(name, world_size, gpu_gb, headroom_gb,
+                                                                  te_installed, monkeypatch):
+    """Each shipped GPU config fits its hardware by its own plan, with or without Transformer Engine installed
+    (``transformer_impl: auto`` takes either), and its comment names that hardware. Colocated vLLM takes
+    rollout.gpu_memory_utilization of the GPU while megatron's training state stays."""
     from hpa.config import load_config
     from hpa.plan import plan
 
-    monkeypatch.setattr("hpa.plan.transformer_engine_installed", lambda: True)
-
+    monkeypatch.setattr("hpa.plan.transformer_engine_installed", lambda: te_installed)
+    text = (ROOT / "configs" / name).read_text()
+    assert f"{gpu_gb} GB" in text.split("\nparallel:")[0] or f"--gpu-memory-gb {gpu_gb}" in text
     cfg = load_config(ROOT / "configs" / name)
-    result = plan(cfg, world_size=world_size, gpu_memory_gb=80)
-    assert result["rollout_engine"] == "vllm"
-    assert result["rollout_gb"] == pytest.approx(cfg.rollout.gpu_memory_utilization * 80)
+    result = plan(cfg, world_size=world_size, gpu_memory_gb=gpu_gb)
+    if result["rollout_engine"] == "vllm":
+        assert result["rollout_gb"] == pytest.approx(cfg.rollout.gpu_memory_utilization * gpu_gb)
     assert result["total_gb"] == pytest.approx(result["static_gb"] + max(result["activations_gb"],
                                                                          result["rollout_gb"]))
-    assert result["fits"] and 80 - result["total_gb"] >= 2.0
+    assert result["fits"] and gpu_gb - result["total_gb"] >= headroom_gb, result["total_gb"]
+
+
+def test_70b_lora_fits_one_node_with_ten_percent_headroom():
+    """configs/llama2_70b_lora.yaml on 8 x 80 GB: at least 10 % headroom, planning the reward model with the
+    policy's architecture (no record at its placeholder path) and with its own 7B size (--reward-config); the
+    frozen 70B base is held once (the reference adds nothing) and only adapters carry grads and Adam state."""
+    from hpa.config import load_config
+    from hpa.plan import main, plan
+
+    cfg = load_config(ROOT / "configs" / "llama2_70b_lora.yaml")
+    stand_in = plan(cfg, world_size=8, gpu_memory_gb=80)
+    own = plan(cfg, world_size=8, gpu_memory_gb=80, reward_config=load_config(ROOT / "configs" / "llama2_7b.yaml"))
+    for result in (stand_in, own):
+        assert result["fits"] and result["total_gb"] <= 0.9 * 80, result["total_gb"]
+        assert result["models"]["reference"]["static_gb"] == 0 and "critic" not in result["models"]
+        policy = result["models"]["policy"]
+        assert policy["grads_gb"] < 0.02 * policy["params_gb"] and policy["optimizer_gb"] < 0.05 * policy["params_gb"]
+    assert own["models"]["reward"]["parameters"] == pytest.approx(6.6e9, rel=0.01)
+    assert stand_in["models"]["reward"]["parameters"] == pytest.approx(68.7e9, rel=0.01)
+    assert own["total_gb"] < stand_in["total_gb"] - 15
+    assert any("no record there" in n for n in stand_in["notes"])
+    assert main(["--config", str(ROOT / "configs" / "llama2_70b_lora.yaml"), "--world-size", "8",
+                 "--gpu-memory-gb", "80", "--reward-config", str(ROOT / "configs" / "llama2_7b.yaml")]) == 0
+
+
+def test_reward_model_record_gives_its_own_size(tmp_path):
+    """A reward model directory with its record (``hpa_reward_model.json``, as ``hpa train-rm`` writes it) is
+    planned with the recorded architecture, whatever --reward-config says."""
+    from hpa.config import load_config
+    from hpa.plan import count_parameters, plan
+    from hpa.reward.model import write_reward_model_info
+
+    small = load_config(None, ["model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
+                               "model.num_query_groups=1", "model.ffn_hidden_size=48"])
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    write_reward_model_info(rm, num_heads=4, model=small.model)
+    cfg = load_config(None, [f"reward.model_paths=[{rm}]", "reward.num_heads=4"])
+    result = plan(cfg, world_size=1, gpu_memory_gb=80, reward_config=cfg)
+    assert result["models"]["reward"]["parameters"] == count_parameters(small.model, 4)
+    assert result["models"]["reward"]["parameters"] < result["models"]["policy"]["parameters"] / 2
+    assert not any("no record" in n for n in result["notes"])
 
 
 def test_vllm_share_that_does_not_fit_gets_a_utilization_suggestion(monkeypatch):
