@@ -9,57 +9,75 @@ The estimate is analytic (no GPU, no megatron import). Per GPU, the worst pipeli
   ``4·h``), the final norm and the output layer ``V_pad·h`` (last stage, unless tied; under PP a
   tied embedding is kept on the last stage too). Linear layers are split over TP, norms are
   replicated; layers are split over PP. The critic and the reward models replace the output layer
-  by a replicated ``ScalarHead`` of ``K·h + K`` parameters.
+  by a replicated ``ScalarHead`` of ``K·h + K`` parameters. A reward model has its own architecture
+  (``reward_architectures``: the record at its path, else ``--reward-config``, else the policy's), laid
+  out under the policy's TP/PP as ``hpa train`` loads it.
+* **LoRA** (``model.lora.rank > 0``, ``hpa.models.lora``): the base weights are frozen and held once per
+  stage; the policy adds ``A [r, in]`` and ``B [out, r]`` per adapted linear and layer (the side that follows
+  the base weight's TP split divided by TP, ``lora_parameters``), the reference is the same base with the
+  adapters off (no weights of its own) and a critic would add its own adapters and value head only.
+  Gradients and optimizer state are the adapters'.
 * **gradients**: megatron DDP keeps fp32 main grads (``grad_reduce_in_fp32=True``): 4 bytes per
   trainable parameter, not sharded by the distributed optimizer (it shards optimizer state only).
 * **optimizer state** (Adam): ``exp_avg`` + ``exp_avg_sq`` in fp32 (8 bytes), plus an fp32 master
   copy (4 bytes) when the parameters are bf16/fp16; divided by DP with the distributed optimizer.
   Torch's one-element ``step`` tensors and the distributed optimizer's alignment padding (at most
-  63 elements per tensor) are left out.
-* **activations**: the bytes one training micro-batch saves for backward, on one rank, for the
-  largest micro-batch of each kind the trainer runs (``training_micro_batches``): rollout rows
+  63 elements per tensor) are left out. (megatron-core's ``optimizer_cpu_offload`` is not an hpa option:
+  its ``HybridDeviceOptimizer`` needs CUDA streams, so it could not be tested here.)
+* **activations**: the peak bytes one training micro-batch holds, forward and backward, on one rank, for
+  the largest micro-batch of each kind the trainer runs (``training_micro_batches``): rollout rows
   (``b = trainer.micro_batch_size`` sequences of ``s = data.max_prompt_length +
   rollout.max_new_tokens`` tokens; under ``trainer.ppo_max_token_len_per_rank`` enough rows to
-  cover that budget) and DPO rows (``2·micro_batch_size`` chosen + rejected sequences of
-  ``max_prompt_length + data.max_response_length``). Per token and layer, in bytes, with
-  ``e = bytes(model.params_dtype)``, ``a`` heads, ``g`` query groups, ``d = h/a``, ``f`` FFN size,
-  ``t = TP``; "replicated" terms are divided by ``t`` only under sequence parallelism:
+  cover that budget: a micro-batch holds the budget's tokens, padded or packed) and DPO rows
+  (``2·micro_batch_size`` chosen + rejected sequences of ``max_prompt_length + data.max_response_length``).
+  Per token and layer, in bytes, with ``e = bytes(model.params_dtype)``, ``a`` heads, ``g`` query groups,
+  ``d = h/a``, ``f`` FFN size, ``t = TP``; "replicated" terms are divided by ``t`` only under sequence
+  parallelism:
 
   - each of the two norms keeps its input and output, ``2·h·e``, replicated (torch's RMSNorm,
     which the local spec uses, also keeps ``x·rstd``: ``3·h·e``);
-  - attention keeps ``(2·h + g·d + (a + 2·g)·d)·e/t``: q and k after RoPE, the qkv output that v is
-    a view of, and the context. megatron's local ``DotProductAttention`` instead repeats k and v to
-    all heads under GQA (``g < a``: ``4·h·e/t``) and keeps the softmax output ``a·s·e/t`` (the
-    ``[b, a/t, s, s]`` probabilities; with attention dropout also the dropped probabilities and the
-    mask; in 16 bits also the fp32 softmax's own output, ``a·s·4/t``, as megatron computes the local
-    softmax in fp32); Transformer Engine's fused attention keeps no ``[s, s]`` tensor;
+  - attention keeps ``(2·h + g·d + (a + 2·g)·d)·e/t + a·4/t``: q and k after RoPE, the qkv output that v
+    is a view of, the context and the fused kernel's fp32 log-sum-exp. Both Transformer Engine and the
+    local spec (one SDPA call per layer: flash attention on CUDA, torch's flash kernel on CPU) keep no
+    ``[s, s]`` tensor; only attention dropout on the float32 (CPU) path runs torch's math kernel, which
+    repeats k and v under GQA and keeps the probabilities, their dropped-out copy and the mask
+    (``a·s·(2·e + mask)/t``);
   - the MLP keeps ``5·f·e/t`` with SwiGLU (fc1's output, ``x_linear + 0``, ``silu``, their product)
-    or ``2·f·e/t`` with GeLU;
+    or ``2·f·e/t`` with GeLU; LoRA adds ``r·e`` per adapted linear (``u = A x``);
   - with hidden dropout, two dropout masks ``2·h`` bytes, replicated (CUDA keeps a bool mask; torch
     on CPU a noise tensor of ``e`` bytes: float32 is taken as the CPU path), and one more for the
-    embedding.
+    embedding;
+  - a layer's backward holds, beside what it keeps, the gradients of fc1's output and the activation and of
+    the layer's input and output, ``(3·f (SwiGLU) or 2·f)·e/t + 2·h·e`` (the math kernel: two ``[s, s]``
+    gradients if larger).
 
-  The head adds the final norm and the logits shard ``V_pad/t·e`` the loss keeps, plus the loss's
-  fp32 working copy of it ``V_pad/t·4`` (the critic's scalar head adds only the norm). Selective
-  recomputation (core attention) drops the local spec's softmax output and repeated k, v, and
-  recomputes them in backward once the layer's later part is freed; under Transformer Engine it
-  changes nothing. Full recomputation keeps each layer's input ``h·e`` (replicated) and, in
-  backward, one recomputed layer at a time. Peak = ``L·(per layer) + max(head, recomputed part)``:
-  the head's tensors are freed before any layer is recomputed. Under 1F1B the first stage holds
-  ``PP`` micro-batches of its ``L/PP`` layers, i.e. ``L`` layers' worth at any PP; the head is
-  counted as if it were on that stage. Left out (about 1% at the tested sizes; up to 3% for
-  ``s = 256`` at ``b = 2``): ``[s, b]`` statistics (norm ``rstd``, the loss's), the RoPE tables,
-  the local spec's ``[s, s]`` bool causal mask per layer, token ids. Policy and critic update one
-  after the other, so the larger of the two counts.
+  The LM head (``lm_head_bytes``, the fused log-prob head of ``hpa.ops.fused_head`` at the positions the loss
+  reads: ``N`` response tokens) holds the logits shard ``L = T·V_pad/t·e`` and, in backward, their gradient
+  ``L`` beside two fp32 chunks of ``c = min(N, CHUNK_ELEMENTS/(V_pad/t))`` rows (in 16 bits also the chunk
+  read in the input dtype), then the output layer's contiguous copy of that gradient and its weight
+  gradient: ``2·L + max(c·V_pad/t·(8 + e_16), V_pad/t·h·e + T·h·e)``, never an fp32 ``[T, vocab]`` tensor.
+  The critic's scalar head adds only the norm. Selective recomputation (core attention) changes nothing
+  outside the math kernel; there it drops the probabilities and recomputes them in backward. Full
+  recomputation keeps each layer's input ``h·e`` (replicated) and, in backward, one recomputed layer
+  and its gradients at a time. Peak = ``L·(per layer) + max(head, the backward's transient)``: the head's
+  tensors are freed before any layer is recomputed. Under 1F1B the first stage holds ``PP``
+  micro-batches of its ``L/PP`` layers, i.e. ``L`` layers' worth at any PP; the head is counted as if it
+  were on that stage. Left out: ``[s, b]`` statistics, the RoPE tables, token ids, per-row loss tensors.
+  Policy and critic update one after the other, so the larger of the two counts.
+* **forward-only passes** (old and reference log-probs, values; ``forward_only_bytes``): micro-batches of
+  ``trainer.log_prob_max_token_len_per_rank`` tokens (else ``micro_batch_size`` rows), no graph: one
+  layer's tensors at a time, then the logits (``2·L`` while megatron copies them contiguous, or ``L`` and
+  a forward chunk). The activation term is the larger of training's and this.
 
-  *Measured vs formula-only*: the local-spec terms (float32, TP1 and TP2, with and without
-  sequence parallelism, no / selective / full recomputation, GQA and MHA, RMSNorm and LayerNorm,
-  SwiGLU and GeLU, dropout) match the peak of the bytes saved for backward, measured on CPU in
-  ``tests/test_plan.py``, within about 1%. The Transformer Engine terms
-  (``transformer_engine_expected``: ``transformer_impl``, or for ``auto`` a 16-bit
-  ``params_dtype`` where Transformer Engine is installed), the 16-bit local terms and PP are formula
-  only. Under sequence parallelism a micro-batch is padded to
-  a multiple of TP positions (at most TP - 1 more), which the estimate leaves out.
+  *Measured vs formula-only*: on CPU (float32, the local spec) ``tests/test_plan.py`` runs micro-batches
+  through megatron DDP, ``forward_backward`` and the trainer's fused head and tracks the bytes of every
+  storage alive (a ``TorchDispatchMode``): TP1, TP2 and TP2 with sequence parallelism, no / selective / full
+  recomputation, GQA and MHA, RMSNorm and LayerNorm, SwiGLU and GeLU, dropout, and the GPU-check config's
+  shapes scaled down (token budgets, a chunked head, the forward-only pass); the estimate is within about
+  7 % (docs/memory.md). The Transformer Engine terms (``transformer_engine_expected``: ``transformer_impl``,
+  or for ``auto`` a 16-bit ``params_dtype`` where Transformer Engine is installed), the 16-bit terms and PP
+  are formula only. Under sequence parallelism a micro-batch is padded to a multiple of TP positions (at
+  most TP - 1 more), which the estimate leaves out.
 * **rollout KV cache** (native engine, ``hpa.rollout.kv_cache.CachedDecoder``): keys and values
   ``[B, g/TP, P + R, d]`` in ``params_dtype`` for each of the stage's ``L/PP`` layers, with
   ``P = data.max_prompt_length``, ``R = rollout.max_new_tokens`` and ``B = global_batch_size/DP·n``

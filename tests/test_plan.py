@@ -5,14 +5,17 @@ Measured on CPU gloo ranks, deterministically (no RSS), with the models ``build_
 * **static**: parameters, fp32 main grads and Adam state, summed over the unique tensor storages
   megatron allocates after one optimizer step (``wrap_ddp`` + ``build_optimizer``); the planner is
   exact up to torch's one-element ``step`` tensors.
-* **activations**: one training micro-batch of the planner's largest shape through
-  ``hpa.engine.step.forward_backward`` with the trainer's loss (``vocab_parallel_log_probs`` on the
-  logits), under ``saved_tensors_hooks``: the peak over forward *and* backward of the bytes saved for
-  backward, each storage counted once (``untyped_storage().data_ptr()``), parameters excluded, plus
-  the loss's fp32 working copy of the logits shard (``logits.numel()·4``, alive at the end of the
-  forward next to everything saved). The peak in backward matters for recomputation: it holds the
-  recomputed layer (full) or core attention (selective). Recompute none / selective / full, for two
-  sizes (GQA + RMSNorm + SwiGLU; MHA + LayerNorm + GeLU + dropout) under TP1 and TP2.
+* **static with LoRA**: the same after ``attach_lora`` (as the trainer sets it up): the base frozen, grads
+  and Adam state for the adapters only, the reference (the base with the adapters off) adding nothing.
+* **activations**: one training micro-batch of the planner's largest shape through megatron DDP,
+  ``hpa.engine.step.forward_backward`` and the trainer's fused head (``hpa.engine.head``: log-probs and
+  entropy at the response positions, or label log-probs for pairs), under ``LiveStorages``, a
+  ``TorchDispatchMode`` that adds the bytes of every storage an op creates while it is alive: the peak over
+  forward *and* backward of what is allocated, gradients and the head's chunks included (parameters and
+  grad buffers, made before, excluded), as a GPU allocator's ``max_memory_allocated`` would count the same
+  tensors. Recompute none / selective / full, for two sizes (GQA + RMSNorm + SwiGLU; MHA + LayerNorm + GeLU
+  + dropout) under TP1 and TP2, and the GPU-check config's shapes scaled down (token-budget micro-batches, a
+  chunked head, a forward-only pass).
 * **KV cache**: the ``.keys`` and ``.values`` a ``CachedDecoder`` allocates for the rollout batch the
   planner assumes (``global_batch_size/DP·n`` rows of prompt + new tokens); the planner is exact.
 * **peak**: measured static (policy + reference) + max(measured activations, measured KV cache)

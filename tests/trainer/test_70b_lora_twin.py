@@ -67,3 +67,4 @@ def test_70b_lora_twin_trains_on_8_ranks(demo, tmp_path):
     for r in steps:
         assert math.isfinite(r["actor/grad_norm"]) and r["actor/grad_norm"] > 0
         assert math.isfinite(r["reward/raw_mean"]) and r["reward/sigma_mean"] > 0  # the 4 heads of the small model
+    assert list((tmp_path / "run").rglob("lora.json")), "the last step's checkpoint holds adapters only"
