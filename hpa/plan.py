@@ -48,8 +48,9 @@ The estimate is analytic (no GPU, no megatron import). Per GPU, the worst pipeli
     on CPU a noise tensor of ``e`` bytes: float32 is taken as the CPU path), and one more for the
     embedding;
   - a layer's backward holds, beside what it keeps, the gradients of fc1's output and the activation and of
-    the layer's input and output, ``(3·f (SwiGLU) or 2·f)·e/t + 2·h·e`` (the math kernel: two ``[s, s]``
-    gradients if larger).
+    the layer's input and output, ``(3·f (SwiGLU) or 2·f)·e/t + 2·h·e`` (replicated; the math kernel: two
+    ``[s, s]`` gradients if larger), and under sequence parallelism ``2·h·e`` more (a column-parallel
+    linear's input gathered again, a row-parallel one's gradient before its reduce-scatter).
 
   The LM head (``lm_head_bytes``, the fused log-prob head of ``hpa.ops.fused_head`` at the positions the loss
   reads: ``N`` response tokens) holds the logits shard ``L = T·V_pad/t·e`` and, in backward, their gradient
@@ -256,9 +257,12 @@ def _layer_activations(model: ModelConfig, *, tp: int, sequence_parallel: bool, 
     rest = 2 * norm + mlp + dropout_masks + lora
     # the MLP's backward holds the gradients of fc1's output and of the activation, and of the layer's
     # input and output, beside what the layer keeps
-    # (the math kernel's attention: the gradients of its two [s, s] probabilities)
+    # (the math kernel's attention: the gradients of its two [s, s] probabilities); under sequence
+    # parallelism also a column-parallel linear's input gathered again and a row-parallel one's gradient
+    # before its reduce-scatter, whole-sequence [s, b, h] tensors
     gradients = max((3 if model.activation == "swiglu" else 2) * f * e / tp + 2 * h * e / replicated,
                     2 * a * s * e / tp if _math_attention(model, transformer_engine) else 0.0)
+    gradients += 2 * h * e if sequence_parallel and tp > 1 else 0.0
     return {"input": h * e / replicated, "none": rest + attention, "selective": rest + selective_attention,
             "gradients": gradients, "attention_recompute": max(gradients, attention_recompute)}
 

@@ -5,6 +5,7 @@ policy. The native rollout engine stands in for vLLM (no vLLM on CPU), and with 
 (the native engine decodes one position a step). ``hpa plan`` for the twin is checked beside the run: the
 reference adds nothing, the reward model is planned with its recorded size."""
 
+import json
 import math
 
 import pytest
@@ -53,7 +54,8 @@ def test_70b_lora_twin_trains_on_8_ranks(demo, tmp_path):
     run_ranks(save_twin_models, args=(str(policy_dir), str(reward_dir)))
     extra = [*LAYOUT, *POLICY, *LORA, f"model.policy_path={policy_dir}", "algorithm.advantage.estimator=grpo",
              f"reward.model_paths=[{reward_dir}]", "reward.num_heads=4", "reward.shaping.beta=0.1",
-             "trainer.total_steps=2", "trainer.eval_interval=0"]
+             "trainer.total_steps=2", "trainer.eval_interval=0", "checkpoint.save_interval=1",
+             "guard.kl_rollback_threshold=null"]
 
     cfg = load_config(None, extra, world_size=TP)
     planned = plan(cfg, world_size=TP, gpu_memory_gb=80)
@@ -67,4 +69,7 @@ def test_70b_lora_twin_trains_on_8_ranks(demo, tmp_path):
     for r in steps:
         assert math.isfinite(r["actor/grad_norm"]) and r["actor/grad_norm"] > 0
         assert math.isfinite(r["reward/raw_mean"]) and r["reward/sigma_mean"] > 0  # the 4 heads of the small model
-    assert list((tmp_path / "run").rglob("lora.json")), "the last step's checkpoint holds adapters only"
+    checkpoints = tmp_path / "run" / "checkpoints"
+    marker = checkpoints / "step_00000002" / "policy" / "lora.json"
+    assert marker.is_file(), sorted(str(p.relative_to(tmp_path)) for p in checkpoints.rglob("*"))[:40]
+    assert json.loads(marker.read_text())["rank"] == 4  # the checkpoint holds the adapters only
