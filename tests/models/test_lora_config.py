@@ -65,3 +65,11 @@ def test_check_checkpoint_kind_refuses_adapters_for_a_plain_model(tmp_path):
     with pytest.raises(lora.LoRAError, match="cannot be loaded as a full model"):
         lora.check_checkpoint_kind(tmp_path, torch.nn.Linear(2, 2))
     lora.check_checkpoint_kind(tmp_path.parent, torch.nn.Linear(2, 2))  # a full checkpoint for a plain model
+
+
+def test_sft_refuses_lora():
+    """hpa sft saves full weights; adapters trained there would be dropped when the output is loaded."""
+    from hpa.trainer.sft import run_sft
+
+    with pytest.raises(ConfigError, match="model.lora.rank.*pass model.lora.rank=0 to sft"):
+        run_sft(load_config(overrides=ON), groups=None)
