@@ -673,6 +673,7 @@ def validate(cfg: Config, world_size: int) -> None:
             if absent:
                 raise ConfigError("algorithm.hpa.coverage.enabled", f"the coverage trust weights the learned "
                                   f"component per row and needs {what}; set it, or enabled: false")
+    check_lora(cfg)
     check_diversity_source(cfg.reward.shaping, has_reward_model=bool(cfg.reward.model_paths))
     rescaled = cfg.reward.shaping.normalize or cfg.reward.shaping.clip is not None
     if algo.advantage.per_component is True and rescaled:
@@ -689,6 +690,24 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.guard.early_stop_on_hacking and (cfg.data.adversarial_prompt_path is None or t.eval_interval <= 0):
         raise ConfigError("guard.early_stop_on_hacking", "the reward-hacking monitor needs "
                           "data.adversarial_prompt_path and trainer.eval_interval > 0")
+
+
+def check_lora(cfg: Config) -> None:
+    """What LoRA over one frozen base cannot combine with (docs/lora.md): a critic (its own adapter set over
+    the shared base is not built yet), a reference other than the base, Transformer Engine's fused layers."""
+    m = cfg.model
+    if not m.lora.enabled:
+        return
+    if cfg.algorithm.advantage.estimator == "gae":
+        raise ConfigError("model.lora.rank", f"LoRA (rank {m.lora.rank}) has no critic yet: "
+                          "algorithm.advantage.estimator gae needs one; use grpo, rloo or reinforce_plus_plus, "
+                          "or model.lora.rank: 0")
+    if m.reference_path and m.reference_path != m.policy_path:
+        raise ConfigError("model.reference_path", "with LoRA the reference is the frozen base (model.policy_path) "
+                          "with the adapters off; unset model.reference_path or set model.lora.rank: 0")
+    if m.transformer_impl == "transformer_engine":
+        raise ConfigError("model.transformer_impl", "LoRA adapts megatron's local parallel linears; Transformer "
+                          "Engine's fused layer-norm linears are not supported: use local (or auto on CPU)")
 
 
 def component_advantages(cfg: Config) -> bool:
