@@ -727,7 +727,20 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     exp.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from this directory")
     exp.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                      help="dtype of the written tensors (default: the model's)")
-    for p in (imp, exp):
+    exp.add_argument("--base-dir", default=None,
+                     help="a LoRA checkpoint's frozen base (megatron weights; default: the config's "
+                          "model.policy_path); the merged model (base + adapters) is written")
+    exp.add_argument("--peft-dir", default=None,
+                     help="with a LoRA checkpoint: also write its adapters as a PEFT LoRA directory here, "
+                          "for peft.PeftModel.from_pretrained(<the exported base>, DIR)")
+    peft = sub.add_parser("peft-to-megatron", help="PEFT LoRA adapter -> hpa adapter checkpoint (to train on)")
+    peft.add_argument("--peft-dir", required=True, help="PEFT adapter directory (adapter_config.json + "
+                                                        "adapter_model.safetensors)")
+    peft.add_argument("--config", required=True, help="hpa YAML: model (the base's architecture, model.lora: the "
+                                                      "rank the import needs) and model.policy_path (the base)")
+    peft.add_argument("--out", required=True, help="new directory for the adapter checkpoint "
+                                                   "(then: model.lora.adapter_path=OUT)")
+    for p in (imp, exp, peft):
         p.add_argument("--tensor-model-parallel-size", type=int, default=1)
         p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
         p.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"))
@@ -773,13 +786,35 @@ def _convert(args, groups: ParallelGroups, parallel_cfg: ParallelConfig) -> None
             print(f"wrote megatron checkpoint {out}; model section:\n"
                   + json.dumps({k: v for k, v in dataclasses.asdict(model_cfg).items() if v is not None}, indent=2))
         return
+    if args.direction == "peft-to-megatron":
+        from .lora_io import import_peft_checkpoint
+
+        out = import_peft_checkpoint(args.peft_dir, args.config, args.out, parallel_cfg, groups,
+                                     transformer_impl=args.transformer_impl)
+        if groups.is_main:
+            print(f"wrote the adapter checkpoint {out}; train on it with model.lora.adapter_path={out}")
+        return
     from hpa.models.weights import load_model_weights
 
     from .builders import build_reference
+    from .lora_io import export_peft_adapter, is_adapter_checkpoint, load_lora_checkpoint, merged_model
 
-    model_cfg, family, base = _model_cfg_for_export(args)
-    model = build_reference(model_cfg, parallel_cfg, groups)
-    load_model_weights(model, args.megatron_dir, groups)
+    if is_adapter_checkpoint(args.megatron_dir):
+        lora_model, model_cfg, family, base = load_lora_checkpoint(args, parallel_cfg, groups)
+        if args.peft_dir is not None:
+            export_peft_adapter(lora_model, model_cfg, model_cfg.lora, groups, args.peft_dir,
+                                base_model_name_or_path=str(Path(args.out).resolve()))
+            if groups.is_main:
+                print(f"wrote the PEFT adapter {args.peft_dir} (base: {args.out})")
+        model = merged_model(lora_model, model_cfg, parallel_cfg, groups)
+        model_cfg = dataclasses.replace(model_cfg, lora=dataclasses.replace(model_cfg.lora, rank=0))
+    else:
+        if args.peft_dir is not None or args.base_dir is not None:
+            raise ValueError(f"--peft-dir and --base-dir need a LoRA checkpoint; {args.megatron_dir} holds full "
+                             "weights (no lora.json)")
+        model_cfg, family, base = _model_cfg_for_export(args)
+        model = build_reference(model_cfg, parallel_cfg, groups)
+        load_model_weights(model, args.megatron_dir, groups)
     out = export_hf_checkpoint(model, model_cfg, groups, args.out, family=family, hf_config_base=base,
                                tokenizer_dir=args.tokenizer_dir, dtype=args.dtype)
     if groups.is_main:
