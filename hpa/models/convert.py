@@ -556,8 +556,21 @@ def import_hf_checkpoint(hf: Any, out_dir: Union[str, os.PathLike], parallel_cfg
 
 
 def _layer_suffixes(gpt) -> List[str]:
-    """Parameter names below ``decoder.layers.<i>.``: the same on every stage (one spec)."""
-    return [n for n, _ in gpt.decoder.layers[0].named_parameters()]
+    """Parameter names below ``decoder.layers.<i>.``: the same on every stage (one spec); LoRA adapters
+    are not HF weights (they are merged into the weights they adapt, ``_local_weight``)."""
+    from . import lora
+
+    return [n for n, _ in gpt.decoder.layers[0].named_parameters() if not lora.is_adapter_key(n)]
+
+
+def _local_weight(params: Dict[str, torch.Tensor], adapted: Dict[str, Any], name: str) -> torch.Tensor:
+    """This rank's shard of parameter ``name``, with its LoRA update merged in when an enabled adapter has
+    one (``W + scaling · B A``): an export or a vLLM sync of a LoRA model carries the policy, not the base."""
+    tensor = params[name].detach()
+    adapter = adapted.get(name)
+    if adapter is not None and adapter.enabled:
+        tensor = tensor + adapter.delta_weight().detach().to(tensor.dtype)
+    return tensor
 
 
 def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGroups
@@ -566,7 +579,8 @@ def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGrou
 
     Collective: every rank of the model-parallel group (all TP × PP ranks of one replica) must
     iterate to the end, and every one of them receives every full tensor (on ``groups.device``, in
-    the model's dtype), in the same order: the owning stage all-gathers TP shards over
+    the model's dtype), in the same order (a LoRA model's weights with its enabled adapters merged in):
+    the owning stage all-gathers TP shards over
     ``groups.tp_group``, then broadcasts over ``groups.pp_group``. DP replicas work independently
     (call it on one replica only if the others do not need the tensors). Global layer index =
     ``layer.layer_number - 1`` (= pp_rank · layers_per_stage + local index). A tied output layer
@@ -576,7 +590,10 @@ def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGrou
     gpt = unwrap(model)
     tp, pp = groups.tensor_model_parallel_size, groups.pipeline_model_parallel_size
     tied = not model_cfg.untie_embeddings_and_output_weights
+    from . import lora
+
     params = dict(gpt.named_parameters())
+    adapted = {name[:-len(lora.SUFFIX)] + ".weight": a for name, a in lora.adapters(gpt)}
     dtype = next(iter(params.values())).dtype
     local_to_global = _global_layer_of(gpt)
     global_to_local = {g: l for l, g in local_to_global.items()}
@@ -606,7 +623,7 @@ def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGrou
             if local_name not in params:
                 raise KeyError(f"pipeline stage {owner} has no parameter {local_name!r} "
                                f"(HF {list(hf_names)})")
-            full = _gather(rule.kind, params[local_name].detach(), groups.tp_group, tp)
+            full = _gather(rule.kind, _local_weight(params, adapted, local_name), groups.tp_group, tp)
             tensors = _megatron_full_to_hf(rule.kind, full, model_cfg)
             tensors = [t.contiguous() for t in tensors]
         else:
