@@ -211,6 +211,7 @@ def load_adapters(model, path: Union[str, os.PathLike], groups: ParallelGroups) 
     except Exception as exc:  # megatron names the first missing key; the usual cause is another target list
         raise AdapterImportError(f"{directory} does not hold this model's adapters ({type(exc).__name__}: "
                                  f"{str(exc)[:300]}); check model.lora.target_modules against the run's") from None
+    state = {k: v for k, v in state.items() if k in sharded}  # a run checkpoint's optimizer part stays out
     missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
     missing = [k for k in missing if lora.is_adapter_key(k)]
     if missing or unexpected:
