@@ -82,12 +82,14 @@ def log_probs(model, groups, mbs=None):
 
 
 def train_steps(ddp, opt, groups, num_steps):
-    """``num_steps`` NLL steps; returns [(loss, grad_norm)] (loss on the last stage, else None)."""
+    """``num_steps`` NLL steps over ``micro_batches()`` split across DP ranks; returns [(loss, grad_norm)]
+    (this DP rank's part of the loss on the last stage, else None)."""
     from hpa.engine.step import forward_backward, optimizer_step, zero_grad
     from hpa.ops.vocab_parallel import vocab_parallel_log_probs
 
-    mbs = micro_batches()
-    num_tokens = sum(mb["labels"].numel() for mb in mbs)
+    every = micro_batches()
+    num_tokens = sum(mb["labels"].numel() for mb in every)  # the global count: DDP sums gradients over DP
+    mbs = every[groups.dp_rank::groups.data_parallel_size]  # this DP rank's micro-batches
 
     def nll(batch, logits, hidden):
         loss = -vocab_parallel_log_probs(logits, batch["labels"], groups.tp_group).sum() / num_tokens
@@ -104,11 +106,14 @@ def train_steps(ddp, opt, groups, num_steps):
 
 
 def layout_worker(groups, base_dir, sequence_parallel, distributed_optimizer):
-    """3 LoRA steps under this layout: per-step losses and grad norms, then the log-probs."""
+    """3 LoRA steps under this layout: per-step losses and grad norms, then the log-probs with the adapters
+    on and off (the reference view)."""
+    from hpa.models.lora import BaseView
+
     parallel = parallel_config(groups, sequence_parallel, distributed_optimizer)
     ddp, opt = build(groups, base_dir, parallel)
     steps = train_steps(ddp, opt, groups, 3)
-    return {"steps": steps, "logp": log_probs(ddp, groups)}
+    return {"steps": steps, "logp": log_probs(ddp, groups), "reference_logp": log_probs(BaseView(ddp), groups)}
 
 
 def _base_state(model):
@@ -214,3 +219,26 @@ def wrong_kind_worker(groups, base_dir, lora_checkpoint, full_checkpoint):
     attempt("resume_lora_from_full", lambda: manager.load(Path(full_checkpoint),
                                                           {"policy": (ddp, opt)}))
     return errors
+
+
+def save_trained_worker(groups, base_dir, run_dir, sequence_parallel):
+    """2 LoRA steps under this layout, an adapter-only run checkpoint; returns its path and the log-probs."""
+    from hpa.config.schema import CheckpointConfig
+    from hpa.trainer.checkpoint import CheckpointManager
+
+    ddp, opt = build(groups, base_dir, parallel_config(groups, sequence_parallel))
+    train_steps(ddp, opt, groups, 2)
+    path = CheckpointManager(CheckpointConfig(), run_dir, groups).save(2, {"policy": (ddp, opt)},
+                                                                       {"step": 2, "layout": groups.layout})
+    return {"checkpoint": str(path), "logp": log_probs(ddp, groups)}
+
+
+def load_trained_worker(groups, base_dir, checkpoint):
+    """The adapters of ``checkpoint`` (saved under another layout) over the base; the log-probs, then one step."""
+    from hpa.config.schema import CheckpointConfig
+    from hpa.trainer.checkpoint import CheckpointManager
+
+    ddp, opt = build(groups, base_dir, parallel_config(groups))
+    CheckpointManager(CheckpointConfig(), os.path.dirname(checkpoint), groups).load(Path(checkpoint),
+                                                                                   {"policy": (ddp, opt)})
+    return {"logp": log_probs(ddp, groups)}
