@@ -47,11 +47,12 @@ import torch
 import torch.distributed as dist
 
 from hpa.config.schema import ModelConfig, ParallelConfig
-from hpa.distributed.comm import all_gather_cat, all_gather_objects, barrier
+from hpa.distributed.comm import all_gather_objects, barrier
 from hpa.distributed.groups import ParallelGroups
 
 from .builders import padded_vocab_size
 from .heads import unwrap
+from .layouts import gather, global_layer_of, hf_to_megatron_full, megatron_full_to_hf, shard
 
 logger = logging.getLogger(__name__)
 
@@ -329,70 +330,6 @@ def mapping_table(megatron_names: Sequence[str], model_cfg: ModelConfig
 # Layout transforms (full HF tensors <-> megatron TP shards)
 
 
-def _qkv_groups(model_cfg: ModelConfig) -> Tuple[int, int, int]:
-    d = model_cfg.hidden_size // model_cfg.num_attention_heads
-    g = model_cfg.kv_heads
-    return g, model_cfg.num_attention_heads // g, d
-
-
-def _hf_to_megatron_full(kind: str, hf: Sequence[torch.Tensor], model_cfg: ModelConfig,
-                         padded_vocab: int) -> torch.Tensor:
-    """Full (TP=1) megatron tensor from the full HF tensors."""
-    if kind == "qkv":
-        g, qpg, d = _qkv_groups(model_cfg)
-        q, k, v = hf
-        rest = q.shape[1:]
-        # [g0: q_heads_per_group·d, k d, v d][g1: ...]
-        return torch.cat([q.reshape(g, qpg * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)],
-                         dim=1).reshape(g * (qpg + 2) * d, *rest)
-    if kind == "fc1":
-        return torch.cat(list(hf), dim=0)  # [gate; up]
-    (t,) = hf
-    if kind == "vocab":
-        pad = torch.zeros(padded_vocab - t.shape[0], *t.shape[1:], dtype=t.dtype)
-        return torch.cat([t, pad], dim=0)  # [v_pad, h], pad rows zero
-    return t
-
-
-def _shard(kind: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """This TP rank's shard of a full megatron tensor."""
-    if kind in ("qkv", "vocab"):
-        return full.chunk(tp, dim=0)[rank]  # qkv: whole query groups per rank
-    if kind == "fc1":
-        two_ffn, h = full.shape
-        return full.view(2, tp, two_ffn // (2 * tp), h)[:, rank].reshape(-1, h)  # [gate_r; up_r]
-    if kind == "row":
-        return full.chunk(tp, dim=1)[rank]
-    return full
-
-
-def _gather(kind: str, local: torch.Tensor, tp_group, tp: int) -> torch.Tensor:
-    """Full megatron tensor from this rank's shard (all_gather over ``tp_group``)."""
-    if kind == "replicated" or tp == 1:
-        return local
-    if kind == "row":
-        return all_gather_cat(local, tp_group, dim=1)
-    full = all_gather_cat(local, tp_group, dim=0)
-    if kind == "fc1":
-        rows, h = local.shape
-        return full.view(tp, 2, rows // 2, h).transpose(0, 1).reshape(-1, h)  # [gate; up]
-    return full
-
-
-def _megatron_full_to_hf(kind: str, full: torch.Tensor, model_cfg: ModelConfig) -> Tuple[torch.Tensor, ...]:
-    if kind == "qkv":
-        g, qpg, d = _qkv_groups(model_cfg)
-        rest = full.shape[1:]
-        grouped = full.reshape(g, (qpg + 2) * d, *rest)
-        q, k, v = grouped.split([qpg * d, d, d], dim=1)
-        return (q.reshape(g * qpg * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest))
-    if kind == "fc1":
-        return tuple(full.chunk(2, dim=0))
-    if kind == "vocab":
-        return (full[:model_cfg.vocab_size],)  # strip vocab padding
-    return (full,)
-
-
 # ----------------------------------------------------------------------------------------------
 # HF tensor sources
 
@@ -458,11 +395,6 @@ class SafetensorsSource(HFTensorSource):
 # Import
 
 
-def _global_layer_of(model) -> Dict[int, int]:
-    """local layer index -> global index (``layer_number`` is 1-based and global in megatron)."""
-    return {i: layer.layer_number - 1 for i, layer in enumerate(unwrap(model).decoder.layers)}
-
-
 def load_hf_into_megatron(model, source: HFTensorSource, model_cfg: ModelConfig,
                           groups: ParallelGroups) -> None:
     """Fill this rank's local shards of ``model`` from full HF tensors; collective over ``groups.mp_group``.
@@ -476,7 +408,7 @@ def load_hf_into_megatron(model, source: HFTensorSource, model_cfg: ModelConfig,
     tied = not model_cfg.untie_embeddings_and_output_weights
     tp, tp_rank = groups.tensor_model_parallel_size, groups.tp_rank
     padded = padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, tp)
-    layer_map = _global_layer_of(gpt)
+    layer_map = global_layer_of(gpt)
     available = set(source.keys())
     consumed = set()
     for name, param in gpt.named_parameters():
@@ -492,12 +424,12 @@ def load_hf_into_megatron(model, source: HFTensorSource, model_cfg: ModelConfig,
         for n, t, shape in zip(hf_names, hf, hf_shapes(name, model_cfg)):
             if tuple(t.shape) != shape:
                 raise ValueError(f"HF tensor {n!r} has shape {tuple(t.shape)}, config.json implies {shape}")
-        shard = _shard(rule.kind, _hf_to_megatron_full(rule.kind, hf, model_cfg, padded), tp, tp_rank)
-        if shard.shape != param.shape:
+        local = shard(rule.kind, hf_to_megatron_full(rule.kind, hf, model_cfg, padded), tp, tp_rank)
+        if local.shape != param.shape:
             raise ValueError(f"megatron parameter {name!r} has local shape {tuple(param.shape)} but the "
-                             f"HF tensors {list(hf_names)} give {tuple(shard.shape)} at TP rank {tp_rank}")
+                             f"HF tensors {list(hf_names)} give {tuple(local.shape)} at TP rank {tp_rank}")
         with torch.no_grad():
-            param.copy_(shard.to(dtype=param.dtype))
+            param.copy_(local.to(dtype=param.dtype))
         consumed.update(hf_names)
     used = set().union(*all_gather_objects(sorted(consumed), groups.mp_group))
     if tied and "lm_head.weight" in available:
@@ -595,7 +527,7 @@ def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGrou
     params = dict(gpt.named_parameters())
     adapted = {name[:-len(lora.SUFFIX)] + ".weight": a for name, a in lora.adapters(gpt)}
     dtype = next(iter(params.values())).dtype
-    local_to_global = _global_layer_of(gpt)
+    local_to_global = global_layer_of(gpt)
     global_to_local = {g: l for l, g in local_to_global.items()}
     owners: Dict[int, int] = {}  # global layer -> pp rank
     for stage, layers in enumerate(all_gather_objects(sorted(global_to_local), groups.pp_group)):
@@ -623,8 +555,8 @@ def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGrou
             if local_name not in params:
                 raise KeyError(f"pipeline stage {owner} has no parameter {local_name!r} "
                                f"(HF {list(hf_names)})")
-            full = _gather(rule.kind, _local_weight(params, adapted, local_name), groups.tp_group, tp)
-            tensors = _megatron_full_to_hf(rule.kind, full, model_cfg)
+            full = gather(rule.kind, _local_weight(params, adapted, local_name), groups.tp_group, tp)
+            tensors = megatron_full_to_hf(rule.kind, full, model_cfg)
             tensors = [t.contiguous() for t in tensors]
         else:
             tensors = [torch.empty(s, dtype=dtype, device=groups.device) for s in shapes]

@@ -35,7 +35,7 @@ from hpa.distributed.comm import all_gather_objects
 from hpa.distributed.groups import ParallelGroups
 
 from . import lora
-from .convert import _gather, _global_layer_of, _hf_to_megatron_full, _megatron_full_to_hf, _shard
+from .layouts import gather, global_layer_of, hf_to_megatron_full, megatron_full_to_hf, shard
 from .heads import unwrap
 
 # megatron target -> (HF parent module, HF projections, the layout kind of hpa.models.convert)
@@ -76,7 +76,7 @@ def full_adapters(model, model_cfg: ModelConfig, groups: ParallelGroups
     if not found:
         raise AdapterImportError("the model has no LoRA adapters (model.lora.rank is 0)")
     tp, pp = groups.tensor_model_parallel_size, groups.pipeline_model_parallel_size
-    local_to_global = _global_layer_of(gpt)
+    local_to_global = global_layer_of(gpt)
     owners: Dict[int, int] = {}
     for stage, layers in enumerate(all_gather_objects(sorted(local_to_global.values()), groups.pp_group)):
         owners.update({g: stage for g in layers})
@@ -92,9 +92,9 @@ def full_adapters(model, model_cfg: ModelConfig, groups: ParallelGroups
                 adapter = found[f"decoder.layers.{global_to_local[layer]}.{parent}.{target}{lora.SUFFIX}"]
                 kind = PEFT_MODULES[target][2]
                 if kind == "row":  # A's columns split like the weight's, B replicated
-                    a, b = _gather("row", adapter.A.detach(), groups.tp_group, tp), adapter.B.detach()
+                    a, b = gather("row", adapter.A.detach(), groups.tp_group, tp), adapter.B.detach()
                 else:  # A replicated, B's rows split like the weight's
-                    a, b = adapter.A.detach(), _gather(kind, adapter.B.detach(), groups.tp_group, tp)
+                    a, b = adapter.A.detach(), gather(kind, adapter.B.detach(), groups.tp_group, tp)
                 a, b = a.contiguous(), b.contiguous()
             else:
                 a = torch.empty(a_shape, dtype=dtype, device=groups.device)
@@ -113,7 +113,7 @@ def peft_tensors(layer: int, target: str, a: torch.Tensor, b: torch.Tensor, mode
                  ) -> List[Tuple[str, torch.Tensor]]:
     """PEFT's ``(name, tensor)`` pairs of one full fused adapter: shared A, B split like the weight."""
     parent, projections, kind = PEFT_MODULES[target]
-    parts = _megatron_full_to_hf(kind, b, model_cfg) if kind in ("qkv", "fc1") else (b,)
+    parts = megatron_full_to_hf(kind, b, model_cfg) if kind in ("qkv", "fc1") else (b,)
     out = []
     for proj, part in zip(projections, parts):
         stem = f"{PEFT_PREFIX}.{layer}.{parent}.{proj}"
@@ -275,7 +275,7 @@ def fused_from_peft(config: Dict, tensors: Dict[str, torch.Tensor], model_cfg: M
                 k = len(pairs)
                 a_full = torch.cat([a for a, _ in pairs])  # [k·r, in]
                 bs = [torch.nn.functional.pad(b, (i * r, (k - 1 - i) * r)) for i, (_, b) in enumerate(pairs)]
-            b_full = _hf_to_megatron_full(kind, bs, model_cfg, 0) if kind in ("qkv", "fc1") else bs[0]
+            b_full = hf_to_megatron_full(kind, bs, model_cfg, 0) if kind in ("qkv", "fc1") else bs[0]
             out[(layer, target)] = (a_full, b_full)
     rank = max(a.shape[0] for a, _ in out.values())
     return rank, out
@@ -298,7 +298,7 @@ def import_peft_adapter(model, peft_dir: Union[str, os.PathLike], model_cfg: Mod
                                  f"; set model.lora.rank: {rank}")
     gen = torch.Generator().manual_seed(seed)
     tp, tp_rank = groups.tensor_model_parallel_size, groups.tp_rank
-    local_to_global = _global_layer_of(model)
+    local_to_global = global_layer_of(model)
     with torch.no_grad():
         for name, adapter in lora.adapters(model):
             local = int(name.split(".")[2])
@@ -312,9 +312,9 @@ def import_peft_adapter(model, peft_dir: Union[str, os.PathLike], model_cfg: Mod
             b_full = b_full / adapter.scaling
             kind = PEFT_MODULES[target][2]
             if kind == "row":
-                a, b = _shard("row", a_full, tp, tp_rank), b_full
+                a, b = shard("row", a_full, tp, tp_rank), b_full
             else:
-                a, b = a_full, _shard(kind, b_full, tp, tp_rank)
+                a, b = a_full, shard(kind, b_full, tp, tp_rank)
             adapter.A.copy_(a)
             adapter.B.copy_(b)
 
