@@ -97,6 +97,10 @@ class LoRAConfig:
         target_modules: which of megatron's linear layers carry adapters: linear_qkv | linear_proj |
             linear_fc1 | linear_fc2.
         rslora: rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023) instead of alpha / r.
+        adapter_path: start the adapters from this adapter checkpoint (a LoRA run's
+            ``<run_dir>/checkpoints/step_N``, or the output of ``hpa convert peft-to-megatron``) over the base
+            ``model.policy_path``, instead of B = 0; ``hpa generate`` and ``hpa serve`` load the policy's
+            adapters from it. Its rank and scaling must be these.
     """
 
     rank: int = 0
@@ -104,9 +108,13 @@ class LoRAConfig:
     dropout: float = 0.0
     target_modules: Tuple[str, ...] = LORA_TARGET_MODULES
     rslora: bool = False
+    adapter_path: Optional[str] = None
 
     def __post_init__(self):
         check_range("rank", self.rank, low=0)
+        if self.adapter_path is not None and (not self.adapter_path or not self.rank):
+            raise ConfigError("adapter_path", f"{self.adapter_path!r} needs LoRA on: set model.lora.rank (and "
+                              "alpha, target_modules) to the adapters' (their run's config.yaml), or leave it out")
         check_range("alpha", self.alpha, low=0.0, low_open=True)
         check_range("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         if self.rank and not self.target_modules:

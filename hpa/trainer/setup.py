@@ -17,6 +17,7 @@ from hpa.distributed.groups import ParallelGroups
 from hpa.engine.optimizer import Trainable, make_trainable
 from hpa.models import build_policy, build_reference, build_value, unwrap
 from hpa.models.lora import BaseView, attach_lora
+from hpa.models.lora_io import load_adapters
 from hpa.models.weights import load_model_weights
 from hpa.reward import build_reward
 from hpa.rollout import build_rollout_engine
@@ -99,6 +100,8 @@ def build_models(cfg: Config, groups: ParallelGroups):
     total = cfg.trainer.total_steps
     if cfg.model.lora.enabled:  # one frozen base: the policy trains adapters, the reference is the base
         attach_lora(policy, cfg.model.lora, groups, seed=cfg.trainer.seed)
+        if cfg.model.lora.adapter_path:  # continue from trained (or imported PEFT) adapters
+            load_adapters(policy, cfg.model.lora.adapter_path, groups)
         return make_trainable(policy, cfg.optim, cfg.parallel, groups, total), BaseView(policy), None
     reference = build_reference(cfg.model, cfg.parallel, groups)
     if cfg.model.reference_path:
