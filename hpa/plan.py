@@ -104,11 +104,12 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from hpa.config.errors import ConfigError
-from hpa.config.schema import Config, ModelConfig, data_parallel_size, validate
+from hpa.config.schema import Config, LoRAConfig, ModelConfig, data_parallel_size, validate
 
 GB = 1e9
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -460,28 +461,22 @@ def reward_architectures(cfg: Config, reward_config: Optional[Config] = None) ->
 
     out, notes = [], []
     for path in cfg.reward.model_paths:
-        info = read_reward_model_info(path) if _is_dir(path) else None
-        if info is not None:
-            try:
+        try:
+            info = read_reward_model_info(path) if os.path.isdir(path) else None
+            if info is not None:
                 out.append(reward_model_config(cfg.model, path, info))
-            except ValueError as exc:
-                raise ConfigError("reward.model_paths", str(exc)) from None
-            continue
+                continue
+        except ValueError as exc:  # an unreadable or invalid record
+            raise ConfigError("reward.model_paths", str(exc)) from None
         if reward_config is not None:
             arch = {k: getattr(reward_config.model, k) for k in ARCHITECTURE_FIELDS}
-            out.append(dataclasses.replace(cfg.model, **arch, lora=dataclasses.replace(cfg.model.lora, rank=0)))
+            out.append(dataclasses.replace(cfg.model, **arch, lora=LoRAConfig()))
             notes.append(f"reward model {path}: no record there; planned with the model section of --reward-config")
         else:
-            out.append(dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora, rank=0)))
+            out.append(dataclasses.replace(cfg.model, lora=LoRAConfig()))
             notes.append(f"reward model {path}: no record there; planned with the policy's architecture "
                          "(give --reward-config FILE, the config it is trained with, for its own size)")
     return out, notes
-
-
-def _is_dir(path: str) -> bool:
-    import os
-
-    return os.path.isdir(path)
 
 
 def vllm_budget_gb(cfg: Config, gpu_memory_gb: float) -> float:

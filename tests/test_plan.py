@@ -694,3 +694,19 @@ def test_tiny_static_bytes_with_and_without_lora_match_the_plan(tp):
             assert policy["trainable_per_gpu"] < policy["parameters_per_gpu"] / 2
             assert policy["grads_gb"] * 1e9 == pytest.approx(4 * policy["trainable_per_gpu"])  # fp32 main grads
     assert totals["lora"] < totals["full"] / 3  # no reference copy, no grads or Adam state for the base
+
+
+def test_a_bad_reward_model_record_is_a_config_error(tmp_path, capsys):
+    """An unreadable record, or one with an unknown architecture key, stops ``hpa plan`` with the key and the
+    file named (exit 2), not a traceback."""
+    from hpa.plan import main
+
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "hpa_reward_model.json").write_text("{not json")
+    assert main(["--world-size", "1", "--gpu-memory-gb", "80", f"reward.model_paths=[{rm}]"]) == 2
+    err = capsys.readouterr().err
+    assert "reward.model_paths" in err and "hpa_reward_model.json" in err
+    (rm / "hpa_reward_model.json").write_text('{"num_heads": 1, "architecture": {"num_layerz": 2}}')
+    assert main(["--world-size", "1", "--gpu-memory-gb", "80", f"reward.model_paths=[{rm}]"]) == 2
+    assert "num_layerz" in capsys.readouterr().err

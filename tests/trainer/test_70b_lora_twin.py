@@ -63,7 +63,8 @@ def test_70b_lora_twin_trains_on_8_ranks(demo, tmp_path):
     assert planned["models"]["reference"]["static_gb"] == 0
     assert planned["models"]["reward"]["parameters"] < planned["models"]["policy"]["parameters"] / 2
 
-    records = launch(demo, tmp_path / "run", TP, extra)
+    output = []
+    records = launch(demo, tmp_path / "run", TP, extra, output=output)
     steps = [r for r in records if r.get("step", 0) > 0]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
@@ -71,5 +72,6 @@ def test_70b_lora_twin_trains_on_8_ranks(demo, tmp_path):
         assert math.isfinite(r["reward/raw_mean"]) and r["reward/sigma_mean"] > 0  # the 4 heads of the small model
     checkpoints = tmp_path / "run" / "checkpoints"
     marker = checkpoints / "step_00000002" / "policy" / "lora.json"
-    assert marker.is_file(), sorted(str(p.relative_to(tmp_path)) for p in checkpoints.rglob("*"))[:40]
+    saves = [line for line in output[0].splitlines() if "save" in line.lower() or "checkpoint" in line.lower()]
+    assert marker.is_file() and steps[-1]["checkpoint/save_failures"] == 0, "\n".join(saves[-20:])
     assert json.loads(marker.read_text())["rank"] == 4  # the checkpoint holds the adapters only
