@@ -88,9 +88,9 @@ LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 class LoRAConfig:
     """Low-rank adapters over one frozen base (docs/lora.md).
 
-    With ``rank`` > 0 the base weights are frozen and shared: the policy trains its adapters, the reference is
-    the same weights with the adapters off (no second copy), and a critic, where the algorithm has one, trains
-    its own adapters and value head over the same base. ``rank: 0`` trains every weight as before.
+    With ``rank`` > 0 the base weights are frozen and shared: the policy trains its adapters and the reference is
+    the same weights with the adapters off (no second copy). A critic over the same base is not built yet: LoRA
+    with ``algorithm.advantage.estimator: gae`` is a config error. ``rank: 0`` trains every weight as before.
 
     Attributes:
         rank: the adapters' rank r; 0: LoRA off (full fine-tuning).
@@ -99,6 +99,10 @@ class LoRAConfig:
         target_modules: which of megatron's linear layers carry adapters: linear_qkv | linear_proj |
             linear_fc1 | linear_fc2.
         rslora: rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023) instead of alpha / r.
+        adapter_path: start the adapters from this adapter checkpoint (a LoRA run's
+            ``<run_dir>/checkpoints/step_N``, or the output of ``hpa convert peft-to-megatron``) over the base
+            ``model.policy_path``, instead of B = 0; ``hpa generate`` and ``hpa serve`` load the policy's
+            adapters from it. Its rank and scaling must be these.
     """
 
     rank: int = 0
@@ -106,9 +110,13 @@ class LoRAConfig:
     dropout: float = 0.0
     target_modules: Tuple[str, ...] = LORA_TARGET_MODULES
     rslora: bool = False
+    adapter_path: Optional[str] = None
 
     def __post_init__(self):
         check_range("rank", self.rank, low=0)
+        if self.adapter_path is not None and (not self.adapter_path or not self.rank):
+            raise ConfigError("adapter_path", f"{self.adapter_path!r} needs LoRA on: set model.lora.rank (and "
+                              "alpha, target_modules) to the adapters' (their run's config.yaml), or leave it out")
         check_range("alpha", self.alpha, low=0.0, low_open=True)
         check_range("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         if self.rank and not self.target_modules:
@@ -633,6 +641,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _check_model_layout(cfg)
     _check_lengths(cfg)
     _check_trust(cfg)
+    check_lora(cfg)
     _check_rewards_and_filters(cfg)
     if world_size is not None:
         _check_data_parallel(cfg, world_size)
@@ -723,6 +732,24 @@ def _check_data_parallel(cfg: Config, world_size: int) -> None:
         if value % dp:
             raise ConfigError(key, f"{value} is not divisible by the data-parallel size {dp} (world size "
                               f"{world_size} / TP·PP·CP); use a multiple of {dp}")
+
+
+def check_lora(cfg: Config) -> None:
+    """What LoRA over one frozen base cannot combine with (docs/lora.md): a critic (its own adapter set over
+    the shared base is not built yet), a reference other than the base, Transformer Engine's fused layers."""
+    m = cfg.model
+    if not m.lora.enabled:
+        return
+    if cfg.algorithm.advantage.estimator == "gae":
+        raise ConfigError("model.lora.rank", f"LoRA (rank {m.lora.rank}) has no critic yet: "
+                          "algorithm.advantage.estimator gae needs one; use grpo, rloo or reinforce_plus_plus, "
+                          "or model.lora.rank: 0")
+    if m.reference_path and m.reference_path != m.policy_path:
+        raise ConfigError("model.reference_path", "with LoRA the reference is the frozen base (model.policy_path) "
+                          "with the adapters off; unset model.reference_path or set model.lora.rank: 0")
+    if m.transformer_impl == "transformer_engine":
+        raise ConfigError("model.transformer_impl", "LoRA adapts megatron's local parallel linears; Transformer "
+                          "Engine's fused layer-norm linears are not supported: use local (or auto on CPU)")
 
 
 def component_advantages(cfg: Config) -> bool:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Dict
 
 
-from hpa.config import write_resolved
+from hpa.config import ConfigError, write_resolved
 from hpa.config.schema import Config, OptimConfig
 from hpa.data.preferences import SFTDataset
 from hpa.data.sampler import DistributedBatchSampler
@@ -27,6 +27,9 @@ logger = logging.getLogger("hpa")
 
 def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     """Train the policy with token-mean NLL over response tokens; save to ``sft.output_dir``."""
+    if cfg.model.lora.enabled:  # sft saves full weights; adapters saved there would be dropped on load
+        raise ConfigError("model.lora.rank", f"hpa sft trains every weight (model.lora.rank is "
+                          f"{cfg.model.lora.rank}); LoRA is for hpa train: pass model.lora.rank=0 to sft")
     run_dir = Path(cfg.trainer.run_dir)
     out_dir = Path(cfg.sft.output_dir or run_dir / "sft")
     if groups.is_main:

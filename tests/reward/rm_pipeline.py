@@ -137,7 +137,7 @@ def tp1_worker(groups, root, out, separable_root):
     cfg = make_config(root, f"{out}/tp1")
     set_seed(0)  # megatron's RNG tracker too: torch.manual_seed alone leaves the init run-dependent
     save_model_weights(build_reward_model(cfg.model, cfg.parallel, groups, num_heads=NUM_HEADS), f"{out}/init", groups)
-    write_reward_model_info(f"{out}/init", num_heads=NUM_HEADS, hidden_size=cfg.model.hidden_size)
+    write_reward_model_info(f"{out}/init", num_heads=NUM_HEADS, model=cfg.model)
     save_model_weights(build_reward_model(cfg.model, cfg.parallel, groups, num_heads=1), f"{out}/k1", groups)
 
     cfg = make_config(root, f"{out}/tp1", init_path=f"{out}/init")
