@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Dict, Optional
 
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
@@ -26,7 +27,7 @@ def sharded_state_dict(model):
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}
 
 
-def dist_save(sharded, directory: os.PathLike) -> None:
+def dist_save(sharded, directory: os.PathLike, content_metadata: Optional[Dict] = None) -> None:
     """``dist_checkpointing.save`` with the stop signals blocked in this thread while it runs.
 
     megatron's writer starts a helper process from this thread (a multiprocessing manager, started at
@@ -34,13 +35,14 @@ def dist_save(sharded, directory: os.PathLike) -> None:
     or SIGTERM to the worker's whole process group; a helper that does not block them dies of them, and
     the checkpoint the trainer then writes because of that signal fails. The trainer still sees the
     signal: the kernel hands it to a thread that does not block it, and Python runs the handler in the
-    main thread (at the latest when the mask is restored).
+    main thread (at the latest when the mask is restored). ``content_metadata`` is stored in the checkpoint
+    (``dist_checkpointing.load_content_metadata`` reads it back).
     """
     from megatron.core import dist_checkpointing
 
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
-        dist_checkpointing.save(sharded, str(directory))
+        dist_checkpointing.save(sharded, str(directory), content_metadata=content_metadata)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 

@@ -115,6 +115,60 @@ def seal(directory: Path, fields: Dict) -> None:
     os.replace(tmp, directory / MANIFEST)
 
 
+# megatron-core 0.16.1's default distributed-optimizer sharding, 'fully_sharded_model_space', is deprecated and
+# its ShardedTensors (flattened_range) are refused by its own dist_checkpointing. 'dp_reshardable' (one
+# ShardedTensor per contiguous buffer) saves and loads fully in parallel and reshards over DP, as megatron's
+# training loop saves it (megatron/training/checkpointing.py, distrib_optim_sharding_type).
+DISTRIB_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def optim_metadata(optimizer) -> Optional[Dict]:
+    """The ``metadata`` to save ``optimizer`` with: the sharding above for a distributed optimizer (any of a
+    chained one's parts); None (megatron's plain format, unchanged) for the full optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return dict(DISTRIB_OPTIM_METADATA) if any(isinstance(o, DistributedOptimizer) for o in parts) else None
+
+
+def prime_for_load(optimizer) -> None:
+    """Give a distributed optimizer that has not stepped yet the (zero) state its ``sharded_state_dict`` needs.
+
+    Without TransformerEngine or Apex, megatron-core 0.16.1's ``DistributedOptimizer.state_dict`` reads the
+    torch optimizer's per-parameter ``step`` and asserts there is one; a freshly built optimizer (a resume)
+    has none. The zeros are overwritten by the load; the full optimizer is left alone."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(part, distrib_optimizer.DistributedOptimizer) or inner is None or len(inner.state):
+            continue
+        if part.init_state_fn is not None:
+            part.init_state_fn(inner, part.config)  # exp_avg, exp_avg_sq
+        if not distrib_optimizer.HAVE_APEX_OR_TE:
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p]["step"] = torch.tensor(0.0)
+
+
+def restore_steps(optimizer) -> None:
+    """Set a distributed optimizer's per-parameter Adam ``step`` from the loaded param groups.
+
+    megatron-core 0.16.1 (no TransformerEngine or Apex) keeps ``step`` out of the dp_reshardable checkpoint
+    (a LocalNonpersistentObject, 'handled via param_groups') but then copies the local, not loaded, value
+    over the step it had set from the param groups: a resume would restart Adam's bias correction. One
+    tensor per parameter, as torch's Adam makes them (its in-place increments must not be shared)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(part, distrib_optimizer.DistributedOptimizer):
+            for group in part.optimizer.param_groups:
+                for p in group["params"] if "step" in group else ():
+                    part.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
 def verify(directory: Path) -> Dict:
     """The manifest of ``directory`` after checking every file; raises CheckpointError naming the first bad one."""
     manifest_path = directory / MANIFEST
@@ -203,11 +257,12 @@ class CheckpointManager:
         comm.barrier()
         for name, (model, optimizer) in models.items():
             model_sd = lora.checkpoint_state_dict(model, sharded_state_dict(model))  # LoRA: adapters only
-            sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+            metadata = optim_metadata(optimizer)
+            sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}
             if self.groups.is_main:
                 (tmp / name).mkdir()
             comm.barrier()
-            dist_save(sharded, tmp / name)
+            dist_save(sharded, tmp / name, content_metadata=metadata)
             if self.groups.is_main and lora.has_lora(model):
                 lora.write_marker(tmp / name, model)
         faults.maybe_fail_save(step, self.groups.rank)
@@ -272,10 +327,16 @@ class CheckpointManager:
         for name, (model, optimizer) in models.items():
             lora.check_checkpoint_kind(path / name, model)
             model_sd = lora.checkpoint_state_dict(model, sharded_state_dict(model))
-            sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+            # the optimizer's sharding as it was saved (recorded in the checkpoint), not as we would save now
+            metadata = dist_checkpointing.load_content_metadata(str(path / name))
+            prime_for_load(optimizer)
+            sharded = {"model": model_sd,
+                       "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
             loaded = dist_checkpointing.load(sharded, str(path / name), strict=StrictHandling.RAISE_ALL)
             unwrap(model).load_state_dict(loaded["model"], strict=False)
-            optimizer.load_state_dict(loaded["optimizer"])
+            with torch.no_grad():  # the distributed optimizer copies into its main params, which may be leaves
+                optimizer.load_state_dict(loaded["optimizer"])
+            restore_steps(optimizer)
         state = torch.load(path / "trainer_state.pt", weights_only=True)
         rng_file = path / "rng" / f"rank_{self.groups.rank:05d}.pt"
         if state.get("layout") == self.groups.layout and rng_file.is_file():
