@@ -63,7 +63,8 @@ class RunState:
             then = ("training continues (checkpoint.on_save_failure=continue)"
                     if self.cfg.checkpoint.on_save_failure == "continue" else
                     f"stopping with status {EXIT_SAVE_FAILED} (checkpoint.on_save_failure=stop)")
-            logger.warning("%s; %s; %d failed save(s) in this process", exc, then, self.save_failures)
+            logger.warning("NO CHECKPOINT for step %d: %s; %s; %d failed save(s) in this process",
+                           self.step, exc, then, self.save_failures)
             return False
 
     def restore(self, path: Path) -> None:

@@ -340,6 +340,30 @@ def test_failed_save_keeps_latest_and_the_previous_checkpoint_and_removes_its_tm
     assert (root / "latest").read_text() == "step_00000003"
 
 
+def test_a_failed_save_says_at_warning_that_the_step_has_no_checkpoint(tmp_path, monkeypatch, caplog):
+    """checkpoint.on_save_failure=continue goes on training; the log must say plainly, at WARNING, that this
+    step has no checkpoint (a run whose every save fails must not look like one that checkpoints)."""
+    from hpa.config import load_config
+    from hpa.trainer.checkpoint import CheckpointSaveError
+    from hpa.trainer.state import RunState
+
+    cfg = load_config(None, [f"trainer.run_dir={tmp_path}"])
+    run = RunState(cfg, OneProcess(), trainables={}, parts={}, guard=None)
+    run.step = 7
+
+    def fails(*args, **kwargs):
+        raise CheckpointSaveError("saving checkpoint step_00000007 failed (rank 1: ValueError: refused)")
+
+    monkeypatch.setattr(run.ckpt, "save", fails)
+    monkeypatch.setattr(run, "state_dict", dict)  # the save fails before the state matters
+    with caplog.at_level("WARNING", logger="hpa"):
+        assert run.save() is False
+    (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert record.getMessage().startswith("NO CHECKPOINT for step 7: saving checkpoint step_00000007 failed")
+    assert "training continues (checkpoint.on_save_failure=continue)" in record.getMessage()
+    assert run.save_failures == 1 and run.last_save_ok is False
+
+
 def test_tmp_directory_of_an_interrupted_save_is_ignored_and_removed_on_start(tmp_path, caplog):
     from hpa.config.schema import CheckpointConfig
     from hpa.trainer.checkpoint import CheckpointManager, write_manifest
