@@ -72,13 +72,9 @@ def test_70b_lora_twin_trains_on_8_ranks(demo, tmp_path):
         assert math.isfinite(r["reward/raw_mean"]) and r["reward/sigma_mean"] > 0  # the 4 heads of the small model
     checkpoints = tmp_path / "run" / "checkpoints"
     marker = checkpoints / "step_00000002" / "policy" / "lora.json"
-    if steps[-1]["checkpoint/save_failures"] > 0:
-        # Found by this twin (2026-11-27): with parallel.use_distributed_optimizer (every shipped GPU config)
-        # a run checkpoint's optimizer part is megatron's 'fully_sharded_model_space' sharded state dict, whose
-        # ShardedTensors carry a flattened_range that megatron-core 0.16.1's dist_checkpointing refuses
-        # ("ShardedTensor.flattened_range is not supported."), with or without LoRA; training goes on
-        # (checkpoint.on_save_failure=continue). Passing metadata={"distrib_optim_sharding_type":
-        # "dp_reshardable"} saves on CPU; its load and exact resume are untested.
-        saves = [line for line in output[0].splitlines() if "flattened_range" in line]
-        pytest.xfail("distributed-optimizer checkpoints fail to save: " + (saves[0][-300:] if saves else "?"))
+    # Found by this twin (2026-11-27): with parallel.use_distributed_optimizer the optimizer part used to be
+    # megatron's 'fully_sharded_model_space', refused by megatron-core 0.16.1's dist_checkpointing, and every
+    # save failed while training went on. It is saved 'dp_reshardable' now (tests/engine/
+    # test_distributed_optimizer_save.py, tests/trainer/test_distributed_optimizer_resume.py).
+    assert [r["checkpoint/save_failures"] for r in steps] == [0, 0], output[0][-3000:]
     assert json.loads(marker.read_text())["rank"] == 4  # the checkpoint holds the adapters only
