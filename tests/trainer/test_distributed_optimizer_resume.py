@@ -1,7 +1,8 @@
 """Exact resume with megatron's distributed optimizer (``parallel.use_distributed_optimizer``, every shipped
 GPU config): a DP2 run that stops after step 2 (``trainer.max_steps_per_run``), saving a checkpoint, and is
-resumed has the metrics of an uninterrupted run at steps 3 and 4 (full; and LoRA rank 4, with grpo: LoRA has no critic). Before the checkpoint saved the optimizer
-as 'dp_reshardable', these runs saved no checkpoint at all (the save failed and training went on)."""
+resumed has the metrics of an uninterrupted run at steps 3 and 4; full fine-tuning, and LoRA rank 4 (with
+grpo: LoRA has no critic). Before the checkpoint saved the optimizer as 'dp_reshardable', these runs saved
+no checkpoint at all (the save failed and training went on)."""
 
 import pytest
 
