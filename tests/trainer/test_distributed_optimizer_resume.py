@@ -14,7 +14,10 @@ pytestmark = pytest.mark.e2e  # three 2-rank training runs per case
 DISTOPT = ["parallel.use_distributed_optimizer=true"]
 
 
-@pytest.mark.parametrize("lora", [[], ["model.lora.rank=4", "algorithm.advantage.estimator=grpo"]], ids=["full", "lora4"])
+LORA = ["model.lora.rank=4", "algorithm.advantage.estimator=grpo"]
+
+
+@pytest.mark.parametrize("lora", [[], LORA], ids=["full", "lora4"])
 def test_distributed_optimizer_dp2_resume_equals_uninterrupted(demo, lora):
     extra = FOUR_STEPS + DISTOPT + lora
     tag = "lora" if lora else "full"
