@@ -86,9 +86,9 @@ LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 class LoRAConfig:
     """Low-rank adapters over one frozen base (docs/lora.md).
 
-    With ``rank`` > 0 the base weights are frozen and shared: the policy trains its adapters, the reference is
-    the same weights with the adapters off (no second copy), and a critic, where the algorithm has one, trains
-    its own adapters and value head over the same base. ``rank: 0`` trains every weight as before.
+    With ``rank`` > 0 the base weights are frozen and shared: the policy trains its adapters and the reference is
+    the same weights with the adapters off (no second copy). A critic over the same base is not built yet: LoRA
+    with ``algorithm.advantage.estimator: gae`` is a config error. ``rank: 0`` trains every weight as before.
 
     Attributes:
         rank: the adapters' rank r; 0: LoRA off (full fine-tuning).

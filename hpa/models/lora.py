@@ -99,12 +99,15 @@ class LoRAAdapter(nn.Module):
                                                              group=self.tp_group)
             u = F.linear(self.dropout(x), self.A)  # [s, b, r]
             # B's rows are split: each rank's grad of u is partial; all-reduce it so A's grad and x's are whole
-            u = tpm.copy_to_tensor_model_parallel_region(u, group=self.tp_group)
+            if self.tp_size > 1:
+                u = tpm.copy_to_tensor_model_parallel_region(u, group=self.tp_group)
             return F.linear(u, self.B) * self.scaling  # [s, b, out/t]
         # row: x [s, b, in/t]; the partial products x_t A_t^T are summed over TP (an r-wide all-reduce)
         with _tp_rng(self.tp_size):  # x is a TP shard: each rank draws its own dropout mask, as megatron does
             x = self.dropout(x)
-        u = tpm.reduce_from_tensor_model_parallel_region(F.linear(x, self.A), group=self.tp_group)  # [s, b, r]
+        u = F.linear(x, self.A)  # [s, b, r], partial over TP
+        if self.tp_size > 1:
+            u = tpm.reduce_from_tensor_model_parallel_region(u, group=self.tp_group)
         out = F.linear(u, self.B) * self.scaling  # [s, b, out], the same on every TP rank
         if self.sequence_parallel:  # the base reduce-scatters its output along the sequence: take this rank's part
             out = tpm.scatter_to_sequence_parallel_region(out, group=self.tp_group)  # [s/t, b, out]
