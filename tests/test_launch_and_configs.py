@@ -188,6 +188,8 @@ def test_gpu_check_config_is_qwen2_0_5b_shaped_for_one_gpu():
     assert count_parameters(cfg.model) == 494_032_768
     assert (cfg.model.params_dtype, cfg.model.transformer_impl, cfg.rollout.engine) == ("bfloat16", "local", "megatron")
     assert cfg.parallel.backend == "nccl" and cfg.algorithm.advantage.estimator == "grpo"
+    # what the check exercises: packed rows (varlen attention) and graph decode (gpu_check.py fails without)
+    assert cfg.trainer.sequence_packing and cfg.rollout.cuda_graphs
 
 
 # every training config shipped in configs/ -> a world size it is meant for
