@@ -634,6 +634,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _check_model_layout(cfg)
     _check_lengths(cfg)
     _check_trust(cfg)
+    check_lora(cfg)
     _check_rewards_and_filters(cfg)
     check_lora(cfg)
     if world_size is not None:

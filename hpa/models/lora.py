@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpa.config.schema import LoRAConfig
+from hpa.config.schema import LoRAConfig, ModelConfig
 from hpa.distributed.groups import ParallelGroups
 
 from .heads import unwrap
@@ -35,6 +35,21 @@ SUFFIX = "_lora"  # a target's adapter is the sibling module "<target>_lora"
 _COLUMN = ("linear_qkv", "linear_fc1")
 _ROW = ("linear_proj", "linear_fc2")
 _PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
+
+
+def num_adapter_parameters(model: ModelConfig, lora: LoRAConfig) -> int:
+    """Adapter parameters of the whole model (every layer, unsharded) for this config: r·(in + out) per adapted
+    linear. The number ``attach_lora`` creates over all TP ranks and pipeline stages (replicated A or B counted
+    once); for memory plans."""
+    if not lora.enabled:
+        return 0
+    h, d = model.hidden_size, model.hidden_size // model.num_attention_heads
+    q, kv = model.num_attention_heads * d, model.kv_heads * d
+    f = model.ffn_hidden_size or 4 * h
+    sizes = {"linear_qkv": (h, q + 2 * kv), "linear_proj": (q, h),
+             "linear_fc1": (h, f * (2 if model.activation == "swiglu" else 1)), "linear_fc2": (f, h)}
+    per_layer = sum(lora.rank * sum(sizes[t]) for t in lora.target_modules)
+    return model.num_layers * per_layer
 
 
 class LoRAError(ValueError):

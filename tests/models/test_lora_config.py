@@ -73,3 +73,13 @@ def test_sft_refuses_lora():
 
     with pytest.raises(ConfigError, match="model.lora.rank.*pass model.lora.rank=0 to sft"):
         run_sft(load_config(overrides=ON), groups=None)
+
+
+def test_num_adapter_parameters_matches_the_tiny_model_by_hand():
+    """configs/tiny_cpu.yaml (h 64, 4 heads of 16, 2 groups, ffn 128, SwiGLU, 2 layers), rank 8: qkv 8·(64+128),
+    proj 8·(64+64), fc1 8·(64+256), fc2 8·(128+64) = 6,656 a layer (bench/lora_memory.py measures 13,312)."""
+    cfg = load_config(overrides=["model.lora.rank=8"])
+    assert lora.num_adapter_parameters(cfg.model, cfg.model.lora) == 2 * 6656
+    only_qkv = load_config(overrides=["model.lora.rank=8", "model.lora.target_modules=[linear_qkv]"])
+    assert lora.num_adapter_parameters(only_qkv.model, only_qkv.model.lora) == 2 * 8 * (64 + 128)
+    assert lora.num_adapter_parameters(cfg.model, load_config().model.lora) == 0
