@@ -636,7 +636,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _check_trust(cfg)
     check_lora(cfg)
     _check_rewards_and_filters(cfg)
-    check_lora(cfg)
     if world_size is not None:
         _check_data_parallel(cfg, world_size)
 
