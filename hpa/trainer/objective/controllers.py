@@ -40,7 +40,8 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Protocol
 
 import torch
 
-from hpa.algorithms.coverage import bank_center, calibrate, coverage_trust, knn_distance, trust_metrics, unique_rows
+from hpa.algorithms.coverage import (EmbeddingCache, abstention_kl_weights, bank_center, calibrate, coverage_trust,
+                                     knn_distance, trust_metrics, unique_rows)
 from hpa.algorithms.gate import TrustGate
 from hpa.algorithms.kl import kl_penalty, make_kl_controller
 from hpa.algorithms.masked import masked_mean
@@ -142,6 +143,16 @@ def _set_sampled_ceiling(gate: TrustGate, parts, ctx) -> None:
                                   gate.ceiling)
 
 
+def _set_headroom(gate: TrustGate, parts, ctx) -> None:
+    chosen, margin = heldout.heldout_reward_ceiling(parts.model_reward, parts.heldout_pairs, pad_id=ctx.pad_id)
+    greedy, sampled = heldout.greedy_and_sampled_reward(parts, ctx)
+    gate.set_headroom(chosen, greedy, margin)
+    logging.getLogger("hpa").info("trust gate: on the held-out prompts the chosen responses' learned reward is "
+                                  "%.4f (margin %.4f), the start policy's greedy responses' %.4f (sampled %.4f): "
+                                  "headroom %.4f above the start's own rollouts on the training prompts (the "
+                                  "first updates' batches)", chosen, margin, greedy, sampled, gate.headroom)
+
+
 def _heldout_nll(s: StepSignals) -> float:
     with s.ctx.timer("gate"):
         return heldout.heldout_nll(s.parts.policy.model, s.parts.heldout_pairs, s.ctx)
@@ -150,6 +161,7 @@ def _heldout_nll(s: StepSignals) -> float:
 GATE_SIGNAL_INPUTS: Dict[str, GateSignal] = {
     "reward_ceiling": GateSignal(start=_set_ceiling, measure=lambda s: None),
     "sampled_ceiling": GateSignal(start=_set_sampled_ceiling, measure=lambda s: None),
+    "start_rollouts": GateSignal(start=_set_headroom, measure=lambda s: None),
     "heldout_nll": GateSignal(start=lambda gate, parts, ctx: None, measure=_heldout_nll),
 }
 
@@ -162,7 +174,8 @@ class TrustGateController:
 
     def __init__(self, cfg, parts, ctx):
         g = cfg.algorithm.hpa.gate
-        self.gate = TrustGate(signal=g.signal, slack=g.slack, kp=g.kp, ki=g.ki, reward_ema=g.reward_ema)
+        self.gate = TrustGate(signal=g.signal, slack=g.slack, kp=g.kp, ki=g.ki, reward_ema=g.reward_ema,
+                              baseline_steps=g.baseline_steps)
         self.signal = GATE_SIGNAL_INPUTS[g.signal]
         self.signal.start(self.gate, parts, ctx)
 
@@ -268,8 +281,11 @@ class CoverageTrust:
     ramp's ``low`` and ``high``. The bank is recomputed at every start (frozen reward model, fixed file:
     the same rows; too large for the run state); the two constants are saved, and a restore keeps the
     saved ones, so a resumed run is the uninterrupted one even where a new layout rounds the start-up
-    forwards differently. Costs one forward of the first reward model per step over the step's distinct
-    prompts (or its rollouts) and, once, over both pair files.
+    forwards differently. Costs, once, a forward of the first reward model over both pair files and, in
+    prompt space, one over each training prompt the first time a step draws it (the reward model is
+    frozen: a prompt's embedding is kept, ``EmbeddingCache``); in sequence space one over the rollouts.
+    With ``kl_boost`` > 0 it also writes ``kl_weights`` ``[b]``, each row's weight of the hierarchical KL
+    (``abstention_kl_weights``).
     """
 
     name, observes = "coverage", "rollouts"
@@ -277,6 +293,8 @@ class CoverageTrust:
     def __init__(self, cfg, parts, ctx):
         c = cfg.algorithm.hpa.coverage
         self.k, self.space, self.model_reward, self.pad_id = c.k, c.space, parts.model_reward, ctx.pad_id
+        self.kl_boost = c.kl_boost
+        self.cache = EmbeddingCache()
         self.dp_group = ctx.groups.dp_group
         self.bank = self._embed_pairs(parts.pairs)  # [m, h]
         self.center = bank_center(self.bank)  # [h]
@@ -298,7 +316,8 @@ class CoverageTrust:
         if self.space == "prompt":
             rows = [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids.cpu(), batch.prompt_mask.cpu())]
             prompts, where = unique_rows(rows)
-            embeddings = heldout.prompt_embeddings(self.model_reward, prompts, pad_id=self.pad_id)  # [u, h]
+            embeddings = self.cache.embed(prompts, lambda new: heldout.prompt_embeddings(
+                self.model_reward, new, pad_id=self.pad_id))  # [u, h]
         else:
             embeddings = self.model_reward.sequence_embeddings(batch.response_ids, batch.response_mask,
                                                                batch.prompt_ids, batch.prompt_mask)  # [b, h]
@@ -311,13 +330,15 @@ class CoverageTrust:
         with s.ctx.timer("coverage"):
             trust = self.trust(batch)  # [b]
         batch.set("learned_trust", trust)
+        if self.kl_boost > 0:
+            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost))
         valid = batch.get("mask").sum(dim=1) > 0  # the rows that train (not dropped by the filter)
         trust = comm.all_gather_cat(trust.float(), self.dp_group)[comm.all_gather_cat(valid.float(), self.dp_group) > 0]
         nan = float("nan")
         metrics = trust_metrics(trust) if trust.numel() else {
             f"coverage/{k}": nan for k in ("trust_mean", "trust_p10", "trust_p90", "far_share")}
         return {**metrics, "coverage/low": self.low, "coverage/high": self.high,
-                "coverage/learned_reward": covered_learned_reward(batch, self.dp_group)}
+                "coverage/cached": float(len(self.cache)), "coverage/learned_reward": covered_learned_reward(batch, self.dp_group)}
 
     def factors(self) -> Dict[str, float]:
         return {}
@@ -346,11 +367,17 @@ def _gate_enabled(cfg) -> bool:
     return trust_gate_enabled(cfg)
 
 
+def _coverage_enabled(cfg) -> bool:
+    from hpa.config.schema import coverage_enabled
+
+    return coverage_enabled(cfg)
+
+
 CONTROLLERS: Dict[str, ControllerEntry] = {
     "kl_ctrl": ControllerEntry(KLCoefficient, lambda cfg: True),
     "trust_gate": ControllerEntry(TrustGateController, _gate_enabled),
     "balance": ControllerEntry(BalanceController, lambda cfg: cfg.algorithm.hpa.balance.enabled),
-    "coverage": ControllerEntry(CoverageTrust, lambda cfg: cfg.algorithm.hpa.coverage.enabled),
+    "coverage": ControllerEntry(CoverageTrust, _coverage_enabled),
 }
 
 
