@@ -84,7 +84,11 @@ def run_numbers(run_dir: Path) -> Optional[Dict[str, float]]:
     start/end, the mean gate weight, hacked and collapsed (as ``hpa ablate``)."""
     if not (run_dir / "ablate_run.json").exists() or not (run_dir / "metrics.jsonl").exists():
         return None
-    if json.loads((run_dir / "ablate_run.json").read_text()).get("returncode") != 0:
+    try:
+        record = json.loads((run_dir / "ablate_run.json").read_text())
+    except json.JSONDecodeError:  # still running: the record is written when the run ends
+        return None
+    if record.get("returncode") != 0:
         return None
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in records if "eval/score" in r]
