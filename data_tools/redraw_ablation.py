@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -45,6 +47,23 @@ def parse_custom(spec: str) -> Dict[str, object]:
     return {"name": name.strip(), "overrides": overrides}
 
 
+def decimal_seed(text: str) -> int:
+    """argparse type of a seed: decimal digits without leading zeros, in [0, 2^32 - 1]."""
+    if not re.fullmatch(r"0|[1-9][0-9]{0,9}", text) or int(text) > 2 ** 32 - 1:
+        raise argparse.ArgumentTypeError(f"a seed is a decimal integer from 0 to {2 ** 32 - 1} without leading "
+                                         f"zeros, got {text!r}")
+    return int(text)
+
+
+def check_ablation(doc: Dict) -> None:
+    """Refuse what ``hpa ablate`` would refuse (unknown variants, repeated or out-of-range seeds, bad custom
+    names), before the file is written: raises ConfigError naming the ``ablate.*`` key."""
+    from hpa.ablate import AblateConfig
+    from hpa.config.load import _build_dataclass
+
+    _build_dataclass(AblateConfig, doc["ablate"], "ablate.", {})
+
+
 def redraw_ablation(family: str, task_dir: str, variants: Sequence[str], custom: Sequence[str] = (),
                     out_dir: Optional[str] = None, seeds: Optional[Sequence[int]] = None) -> Dict:
     """The ablation file (a dict, ``{"ablate": {...}}``) of the task in ``task_dir``."""
@@ -65,23 +84,31 @@ def redraw_ablation(family: str, task_dir: str, variants: Sequence[str], custom:
         "out_dir": out_dir or str(task / "ablation"), "max_parallel": shipped.get("max_parallel", 1)}}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit status 0, or 2 with one line on stderr saying what is wrong."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", required=True, choices=sorted(FAMILY_FILES))
     parser.add_argument("--task-dir", required=True, help="launch/demo.sh's OUT_DIR of the re-drawn task")
     parser.add_argument("--variants", nargs="*", default=["hpa", "dpo-rpo"], help="built-in variant names")
     parser.add_argument("--custom", action="append", default=[], help="'name: key=value ...' (repeatable)")
-    parser.add_argument("--seeds", type=int, nargs="*", default=None, help="default: the shipped file's")
+    parser.add_argument("--seeds", type=decimal_seed, nargs="*", default=None, help="default: the shipped file's")
     parser.add_argument("--out-dir", default=None, help="the ablation's out_dir (default <task-dir>/ablation)")
     parser.add_argument("--out", required=True, help="where to write the ablation file")
     args = parser.parse_args(argv)
-    doc = redraw_ablation(args.family, args.task_dir, args.variants, args.custom, args.out_dir, args.seeds)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(f"# written by python -m data_tools.redraw_ablation --family {args.family} --task-dir {args.task_dir}\n")
-        yaml.safe_dump(doc, f, sort_keys=False, width=120)
+    try:
+        doc = redraw_ablation(args.family, args.task_dir, args.variants, args.custom, args.out_dir, args.seeds)
+        check_ablation(doc)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(f"# written by python -m data_tools.redraw_ablation --family {args.family} "
+                    f"--task-dir {args.task_dir}\n")
+            yaml.safe_dump(doc, f, sort_keys=False, width=120)
+    except (ValueError, OSError) as exc:  # ConfigError is a ValueError; a missing task or an unwritable --out
+        print(f"redraw_ablation: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}: OMP_NUM_THREADS=1 hpa ablate --config {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

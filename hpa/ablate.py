@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from hpa.config.errors import ConfigError, check_choice, check_range, closest
+from hpa.config.errors import ConfigError, check_choice, check_range, check_seed, closest
 from hpa.config.presets import PRESETS
 
 logger = logging.getLogger("hpa.ablate")
@@ -83,6 +83,11 @@ BUILTIN_VARIANTS: Dict[str, Tuple[str, ...]] = {
                   "algorithm.hpa.gate.enabled=true", "algorithm.hpa.balance.enabled=true"),
 }
 LAUNCHER_NAMES = ("sequential", "torchrun")
+# the held-out numbers an evaluation logs (hpa.trainer.evaluate: eval/<name>, and eval/score/<category>,
+# eval/trust/<category> per category of the eval prompts); tests/trainer/test_train_e2e.py checks every eval/*
+# number a real run logs against it
+EVAL_METRIC_NAMES = ("score", "reward", "model_reward", "copy_rate", "response_length", "kl", "trust")
+PER_CATEGORY_METRICS = ("score", "trust")
 RUN_RECORD = "ablate_run.json"
 
 
@@ -157,6 +162,9 @@ class AblateConfig:
         if self.launcher == "sequential" and self.nproc_per_node != 1:
             raise ConfigError("nproc_per_node", "the sequential launcher runs one process per run; use "
                                                 "launcher=torchrun for more")
+        for seed in self.seeds:
+            check_seed("seeds", seed)
+        check_metric(self.metric)
         check_range("collapse_margin", self.collapse_margin, low=0.0)
         check_range("stop_timeout_s", self.stop_timeout_s, low=0.0)
 
@@ -167,10 +175,25 @@ class AblateConfig:
         return out
 
 
+def check_metric(metric: str) -> None:
+    """``metric`` must be a number an evaluation logs, else every seed would read NaN and count as collapsed."""
+    parts = metric.split("/")
+    valid = [f"eval/{n}" for n in EVAL_METRIC_NAMES] + [f"eval/{n}/<category>" for n in PER_CATEGORY_METRICS]
+    ok = (len(parts) == 2 and parts[0] == "eval" and parts[1] in EVAL_METRIC_NAMES) or \
+         (len(parts) == 3 and parts[0] == "eval" and parts[1] in PER_CATEGORY_METRICS and parts[2])
+    if not ok:
+        raise ConfigError("metric", f"{metric!r} is not a number the evaluation logs; valid: {', '.join(valid)} "
+                                    f"(closest: {', '.join(closest(metric, valid))})")
+
+
 def load_ablate_config(path: Optional[str], overrides: Sequence[str] = ()) -> AblateConfig:
     """The ``ablate`` section of the file at ``path`` with dotted ``ablate.*`` overrides."""
     from hpa.config.load import _build_dataclass, _set_dotted, _yaml_with_lines, parse_overrides
 
+    if path is not None and not Path(path).is_file():
+        what = "is a directory" if Path(path).is_dir() else "is not a file" if Path(path).exists() else "does not exist"
+        raise ConfigError("--config", f"the ablation file {path} {what}; give an ablation YAML file (one "
+                                      "section, 'ablate')", source="command line")
     data, sources = _yaml_with_lines(Path(path)) if path else ({}, {})
     unknown = [k for k in data if k != "ablate"]
     if unknown:
@@ -188,6 +211,11 @@ def load_ablate_config(path: Optional[str], overrides: Sequence[str] = ()) -> Ab
     base = Path(path).resolve().parent if path else Path.cwd()
     if cfg.config is not None and not Path(cfg.config).is_absolute():
         cfg = dataclasses.replace(cfg, config=str(_existing(base / cfg.config, Path(cfg.config))))
+    if cfg.config is not None and not Path(cfg.config).is_file():
+        what = "is a directory" if Path(cfg.config).is_dir() else "does not exist"
+        raise ConfigError("ablate.config", f"the training config {cfg.config} {what} (relative paths: to the "
+                                           "ablation file's directory); give a training YAML file",
+                          source=sources.get("ablate.config"))
     return cfg
 
 
@@ -648,16 +676,43 @@ def _plots(cfg: AblateConfig, runs: Sequence[Run], out_dir: Path) -> List[Path]:
     return paths
 
 
+def precheck(cfg: AblateConfig, runs: Sequence[Run]) -> None:
+    """Every run's training config as ``hpa train`` will check it (every check, its paths, the world size of
+    the launcher), before any run starts: a bad variant fails here, not in each of its runs' ``train.log``.
+
+    Raises:
+        ConfigError: naming the variant, the seed, the key and its source.
+    """
+    from hpa.config import load_config
+
+    world_size = cfg.nproc_per_node if cfg.launcher == "torchrun" else 1
+    warned, unevaluated = set(), []
+    for run in runs:
+        try:  # each variant's warnings once, not once per seed
+            train_cfg = load_config(cfg.config, run.overrides, world_size=world_size, command="train",
+                                    warn=run.variant not in warned)
+            warned.add(run.variant)
+        except ConfigError as exc:  # the runs' overrides are the ablation file's, not a command line's
+            source = f"the overrides of variant {run.variant!r} (ablate.overrides, then its own, then the seed's)" \
+                if exc.source == "command line" else exc.source
+            raise ConfigError(exc.key, f"variant {run.variant!r} (seed {run.seed}) cannot start: {exc.message}",
+                              source=source) from None
+        if (train_cfg.data.eval_prompt_path is None or train_cfg.trainer.eval_interval <= 0) \
+                and run.variant not in unevaluated:
+            unevaluated.append(run.variant)
+    if unevaluated:  # valid (a smoke test of the runs), but every seed will read NaN and count as collapsed
+        print(f"hpa ablate: warning: config key 'ablate.metric': {cfg.metric!r} is logged by the evaluation, which "
+              f"variant(s) {', '.join(unevaluated)} never run (data.eval_prompt_path unset or trainer.eval_interval "
+              "0): their summary will be NaN and every seed counted as collapsed", file=sys.stderr, flush=True)
+
+
 def run_ablation(cfg: AblateConfig, command: str = "") -> Tuple[Dict[str, int], Path]:
     """Run what is not done, then write the report; returns the run counts and the report path.
 
     Raises:
         AblationStopped: on SIGINT/SIGTERM (no report is written then).
     """
-    from hpa.config import load_config
-
     runs = plan_runs(cfg)
-    for run in runs:  # a typo in any variant fails here, before hours of the others' training
-        load_config(cfg.config, run.overrides)
+    precheck(cfg, runs)
     counts = execute(cfg, runs)
     return counts, write_report(cfg, runs, command)

@@ -61,20 +61,42 @@ def config_parser(name: str) -> argparse.ArgumentParser:
 
 def check_config(argv: List[str]) -> int:
     parser = config_parser("check-config")
-    parser.add_argument("--world-size", type=int, default=None, help="also run the layout checks for this many processes")
+    parser.add_argument("--world-size", type=_positive_int, default=None,
+                        help="also run the data-parallel checks for this many processes (every other check "
+                             "runs without it)")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, with_preset(args.preset, args.overrides), world_size=args.world_size)
+    from hpa.config.startup import config_warnings
+
+    for key, message in config_warnings(cfg):
+        print(f"hpa check-config: warning: config key '{key}': {message}", file=sys.stderr)
     print(json.dumps(to_dict(cfg), indent=2))
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of a count of processes: a decimal integer >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def _load(args, command: str):
+    """The config of a launched command, checked at this launch's world size, with its paths."""
+    from hpa.distributed.init import read_launch_env  # no torch import: the launch environment alone
+
+    overrides = with_preset(getattr(args, "preset", None), args.overrides)
+    return load_config(args.config, overrides, world_size=read_launch_env().world_size, command=command)
+
+
 def train(argv: List[str]) -> int:
     args = config_parser("train").parse_args(argv)
+    cfg = _load(args, "train")  # before megatron's import: a bad config is told in a moment
     from hpa.distributed import launched
     from hpa.distributed.watchdog import EXIT_COLLECTIVE_FAILURE, CollectiveFailure
     from hpa.trainer.loop import HPATrainer
 
-    with launched(load_config(args.config, with_preset(args.preset, args.overrides))) as (cfg, groups):
+    with launched(cfg) as (cfg, groups):
         try:
             trainer = HPATrainer(cfg, groups)
         except CollectiveFailure as exc:  # at start-up: the message names the phase and the ranks waited for
@@ -100,10 +122,11 @@ def train(argv: List[str]) -> int:
 
 def sft(argv: List[str]) -> int:
     args = config_parser("sft").parse_args(argv)
+    cfg = _load(args, "sft")
     from hpa.distributed import launched
     from hpa.trainer.sft import run_sft
 
-    with launched(load_config(args.config, args.overrides)) as (cfg, groups):
+    with launched(cfg) as (cfg, groups):
         run_sft(cfg, groups)
     return 0
 

@@ -147,10 +147,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     [overrides...]``; initialises distributed like ``hpa train`` (torchrun or a single process)."""
     from hpa.config import ConfigError, load_config
     from hpa.distributed import launched
+    from hpa.distributed.init import read_launch_env
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        with launched(load_config(args.config, args.overrides)) as (cfg, groups):
+        if not os.path.isfile(args.prompts):
+            raise ConfigError("--prompts", f"{args.prompts!r} is not a file; give a JSONL or Parquet file of "
+                                           "prompts", source="command line")
+        cfg = load_config(args.config, args.overrides, world_size=read_launch_env().world_size, command="generate")
+        with launched(cfg) as (cfg, groups):
             summary = run_generate(cfg, groups, prompts_path=args.prompts, output_path=args.output,
                                    kl_threshold=args.kl_threshold, guard_temperature=args.guard_temperature,
                                    max_retries=args.max_retries)

@@ -85,6 +85,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -534,6 +535,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
+        if not (math.isfinite(args.gpu_memory_gb) and args.gpu_memory_gb > 0):
+            raise ConfigError("--gpu-memory-gb", f"must be a positive number of GB, got {args.gpu_memory_gb}",
+                              source="command line")
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
         result = plan(cfg, args.world_size, args.gpu_memory_gb)
     except ConfigError as exc:

@@ -16,9 +16,13 @@ FAMILY=${DEMO_FAMILY:-standard}
 SEED=${DEMO_SEED:-0}
 TRAIN=${DEMO_TRAIN:-1}
 [[ "$TRAIN" =~ ^[01]$ ]] || { echo "DEMO_TRAIN must be 0 or 1, got '$TRAIN'" >&2; exit 2; }
-[[ "$SEED" =~ ^[0-9]+$ ]] || { echo "DEMO_SEED must be a non-negative integer, got '$SEED'" >&2; exit 2; }
+# a decimal seed without leading zeros (bash reads 010 as octal 8 and 08 not at all), at most 10 digits (no
+# wrap-around), and 1234 + DEMO_SEED must stay a valid trainer.seed (at most 2^32 - 1)
+MAX_SEED=$(( 4294967295 - 1234 ))
+[[ "$SEED" =~ ^(0|[1-9][0-9]{0,9})$ ]] && (( 10#$SEED <= MAX_SEED )) || {
+  echo "DEMO_SEED must be a decimal integer from 0 to $MAX_SEED without leading zeros, got '$SEED'" >&2; exit 2; }
 SEEDED=()
-(( SEED == 0 )) || SEEDED=(trainer.seed=$((1234 + SEED)))
+(( 10#$SEED == 0 )) || SEEDED=(trainer.seed=$((1234 + 10#$SEED)))
 case "$FAMILY" in
   standard) DEFAULT_OUT=runs/demo
             # the tiny ensemble is weak on this task, so the verifiable rule reward carries 4x its weight

@@ -49,8 +49,11 @@ def test_config_errors(tmp_path):
 
 
 def test_every_builtin_variant_is_a_valid_training_config(tmp_path):
+    # the gate's variants need held-out pairs and reward models (the sampled ceiling reads them): without
+    # them every check, the cross-section ones too, refuses hpa-gate and hpa-trust (test_ablate_precheck_*)
     cfg = AblateConfig(variants=tuple(ablate.BUILTIN_VARIANTS), seeds=(7,), out_dir=str(tmp_path),
-                       overrides=("trainer.total_steps=9",),
+                       overrides=("trainer.total_steps=9", "data.heldout_preference_path=heldout.jsonl",
+                                  "reward.model_paths=[rm]"),
                        custom=(CustomVariant(name="mine", overrides=("algorithm.dpo.beta=0.3",)),))
     runs = {r.variant: r for r in plan_runs(cfg)}
     assert list(runs) == [*ablate.BUILTIN_VARIANTS, "mine"]

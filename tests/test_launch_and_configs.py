@@ -213,3 +213,13 @@ def test_diversity_from_reward_model_embeddings_needs_a_reward_model():
                            "reward.shaping.diversity_source=reward_model"], world_size=1)
     load_config(None, ["reward.model_paths=[]", "reward.rules=[exact_match]", "reward.shaping.beta=0",
                        "reward.shaping.diversity_source=reward_model"], world_size=1)
+
+
+@pytest.mark.parametrize("seed", ["08", "010", "-1", "abc", "4294966062", "99999999999999999999"])
+def test_demo_sh_refuses_a_seed_that_is_not_a_bounded_decimal(seed, tmp_path):
+    """Before any step runs: bash reads 010 as octal, 08 not at all, and a huge value wraps around."""
+    env = {**os.environ, "DEMO_SEED": seed}
+    proc = subprocess.run(["bash", "launch/demo.sh", str(tmp_path / "out")], capture_output=True, text=True,
+                          env=env, timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 2 and "DEMO_SEED must be a decimal integer" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Iterable, Optional
+
+SEED_MAX = 2 ** 32 - 1  # numpy's and torch's seeds: [0, 2^32 - 1]
 
 
 class ConfigError(ValueError):
@@ -38,8 +41,23 @@ def check_choice(key: str, value: str, choices: Iterable[str]) -> None:
                                f"(closest: {', '.join(closest(value, choices))})")
 
 
-def check_range(key: str, value: float, *, low=None, high=None, low_open=False, high_open=False) -> None:
-    """Raise a ConfigError when ``value`` lies outside [low, high] (or the open variants)."""
+def check_finite(key: str, value: float) -> None:
+    """Raise a ConfigError for NaN or ±infinity (a comparison with NaN is always false: no range stops it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value!r}")
+
+
+def check_seed(key: str, value: int) -> None:
+    """Raise a ConfigError for a seed outside numpy's and torch's [0, 2^32 - 1]."""
+    check_range(key, value, low=0, high=SEED_MAX)
+
+
+def check_range(key: str, value: float, *, low=None, high=None, low_open=False, high_open=False,
+                allow_inf=False) -> None:
+    """Raise a ConfigError when ``value`` lies outside [low, high] (or the open variants), or is NaN, or is
+    infinite (unless ``allow_inf``: only for a key whose docs say what infinity means)."""
+    if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not allow_inf)):
+        check_finite(key, value)
     bad = (low is not None and (value <= low if low_open else value < low)) or \
           (high is not None and (value >= high if high_open else value > high))
     if bad:

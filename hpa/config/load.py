@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -18,10 +19,22 @@ import yaml
 
 from .errors import ConfigError, closest
 from .schema import Config, to_dict, validate
+from .values import check_field
 
 __all__ = ["load_config", "build", "parse_overrides", "write_resolved", "default_config_path"]
 
 _Sources = Dict[str, str]  # dotted key -> "file:line" or "command line"
+
+
+class _Empty:
+    """The value of ``key=`` on the command line (often an unset shell variable): the empty string for a
+    string key, an error for any other, never a silent null (``key=null`` is null)."""
+
+    def __repr__(self) -> str:
+        return "''"
+
+
+EMPTY = _Empty()
 
 
 def default_config_path() -> Path:
@@ -44,7 +57,10 @@ def default_config_path() -> Path:
 
 
 def _yaml_with_lines(path: Path) -> Tuple[dict, _Sources]:
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("--config", f"cannot read {path}: {exc}", source="command line") from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -70,7 +86,8 @@ def _yaml_with_lines(path: Path) -> Tuple[dict, _Sources]:
 
 
 def parse_overrides(overrides: Iterable[str]) -> List[Tuple[str, Any]]:
-    """``["a.b=1", "c=[1, 2]"]`` -> ``[("a.b", 1), ("c", [1, 2])]``; values are parsed as YAML."""
+    """``["a.b=1", "c=[1, 2]"]`` -> ``[("a.b", 1), ("c", [1, 2])]``; values are parsed as YAML, an empty one
+    (``a.b=``) is ``EMPTY``."""
     parsed = []
     for item in overrides:
         if "=" not in item:
@@ -81,7 +98,7 @@ def parse_overrides(overrides: Iterable[str]) -> List[Tuple[str, Any]]:
         if not key:
             raise ConfigError(item, "empty key in override", source="command line")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.safe_load(raw) if raw.strip() else EMPTY
         except yaml.YAMLError as exc:
             raise ConfigError(key, f"cannot parse value {raw!r}: {exc}", source="command line") from None
         parsed.append((key, value))
@@ -117,6 +134,11 @@ def _type_name(tp) -> str:
 def _convert(value: Any, tp, key: str, sources: _Sources):
     src = sources.get(key)
     tp, optional = _strip_optional(tp)
+    if value is EMPTY:  # a required string may be empty; anything else is an error, never a silent null
+        if tp is str and not optional:
+            return ""
+        raise ConfigError(key, f"is empty on the command line (an unset shell variable?); give a "
+                               f"{_type_name(tp)}" + (f", or {key}=null for null" if optional else ""), source=src)
     if value is None:
         if optional:
             return None
@@ -184,6 +206,10 @@ def _build_dataclass(cls, data: dict, prefix: str, sources: _Sources):
         full = f"{prefix}{name}"
         if name in data:
             kwargs[name] = _convert(data[name], hints[name], full, sources)
+            try:
+                check_field(f, kwargs[name], full)
+            except ConfigError as exc:
+                raise ConfigError(exc.key, exc.message, source=sources.get(full)) from None
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(full, "is required and has no default; set it in the YAML or as "
                                     f"{full}=VALUE", source=sources.get(prefix.rstrip(".")))
@@ -191,14 +217,32 @@ def _build_dataclass(cls, data: dict, prefix: str, sources: _Sources):
         return cls(**kwargs)
     except ConfigError as exc:
         full = f"{prefix}{exc.key}"
-        raise ConfigError(full, exc.message, source=exc.source or sources.get(full)) from None
+        raise ConfigError(full, exc.message, source=exc.source or source_of(full, sources)) from None
 
 
-def build(data: dict, sources: Optional[_Sources] = None, world_size: Optional[int] = None) -> Config:
-    """Turn plain nested data into a ``Config``; ``world_size`` also runs the cross-section checks."""
-    cfg = _build_dataclass(Config, data, "", sources or {})
-    if world_size is not None:
+def source_of(key: str, sources: _Sources, origin: Optional[str] = None) -> str:
+    """Where ``key``'s value came from: its own line or the command line; else the nearest section's;
+    else ``origin`` (the config file) as a default."""
+    parts = key.split(".")
+    while parts:
+        found = sources.get(".".join(parts))
+        if found:
+            return found
+        parts.pop()
+    return f"{origin} (default value)" if origin else "default value"
+
+
+def build(data: dict, sources: Optional[_Sources] = None, world_size: Optional[int] = None,
+          origin: Optional[str] = None) -> Config:
+    """Turn plain nested data into a ``Config`` and run ``validate``: every check that needs no world size,
+    and with ``world_size`` the layout checks too. Every error names its key's source (``origin``: the
+    config file, for keys left at their default)."""
+    sources = sources or {}
+    try:
+        cfg = _build_dataclass(Config, data, "", sources)
         validate(cfg, world_size)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.message, source=exc.source or source_of(exc.key, sources, origin)) from None
     return cfg
 
 
@@ -215,24 +259,46 @@ def _resolve_paths(data: dict, base: Path) -> None:
 
 
 def load_config(path: Optional[os.PathLike] = None, overrides: Iterable[str] = (),
-                world_size: Optional[int] = None) -> Config:
+                world_size: Optional[int] = None, command: Optional[str] = None, warn: bool = True) -> Config:
     """Load ``path`` (default: the embedded tiny_cpu.yaml), apply dotted overrides and validate.
 
     Args:
         path: a YAML file. Relative ``data.*_path`` values are resolved against its directory when
             the file exists there, else against the working directory.
         overrides: ``section.key=value`` strings, applied in order (values parsed as YAML).
-        world_size: when given, the cross-section checks (TP/PP divisibility, batch sizes) run too.
+        world_size: when given, the data-parallel checks (batch sizes divisible by DP) run too; every other
+            check always runs.
+        command: ``train``, ``sft``, ``train-rm``, ``generate`` or ``serve``: also check the paths that command reads
+            (``hpa.config.startup.check_paths``) and, with ``warn``, print the warnings of ``config_warnings``
+            (rank 0).
     """
     path = Path(path) if path is not None else default_config_path()
+    if path.is_dir():
+        raise ConfigError("--config", f"{path} is a directory; give a YAML file", source="command line")
     if not path.is_file():
-        raise ConfigError("--config", f"no such config file: {path}")
+        raise ConfigError("--config", f"no such config file: {path}", source="command line")
     data, sources = _yaml_with_lines(path)
     _resolve_paths(data, path.parent)
     for key, value in parse_overrides(overrides):
         _set_dotted(data, key, value)
         sources[key] = "command line"
-    return build(data, sources, world_size)
+    cfg = build(data, sources, world_size, origin=str(path))
+    if command is not None:
+        _startup(cfg, command, sources, str(path), warn)
+    return cfg
+
+
+def _startup(cfg: Config, command: str, sources: _Sources, origin: str, warn: bool) -> None:
+    from .startup import check_paths, config_warnings
+
+    try:
+        check_paths(cfg, command)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.message, source=source_of(exc.key.split("[")[0], sources, origin)) from None
+    if warn and os.environ.get("RANK", "0") == "0":
+        for key, message in config_warnings(cfg):
+            print(f"hpa {command}: warning: {source_of(key, sources, origin)}: config key '{key}': {message}",
+                  file=sys.stderr, flush=True)
 
 
 def write_resolved(cfg: Config, run_dir: os.PathLike) -> Path:

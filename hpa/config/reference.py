@@ -21,7 +21,9 @@ import typing
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .errors import ConfigError
+from .errors import SEED_MAX
 from .schema import Config
+from .values import infinity_meaning, is_seed
 
 _REQUIRED = "required"
 _SECTION_HEADERS = ("Args:", "Attributes:")
@@ -108,6 +110,7 @@ class Entry:
     type: str  # "section" for a nested dataclass
     default: str
     meaning: str
+    infinity: str = ""  # what .inf means, for the few keys that accept it (the field's metadata)
 
 
 def entries(cls=Config, prefix: str = "", instance=None) -> Iterator[Entry]:
@@ -136,7 +139,7 @@ def entries(cls=Config, prefix: str = "", instance=None) -> Iterator[Entry]:
             yield from entries(nested, key + ".", None if value is dataclasses.MISSING else value)
         else:
             yield Entry(key, _type_name(f.type), _REQUIRED if value is dataclasses.MISSING else _yaml_value(value),
-                        meaning)
+                        meaning, infinity_meaning(f))
 
 
 def _nested_class(cls, f) -> Optional[type]:
@@ -147,6 +150,30 @@ def _nested_class(cls, f) -> Optional[type]:
 
 def _cell(text: str) -> str:
     return text.replace("``", "`").replace("|", "\\|")
+
+
+def _checks(all_entries: List[Entry]) -> List[str]:
+    """The rules every key obeys, with the keys that accept infinity listed and what infinity means there."""
+    infinite = [e for e in all_entries if e.infinity]
+    seeds = [e.key for e in all_entries if is_seed(e.key.rsplit(".", 1)[-1]) and e.type != "section"]
+    if infinite:
+        inf = ", except in these keys, where `.inf` means: " + "; ".join(f"`{e.key}`: {e.infinity}" for e in infinite)
+    else:
+        inf = ": no key accepts infinity (where a key can be switched off, `null` or `0` does it, as its row says)"
+    return [
+        "Every check runs wherever a config is accepted: `hpa check-config` (with or without `--world-size`), "
+        "`hpa ablate`'s pre-check of every variant and seed, and the start of `hpa train`, `sft`, `train-rm`, "
+        "`generate` and `serve`; only the data-parallel checks (batch sizes divisible by the DP size) need the "
+        "world size. The start of a command also checks the paths it reads, naming the key, and warns (naming "
+        "the key) about valid values that make a run pathological: a token budget below one row, held-out pairs "
+        "that are the training pairs, `algorithm.hpa.balance.measure_steps` beyond `trainer.total_steps`.",
+        "",
+        f"Numbers are finite: `.nan`, `.inf` and `-.inf` are refused{inf}. "
+        f"Seeds ({', '.join(f'`{k}`' for k in seeds)}, "
+        f"and `hpa ablate`'s `ablate.seeds`) lie in [0, {SEED_MAX}]. An empty value on the command line (`key=`, "
+        "often an unset shell variable) is the empty string for a string key that cannot be null and an error "
+        "for any other key; `key=null` is null. Secrets (`serve.api_key`) may not begin or end with whitespace.",
+    ]
 
 
 def render() -> str:
@@ -164,6 +191,8 @@ def render() -> str:
         "...) is a value as a function of training progress. What the keys that shape a run do, and the "
         "recipe's defaults: [training.md](training.md).",
         "",
+        *_checks(list(entries())),
+        "",
     ]
     rows: List[Tuple[str, List[Entry]]] = []
     for e in entries():
@@ -177,7 +206,8 @@ def render() -> str:
                 "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for e in section[1:]:
             default = f"`{_cell(e.default)}`" if e.default else ""
-            out.append(f"| `{e.key}` | {_cell(e.type)} | {default} | {_cell(e.meaning)} |")
+            meaning = e.meaning + (f" `.inf`: {e.infinity}." if e.infinity else "")
+            out.append(f"| `{e.key}` | {_cell(e.type)} | {default} | {_cell(meaning)} |")
     return "\n".join(out) + "\n"
 
 

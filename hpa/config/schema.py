@@ -17,6 +17,7 @@ from .algorithm import GATE_SIGNALS_ON_REWARD_MODELS, AlgorithmConfig
 from .data import DataConfig
 from .errors import ConfigError, check_choice, check_range
 from .reward import RewardConfig, check_diversity_source
+from .values import check_values
 
 BACKENDS = ("auto", "nccl", "gloo")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -616,8 +617,21 @@ def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
     return world_size // model_parallel
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Checks that span sections. Raises ConfigError naming the first offending key."""
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Every check that spans keys or sections, wherever a config is accepted (``check-config`` with or
+    without ``--world-size``, ``hpa ablate``'s pre-check, every command's start-up). Only the
+    data-parallel checks need ``world_size``; every other check always runs. Raises ConfigError naming
+    the first offending key."""
+    check_values(cfg)
+    _check_model_layout(cfg)
+    _check_lengths(cfg)
+    _check_trust(cfg)
+    _check_rewards_and_filters(cfg)
+    if world_size is not None:
+        _check_data_parallel(cfg, world_size)
+
+
+def _check_model_layout(cfg: Config) -> None:
     tp = cfg.parallel.tensor_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
@@ -632,25 +646,25 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("model.num_layers", f"{m.num_layers} layers are not divisible by "
                           f"parallel.pipeline_model_parallel_size={pp}"
                           + (f" x virtual stages {vpp}" if vpp > 1 else ""))
-    dp = data_parallel_size(cfg.parallel, world_size)
+    if cfg.parallel.use_distributed_optimizer and cfg.parallel.backend == "gloo" and m.params_dtype != "float32":
+        raise ConfigError("model.params_dtype", "the CPU/gloo path runs in float32")
+
+
+def _check_lengths(cfg: Config) -> None:
     t = cfg.trainer
-    if t.global_batch_size % dp:
-        raise ConfigError("trainer.global_batch_size", f"{t.global_batch_size} prompts per step are not "
-                          f"divisible by the data-parallel size {dp}")
-    if cfg.sft.global_batch_size % dp:
-        raise ConfigError("sft.global_batch_size", f"{cfg.sft.global_batch_size} is not divisible by the "
-                          f"data-parallel size {dp}")
-    if t.preference_batch_size % dp:
-        raise ConfigError("trainer.preference_batch_size", f"{t.preference_batch_size} is not divisible "
-                          f"by the data-parallel size {dp}")
     if t.ppo_mini_batch_size is not None and t.global_batch_size % t.ppo_mini_batch_size:
         raise ConfigError("trainer.ppo_mini_batch_size", f"global_batch_size={t.global_batch_size} "
                           f"is not divisible by ppo_mini_batch_size={t.ppo_mini_batch_size}")
-    if cfg.rollout.max_new_tokens >= m.max_sequence_length:
+    if cfg.rollout.max_new_tokens >= cfg.model.max_sequence_length:
         raise ConfigError("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for the "
-                          f"prompt within model.max_sequence_length={m.max_sequence_length}")
-    if cfg.parallel.use_distributed_optimizer and cfg.parallel.backend == "gloo" and m.params_dtype != "float32":
-        raise ConfigError("model.params_dtype", "the CPU/gloo path runs in float32")
+                          f"prompt within model.max_sequence_length={cfg.model.max_sequence_length}")
+    if cfg.guard.early_stop_on_hacking and (cfg.data.adversarial_prompt_path is None or t.eval_interval <= 0):
+        raise ConfigError("guard.early_stop_on_hacking", "the reward-hacking monitor needs "
+                          "data.adversarial_prompt_path and trainer.eval_interval > 0")
+
+
+def _check_trust(cfg: Config) -> None:
+    """The trust gate's and the coverage trust's prerequisites."""
     algo = cfg.algorithm
     if algo.hpa.gate.enabled:
         if not component_advantages(cfg):
@@ -673,6 +687,10 @@ def validate(cfg: Config, world_size: int) -> None:
             if absent:
                 raise ConfigError("algorithm.hpa.coverage.enabled", f"the coverage trust weights the learned "
                                   f"component per row and needs {what}; set it, or enabled: false")
+
+
+def _check_rewards_and_filters(cfg: Config) -> None:
+    algo = cfg.algorithm
     check_diversity_source(cfg.reward.shaping, has_reward_model=bool(cfg.reward.model_paths))
     rescaled = cfg.reward.shaping.normalize or cfg.reward.shaping.clip is not None
     if algo.advantage.per_component is True and rescaled:
@@ -686,9 +704,18 @@ def validate(cfg: Config, world_size: int) -> None:
                                              "responses", "raise rollout.n or set algorithm.rollout_filter.scope=batch")
         raise ConfigError("algorithm.rollout_filter.name", f"{f.name!r} {what}, which needs rollout.n >= 2 "
                           f"responses per prompt (got rollout.n={cfg.rollout.n}); {fix}")
-    if cfg.guard.early_stop_on_hacking and (cfg.data.adversarial_prompt_path is None or t.eval_interval <= 0):
-        raise ConfigError("guard.early_stop_on_hacking", "the reward-hacking monitor needs "
-                          "data.adversarial_prompt_path and trainer.eval_interval > 0")
+
+
+def _check_data_parallel(cfg: Config, world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError("--world-size", f"must be a positive number of processes, got {world_size!r}")
+    dp = data_parallel_size(cfg.parallel, world_size)
+    for key, value in (("trainer.global_batch_size", cfg.trainer.global_batch_size),
+                       ("sft.global_batch_size", cfg.sft.global_batch_size),
+                       ("trainer.preference_batch_size", cfg.trainer.preference_batch_size)):
+        if value % dp:
+            raise ConfigError(key, f"{value} is not divisible by the data-parallel size {dp} (world size "
+                              f"{world_size} / TP·PP·CP); use a multiple of {dp}")
 
 
 def component_advantages(cfg: Config) -> bool:

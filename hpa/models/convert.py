@@ -786,6 +786,24 @@ def _convert(args, groups: ParallelGroups, parallel_cfg: ParallelConfig) -> None
         print(f"wrote Hugging Face {family} checkpoint {out}")
 
 
+def _check_arguments(args) -> None:
+    """The directories named on the command line, before any process group starts (a ConfigError: one line)."""
+    from hpa.config import ConfigError
+
+    flag, source = ("--hf-dir", args.hf_dir) if args.direction == "hf-to-megatron" else \
+        ("--megatron-dir", args.megatron_dir)
+    if not os.path.isdir(source):
+        raise ConfigError(flag, f"{source!r} is not a directory", source="command line")
+    for flag in ("--tokenizer-dir",):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and not os.path.isdir(value):
+            raise ConfigError(flag, f"{value!r} is not a directory", source="command line")
+    out = Path(args.out)
+    if args.direction == "hf-to-megatron" and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("--out", f"{out} exists and is not an empty directory; choose a new directory",
+                          source="command line")
+
+
 def run_convert(argv_or_args: Union[Sequence[str], argparse.Namespace, None] = None, *,
                 groups: Optional[ParallelGroups] = None) -> int:
     """Entry point of ``hpa convert``. Returns the exit code.
@@ -801,6 +819,7 @@ def run_convert(argv_or_args: Union[Sequence[str], argparse.Namespace, None] = N
 
     args = argv_or_args if isinstance(argv_or_args, argparse.Namespace) else \
         build_convert_parser().parse_args(list(argv_or_args) if argv_or_args is not None else None)
+    _check_arguments(args)
     parallel_cfg = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                                   backend=args.backend)

@@ -348,7 +348,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides, world_size=read_launch_env().world_size)
+        cfg = load_config(args.config, args.overrides, world_size=read_launch_env().world_size,
+                          command="train-rm")
         metrics = run_train_rm(cfg)
     except ConfigError as exc:
         print(f"hpa train-rm: {exc}", file=sys.stderr)

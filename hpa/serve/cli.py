@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _api_key(s) -> Optional[str]:
-    key = s.api_key or os.environ.get(API_KEY_ENV) or None
+    from hpa.config.startup import serve_api_key
+
+    key = serve_api_key(s, os.environ, API_KEY_ENV)
     if key is None and not _loopback(s.host):
         print(f"hpa serve: WARNING: listening on {s.host} beyond this machine without an API key; anyone who "
               f"reaches the port can use the model: set serve.api_key or {API_KEY_ENV}", file=sys.stderr, flush=True)
@@ -123,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from hpa.distributed.init import read_launch_env
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, command="serve")
     if read_launch_env().world_size != 1:
         raise ConfigError("parallel.tensor_model_parallel_size",
                           "hpa serve runs as one process: start it without torchrun or srun, with "

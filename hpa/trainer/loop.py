@@ -11,7 +11,6 @@ rollback) is ``state``, evaluation is ``evaluate``, when it stops is ``run_contr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Dict
@@ -27,7 +26,8 @@ from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collect
 from hpa.trainer import faults, phases, reference_cache
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter, device_timer, peak_memory_gb, update_perf
-from hpa.trainer.objective import Controllers, WeightSchedules, describe
+from hpa.trainer.heldout import heldout_nll
+from hpa.trainer.objective import ControllerInputs, Controllers, WeightSchedules, describe
 from hpa.trainer.rollout_step import NoRollouts, RolloutStep, generate
 from hpa.trainer.run_control import RunControl, write_exit_status
 from hpa.trainer.setup import build_run
@@ -68,7 +68,10 @@ class HPATrainer:
                                       temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
                                       packed=cfg.trainer.sequence_packing, timer=self.timer)
         self.weights = WeightSchedules(cfg.algorithm)
-        self.controllers = Controllers(cfg, p, self.ctx)
+        self.controllers = Controllers(cfg, ControllerInputs(
+            groups=groups, pad_id=p.tokenizer.pad_id, timer=self.timer, tokenizer=p.tokenizer, pairs=p.pairs,
+            heldout_pairs=p.heldout_pairs, model_reward=p.model_reward, generate=self.generate,
+            policy_nll=lambda examples: heldout_nll(p.policy.model, examples, self.ctx)))
         # w_ppo = 0 for the whole run: plain DPO, which spends no rollouts (the KL and entropy terms,
         # which live on rollouts, go with them)
         pairs_only = not any(v > 0 for v in cfg.algorithm.hpa.w_ppo.used_values())
@@ -80,16 +83,14 @@ class HPATrainer:
         trainables = {"policy": p.policy, **({"critic": p.critic} if p.critic is not None else {})}
         parts = {"guard": self.guard, "prompt_sampler": p.prompt_sampler, "pair_sampler": p.pair_sampler,
                  "reward": p.reward, "policy_sched": p.policy.scheduler, "monitor": p.evaluator,
-                 **({"critic_sched": p.critic.scheduler} if p.critic is not None else {}), **self.controllers.parts()}
+                 **({"critic_sched": p.critic.scheduler} if p.critic is not None else {}), **self.controllers.state_parts()}
         self.state = RunState(cfg, groups, trainables, parts, self.guard)
         self.exit_reason = "done"
         resumed = self.state.resume()
         if groups.is_main:
-            start = self.weights.at(progress(self.state.step, cfg.trainer.total_steps),
-                                    self.controllers.factor("reward_kl"))
-            factors = self.controllers.factors()
-            logger.info("the objective at step %d:\n%s", self.state.step, describe(
-                dataclasses.asdict(start), {"pairs": factors.get("pairs", 1.0)}, factors.get("learned_advantage")))
+            start = self.weights.at(progress(self.state.step, cfg.trainer.total_steps), self.controllers.factors())
+            logger.info("the objective at step %d:\n%s", self.state.step,
+                        describe(start.scheduled(), start.factors.scales()))
         self.metrics = MetricsWriter(run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg),
                                      resume_step=self.state.step + 1 if resumed else None,
                                      total_steps=cfg.trainer.total_steps)
@@ -188,8 +189,8 @@ class HPATrainer:
 
     def train_step(self) -> Dict[str, float]:
         p, ctx, step = self.parts, self.ctx, self.state.step
-        weights = self.weights.at(progress(step, self.cfg.trainer.total_steps), self.controllers.factor("reward_kl"))
-        batch, metrics = self.rollouts.collect(weights)
+        weights = self.weights.at(progress(step, self.cfg.trainer.total_steps), self.controllers.factors())
+        batch, metrics, weights = self.rollouts.collect(weights)
         with self.timer("reference"):
             pairs = self.step_pairs()
         faults.maybe_kill(step + 1, self.groups.rank)
@@ -215,6 +216,5 @@ class HPATrainer:
 
     def evaluate(self) -> Dict[str, float]:
         p = self.parts
-        coverage = self.controllers.parts().get("coverage")
         return p.evaluator.evaluate(p.policy.model, p.reference, self.generate, self.state.step,
-                                    trust=coverage.trust if coverage is not None else None)
+                                    trust=self.controllers.factors().learned_trust)

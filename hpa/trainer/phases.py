@@ -198,10 +198,11 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weight
     updates computed (``tokens_computed``).
 
     Args:
+        weights: the step's weights and factors (the ``pairs`` factor scales the pair stream).
         wrap_loss: applied to each update's loss closure (fault injection).
-        controllers: the run's controllers: their ``pairs`` factor scales the pair stream; while one that
-            observes ``gradients`` (the automatic balance) measures, an update with both rollout and pair
-            micro-batches runs them as two backward passes, updates it with their gradient norms and logs
+        controllers: the run's controllers: while one that observes ``gradients`` (the automatic balance)
+            measures, an update with both rollout and pair micro-batches runs them as two backward passes,
+            updates it with their gradient norms (its new factors apply from then on) and logs
             ``grad_norm/rollout`` and ``grad_norm/pairs``.
     """
     steps, grad_norms = [], []
@@ -212,18 +213,19 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weight
         real, positions = tokens_computed(rollout_mbs + pair_mbs)
         tokens, computed = tokens + real, computed + positions
         counts = objective.global_counts(rollout_mbs, pair_mbs, ctx.groups)
-        measuring = controllers is not None and any(c.measuring for c in controllers.at("gradients"))
-        split = measuring and bool(rollout_mbs) and bool(pair_mbs)
-        scale = controllers.factor("pairs") if controllers is not None and not split else 1.0
-        loss_fn = wrap_loss(objective.make_policy_loss(ctx.cfg.algorithm, weights, counts, ctx.groups,
-                                                       vocab_size=ctx.vocab_size, temperature=ctx.temperature,
-                                                       pair_scale=scale))
+        split = controllers is not None and controllers.measuring("gradients") and bool(rollout_mbs) \
+            and bool(pair_mbs)
+        # a measured update scales the pair gradients after both backward passes, not inside the loss
+        loss_weights = weights.with_factors(dataclasses.replace(weights.factors, pairs=1.0)) if split else weights
+        loss_fn = wrap_loss(objective.make_policy_loss(ctx.cfg.algorithm, loss_weights, counts, ctx.groups,
+                                                       vocab_size=ctx.vocab_size, temperature=ctx.temperature))
         zero_grad(policy.model, policy.optimizer)
         if split:
             records, norms = _measured_backward(policy, rollout_mbs, pair_mbs, loss_fn, ctx)
             controllers.update("gradients", StepSignals(weights=weights, grad_norms={
                 "rollout": norms["grad_norm/rollout"], "pairs": norms["grad_norm/pairs"]}))
-            add_grads(policy.model, norms.pop("_rollout_grads"), scale=controllers.factor("pairs"))
+            weights = weights.with_factors(controllers.factors())
+            add_grads(policy.model, norms.pop("_rollout_grads"), scale=weights.factors.pairs)
             records.append(norms)
         else:
             records = forward_backward(policy.model, rollout_mbs + pair_mbs, loss_fn, ctx.groups,

@@ -23,8 +23,9 @@ class RolloutStep:
         self.trainer = trainer
         self.cfg, self.groups, self.parts, self.ctx = trainer.cfg, trainer.groups, trainer.parts, trainer.ctx
 
-    def collect(self, weights: StepWeights) -> Tuple[RolloutBatch, Dict[str, float]]:
-        """This step's scored, filtered rollouts with their advantages (and values), and their metrics."""
+    def collect(self, weights: StepWeights) -> Tuple[RolloutBatch, Dict[str, float], StepWeights]:
+        """This step's scored, filtered rollouts with their advantages (and values), their metrics, and the
+        step weights with the factors of the controllers that observed them."""
         p, ctx, step = self.parts, self.ctx, self.trainer.state.step
         reward = faults.nan_first_reward(p.reward) if faults.active("nan_reward", step + 1, self.groups.rank) \
             else p.reward
@@ -36,13 +37,13 @@ class RolloutStep:
             with ctx.timer("values"):
                 phases.critic_values(batch, p.critic.model, ctx)
         controllers = self.trainer.controllers
-        observed = controllers.update("rollouts", StepSignals(batch=batch, metrics=metrics, weights=weights,
-                                                              ctx=ctx, parts=p))
+        observed = controllers.update("rollouts", StepSignals(batch=batch, metrics=metrics, weights=weights))
+        weights = weights.with_factors(controllers.factors())
         metrics.update(phases.compute_advantages(batch, ctx, weights.reward_kl_coef,
-                                                 controllers.factor("learned_advantage")))
+                                                 weights.factors.learned_advantage))
         # after the advantages' metrics: the KL controller's actor/reward_kl (the DP mean) is the one logged
         metrics.update(observed)
-        return batch, metrics
+        return batch, metrics, weights
 
     def finish(self, batch: RolloutBatch) -> Dict[str, float]:
         """The critic update and the response-length metrics, after the policy update."""
@@ -81,8 +82,8 @@ class NoRollouts:
     def __init__(self, trainer):
         pass
 
-    def collect(self, weights: StepWeights) -> Tuple[Optional[RolloutBatch], Dict[str, float]]:
-        return None, {}
+    def collect(self, weights: StepWeights) -> Tuple[Optional[RolloutBatch], Dict[str, float], StepWeights]:
+        return None, {}, weights
 
     def finish(self, batch) -> Dict[str, float]:
         return {}

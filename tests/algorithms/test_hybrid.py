@@ -43,7 +43,7 @@ def test_missing_terms_are_skipped():
 
 def test_the_balance_scales_the_pair_group_only():
     values = {"ppo": torch.tensor(1.0), "dpo": torch.tensor(2.0), "hier_kl": torch.tensor(3.0)}
-    total, m = hpa_objective(values, W, group_scale={"pairs": 2.5})
+    total, m = hpa_objective(values, W, factors={"pairs": 2.5})
     assert total.item() == pytest.approx(0.4 * 1.0 + 0.4 * 2.5 * 2.0 + 0.2 * 3.0)
     assert m["w_dpo"].item() == pytest.approx(1.0) and m["w_ppo"].item() == pytest.approx(0.4)
 
@@ -58,7 +58,7 @@ def test_the_table_lists_every_term_with_its_group_weight_and_normaliser():
     for term in TERMS:
         assert term.group in GROUPS and term.weight in weight_fields
         assert term.normaliser.split(" ")[0] in count_fields
-    text = describe(W, {"pairs": 2.0}, gate=0.5)
+    text = describe(W, {"pairs": 2.0, "learned_advantage": 0.5})
     assert "| dpo | pairs | w_dpo = 0.8 |" in text and "(gate 0.5)" in text
 
 

@@ -48,3 +48,36 @@ def test_bad_input_is_refused_with_what_to_do(task, tmp_path):
     doc = redraw_ablation("split", str(task), ["hpa"], seeds=[7], out_dir=str(tmp_path / "x"))
     assert doc["ablate"]["seeds"] == [7] and doc["ablate"]["out_dir"] == str(tmp_path / "x")
     yaml.safe_dump(doc)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--variants", "hpa", "hpa-nope"], "ablate.variants"),                 # hpa ablate would refuse it later
+    (["--seeds", "1", "1"], "ablate.seeds"),                                # repeated
+    (["--custom", "bad spec"], "--custom 'bad spec'"),
+    (["--custom", "x: a.b=1", "--custom", "x: a.b=2"], "ablate.custom"),    # a name twice
+    (["--out", "/proc/no/such/dir/ablate.yaml"], "/proc/no"),               # cannot be written
+    (["--task-dir", "/nonexistent/task"], "not a prepared demo task"),
+])
+def test_main_refuses_with_one_line_and_writes_nothing(task, tmp_path, capsys, argv, needle):
+    out = tmp_path / "ablate.yaml"
+    base = {"--task-dir": str(task), "--out": str(out)}
+    for flag in ("--task-dir", "--out"):
+        if flag not in argv:
+            argv = [*argv, flag, base[flag]]
+    assert main(["--family", "hackable", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("seed", ["08", "010", "-1", "4294967296", "99999999999999999999", "1e3"])
+def test_seeds_are_decimal_and_bounded(task, tmp_path, capsys, seed):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--family", "hackable", "--task-dir", str(task), "--seeds", seed, "--out", str(tmp_path / "a.yaml")])
+    assert exit_.value.code == 2 and "decimal integer" in capsys.readouterr().err
+
+
+def test_the_largest_seed_is_accepted(task, tmp_path):
+    assert main(["--family", "hackable", "--task-dir", str(task), "--seeds", "0", "4294967295",
+                 "--out", str(tmp_path / "a.yaml")]) == 0
+    assert load_ablate_config(str(tmp_path / "a.yaml")).seeds == (0, 4294967295)

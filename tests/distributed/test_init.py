@@ -136,6 +136,76 @@ def test_layer_check_catches_an_upward_import(tmp_path):
     assert _upward_imports(tmp_path) == ["hpa/models/x.py:1 imports hpa.trainer.loop (hpa.trainer is above hpa.models)"]
 
 
+def _import_cycle(root: pathlib.Path):
+    """One cycle of the package's module import graph (module names, the first repeated at the end), or None.
+
+    Every import counts, a function's included: a function-level import only hides a cycle until the
+    function runs. ``from a.b import c`` is an edge to the module ``a.b.c`` when there is one, else to ``a.b``
+    (a package's ``__init__``); a parent package run first by Python is not an edge, so a package importing its
+    own submodules is no cycle."""
+    import ast
+
+    files = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in root.glob("hpa/**/*.py")}
+
+    def known(name):
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(known(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1], *[base][:bool(base)]])
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in files else known(base) for a in node.names)
+        edges[module] = sorted(t for t in targets if t is not None and t != module)
+    state, stack = {}, []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for dst in edges[module]:
+            if state.get(dst) == "open":
+                return stack[stack.index(dst):] + [dst]
+            if dst not in state:
+                found = visit(dst)
+                if found:
+                    return found
+        stack.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(files):
+        if module not in state:
+            found = visit(module)
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    cycle = _import_cycle(ROOT)
+    assert cycle is None, "an import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_check_sees_a_function_level_import(tmp_path):
+    (tmp_path / "hpa" / "trainer").mkdir(parents=True)
+    (tmp_path / "hpa" / "__init__.py").write_text("")
+    (tmp_path / "hpa" / "trainer" / "__init__.py").write_text("")
+    (tmp_path / "hpa" / "trainer" / "a.py").write_text("from hpa.trainer import b\n")
+    (tmp_path / "hpa" / "trainer" / "b.py").write_text("def f():\n    from .a import x\n")
+    assert _import_cycle(tmp_path) == ["hpa.trainer.a", "hpa.trainer.b", "hpa.trainer.a"]
+    (tmp_path / "hpa" / "trainer" / "b.py").write_text("import hpa.trainer\n")  # its package (empty): no cycle
+    assert _import_cycle(tmp_path) is None
+
+
 def test_readme_layout_lists_the_layers_in_order():
     text = (ROOT / "README.md").read_text()
     block = text.split("## Layout", 1)[1].split("```", 2)[1]

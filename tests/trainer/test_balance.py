@@ -117,8 +117,8 @@ def balance_worker(groups, ckpt_in):
     ctx = phases.StepContext(None, groups, micro_batch_size=2, vocab_size=VOCAB, temperature=1.0, pad_id=0)
 
     def loss_fn(scale):
-        return objective.make_policy_loss(algo, weights, counts, groups, vocab_size=VOCAB, temperature=1.0,
-                                          pair_scale=scale)
+        return objective.make_policy_loss(algo, weights.with_factors(objective.StepFactors(pairs=scale)), counts,
+                                          groups, vocab_size=VOCAB, temperature=1.0)
 
     def flat_grads():
         return torch.cat([p.main_grad.flatten().clone() for p in ddp.parameters()]).numpy()

@@ -8,7 +8,8 @@ import torch
 
 from hpa.config import load_config
 from hpa.rollout.base import RolloutBatch
-from hpa.trainer import heldout, phases
+from hpa.reward import embeddings
+from hpa.trainer import phases
 
 # one process: no DP group, DP size 1
 GROUPS = types.SimpleNamespace(dp_group=None, data_parallel_size=1)
@@ -75,9 +76,9 @@ def test_the_kl_controller_follows_the_masked_mean_k1_kl():
     weights = types.SimpleNamespace(reward_kl_coef=0.05)
     from hpa.trainer.objective.controllers import KLCoefficient, StepSignals
 
-    kl_ctrl = KLCoefficient(ctx.cfg)
+    kl_ctrl = KLCoefficient(ctx.cfg.algorithm.kl, GROUPS)
     kl_ctrl.controller = ctrl
-    metrics = kl_ctrl.update(StepSignals(batch=batch, weights=weights, ctx=ctx))
+    metrics = kl_ctrl.update(StepSignals(batch=batch, weights=weights))
     kl = (0.5 + -1.0 + 0.3) / 3  # masked mean of old - ref over the three tokens in the loss
     assert seen == [(pytest.approx(kl), 2)]
     assert metrics == {"actor/kl_coef": 0.05, "actor/reward_kl": pytest.approx(kl)}
@@ -158,7 +159,7 @@ def test_heldout_reward_ceiling_is_the_chosen_mean_and_the_margin_over_the_rejec
         return BaseRewardOutput(rewards=torch.stack([inputs.response_mask.sum(1).float(),
                                                      0.1 * inputs.prompt_mask.sum(1).float()], dim=1))
 
-    ceiling, margin = heldout.heldout_reward_ceiling(model_reward, pairs, pad_id=0, micro_batch_size=2)
+    ceiling, margin = embeddings.heldout_reward_ceiling(model_reward, pairs, pad_id=0, micro_batch_size=2)
     chosen = [((2 + i) + 0.1 * (1 + i)) / 2 for i in range(3)]
     rejected = [(1 + 0.1 * (1 + i)) / 2 for i in range(3)]
     assert ceiling == pytest.approx(sum(chosen) / 3)
@@ -166,7 +167,7 @@ def test_heldout_reward_ceiling_is_the_chosen_mean_and_the_margin_over_the_rejec
     assert len(seen) == 4  # chosen and rejected of two micro-batches
     assert seen[0].response_ids[1].tolist() == [7, 7, 7] and seen[1].response_ids[:, 0].tolist() == [9, 9]
     with pytest.raises(ValueError, match="heldout_preference_path"):
-        heldout.heldout_reward_ceiling(model_reward, [], pad_id=0)
+        embeddings.heldout_reward_ceiling(model_reward, [], pad_id=0)
 
 
 class _ScriptedEmbedder:
@@ -192,7 +193,7 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     (orthogonal: no pair covers it) get none of it, and the rule part of every row is the same as without
     the option."""
     from hpa.data.preferences import PreferenceExample
-    from hpa.trainer.objective.controllers import CoverageTrust, StepSignals
+    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
 
     overrides = ("algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
                  "algorithm.kl.use_kl_in_reward=false", "reward.rule_weight=1.0", "reward.model_paths=[rm]",
@@ -203,14 +204,15 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
     heldout_pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
                      for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
-    parts = types.SimpleNamespace(model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout_pairs)
-    coverage = CoverageTrust(ctx.cfg, parts, ctx)
+    run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
+                           heldout_pairs=heldout_pairs)
+    coverage = CoverageTrust(ctx.cfg.algorithm.hpa.coverage, run)
     assert 0 <= coverage.low < coverage.high
     rule, learned = [1.0, 0.0, 1.0, 0.0], [0.2, 0.9, 1.3, 0.1]
     batch = _component_batch(rule, learned, [0, 0, 1, 1])
     batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])
     batch.set("raw_rewards", torch.tensor(rule) + torch.tensor(learned))
-    metrics = coverage.update(StepSignals(batch=batch, ctx=ctx))
+    metrics = coverage.update(StepSignals(batch=batch))
     trust = batch.get("learned_trust")
     assert trust[2:].tolist() == [0.0, 0.0] and bool((trust[:2] > 0.5).all()) and trust[0] == trust[1]
     # the covered rows' learned reward (what the gate then reads): the two rows on prompt 1, equal trust
@@ -229,8 +231,8 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     assert (plain.get("advantages")[2:] - rule_only.get("advantages")[2:]).abs().max() > 0
     # the calibration constants are the controller's state; a restore keeps the saved ones
     state = coverage.state_dict()
-    fresh = CoverageTrust(ctx.cfg, types.SimpleNamespace(model_reward=_ScriptedEmbedder(), pairs=pairs,
-                                                         heldout_pairs=heldout_pairs[:2]), ctx)
+    fresh = CoverageTrust(ctx.cfg.algorithm.hpa.coverage, ControllerInputs(
+        groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout_pairs[:2]))
     assert (fresh.low, fresh.high) != (state["low"], state["high"])
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
@@ -252,7 +254,7 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     learned rewards are (they move nothing), and with ``kl_boost`` its rows' KL to the reference weighs
     ``1 + kl_boost``; a prompt seen before is not embedded again."""
     from hpa.data.preferences import PreferenceExample
-    from hpa.trainer.objective.controllers import CONTROLLERS, CoverageTrust, StepSignals
+    from hpa.trainer.objective.controllers import CONTROLLERS, ControllerInputs, CoverageTrust, StepSignals
 
     base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
             "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false")
@@ -268,13 +270,13 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
         batch = _component_batch([0.0] * 4, learned, [0, 0, 1, 1])
         batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])  # prompt 1 covered, prompt 3 far
         batch.set("raw_rewards", torch.tensor(learned))
-        coverage.update(StepSignals(batch=batch, ctx=boost_ctx))
+        coverage.update(StepSignals(batch=batch))
         phases.compute_advantages(batch, boost_ctx, reward_kl_coef=0.0)
         return batch
 
     embedder = _CountingEmbedder()
-    parts = types.SimpleNamespace(model_reward=embedder, pairs=pairs, heldout_pairs=heldout_pairs)
-    coverage = CoverageTrust(ctx.cfg, parts, ctx)
+    run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=embedder, pairs=pairs, heldout_pairs=heldout_pairs)
+    coverage = CoverageTrust(ctx.cfg.algorithm.hpa.coverage, run)
     start = embedder.prompts_embedded
     a = advantages([0.2, 0.9, 1.3, 0.1], ctx, coverage)
     assert embedder.prompts_embedded == start + 2  # prompts 1 and 3, once each
@@ -284,7 +286,7 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     assert a.get("advantages")[2:].abs().max() == 0 and a.get("advantages")[:2].abs().max() > 0
     # the KL boost: far rows' hierarchical KL counts 1 + kl_boost times, covered rows' 1 + kl_boost (1 - trust)
     boosted = _ctx(*base, "algorithm.hpa.coverage.kl_boost=4")
-    c = advantages([0.2, 0.9, 1.3, 0.1], boosted, CoverageTrust(boosted.cfg, parts, boosted))
+    c = advantages([0.2, 0.9, 1.3, 0.1], boosted, CoverageTrust(boosted.cfg.algorithm.hpa.coverage, run))
     trust = c.get("learned_trust")
     torch.testing.assert_close(c.get("kl_weights"), 1 + 4 * (1 - trust))
     assert c.get("kl_weights")[2:].tolist() == [5.0, 5.0]

@@ -53,6 +53,10 @@ def test_metrics_file_has_every_key(runs):
     assert dp2[-1]["kl/hier"] > 0  # step 1 starts at the reference; step 2 has moved away
     for key in EVAL_KEYS:
         assert key in dp2[0] and key in dp2[-1], key
+    from hpa.ablate import check_metric
+
+    for key in (k for k in dp2[-1] if k.startswith("eval/")):  # every logged eval number is a valid ablate.metric
+        check_metric(key)
     for record in (dp2[0], dp2[-1]):  # 12 held-out prompts, 4 of each category, over 2 DP ranks
         per_category = [record[f"eval/score/{c}"] for c in ("add", "copy", "reverse")]
         assert record["eval/score"] == pytest.approx(sum(per_category) / 3, abs=1e-9)

@@ -9,7 +9,6 @@ PPO, with ``w_ppo = w_kl = 0`` it is plain DPO.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, List, Sequence
 
 import torch
@@ -31,17 +30,15 @@ def _aggregation(algo: AlgorithmConfig, counts: GlobalCounts) -> Aggregation:
 
 
 def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: GlobalCounts, groups: ParallelGroups,
-                     *, vocab_size: int, temperature: float, pair_scale: float = 1.0):
+                     *, vocab_size: int, temperature: float):
     """The loss closure of the mixed step: the micro-batch's stream (its ``kind``) prepares what its terms
     read, each term of that stream in ``TERMS`` gives its value and metrics, and ``hpa_objective`` weights
-    and sums them.
-
-    Args:
-        pair_scale: the balance factor on the pair stream (DPO and its anchor): it enters as
-            ``w_dpo · pair_scale`` (``controllers.GradientBalance``).
+    and sums them, each term's weight times its factor of ``weights.factors`` (the balance's ``pairs``:
+    ``w_dpo · b``).
     """
     inputs = LossInputs(algo=algo, weights=weights, counts=counts, aggregation=_aggregation(algo, counts))
-    step_weights = dataclasses.asdict(weights)
+    step_weights = weights.scheduled()
+    factors = weights.factors.scales()
 
     def loss_fn(batch, logits, hidden):
         batch = MicroBatch.of(batch)
@@ -52,7 +49,7 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
             if term.stream == stream.name:
                 values[term.name], term_metrics = term.loss(batch, outputs, inputs)
                 metrics.update(term_metrics)
-        total, _ = hpa_objective(values, step_weights, group_scale={"pairs": pair_scale})
+        total, _ = hpa_objective(values, step_weights, factors=factors)
         return total, metrics
 
     return loss_fn

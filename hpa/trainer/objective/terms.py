@@ -6,8 +6,8 @@ Each entry owns everything about its term: the stream whose micro-batches carry 
 step's rollouts or the offline pairs, ``hpa.trainer.objective.streams``), its per-micro-batch loss
 (``loss``: ``loss(batch, outputs, inputs) -> (value, metrics)``, the value already normalised by its
 global count), the scheduled step weight that multiplies it (``weight``, a ``StepWeights`` field), the
-global count it is normalised by (``normaliser``, a ``GlobalCounts`` field), the controllers that act on
-it (``controllers``, names of ``hpa.trainer.objective.controllers``) and which of its metrics are shares
+global count it is normalised by (``normaliser``, a ``GlobalCounts`` field), the controller factor that
+multiplies its weight (``factor``, a ``StepFactors`` field, or none) and which of its metrics are shares
 of a globally normalised loss (``shares``: summed over micro-batches, not averaged). ``b`` is the
 automatic balance's factor on the pair stream (1 unless ``algorithm.hpa.balance``); the trust gate does
 not scale a loss: it weights the learned component of the advantages the PPO term reads.
@@ -95,7 +95,7 @@ class Term:
     loss: LossFn
     weight: str
     normaliser: str
-    controllers: Tuple[str, ...] = ()
+    factor: str = ""
     shares: Tuple[str, ...] = ()
     scaled_by: str = ""
     source: str = ""
@@ -107,9 +107,9 @@ class Term:
 
 # the order is the order of the sum (it fixes the rounding of the total)
 TERMS: Tuple[Term, ...] = (
-    Term("ppo", "rollout", ppo_term, "w_ppo", "tokens", controllers=("trust_gate", "kl_ctrl"),
+    Term("ppo", "rollout", ppo_term, "w_ppo", "tokens",
          shares=("actor/pg_loss",), scaled_by="trust gate (learned advantage component)", source="ppo.policy_loss"),
-    Term("dpo", "pairs", dpo_term, "w_dpo", "pairs (anchor: chosen_tokens)", controllers=("balance",),
+    Term("dpo", "pairs", dpo_term, "w_dpo", "pairs (anchor: chosen_tokens)", factor="pairs",
          shares=("dpo/loss", "dpo/anchor_nll"), scaled_by="balance factor", source="dpo.dpo_loss + dpo.anchor_nll"),
     Term("hier_kl", "rollout", hier_kl_term, "w_kl", "tokens (semantic: sequences)",
          shares=("kl/token", "kl/semantic", "kl/hier", "actor/kl_loss"), scaled_by="lambda_token, lambda_semantic",
@@ -121,18 +121,19 @@ GROUPS = tuple(STREAMS)
 
 
 def hpa_objective(values: Mapping[str, Optional[torch.Tensor]], weights: Mapping[str, float], *,
-                  group_scale: Optional[Mapping[str, float]] = None) -> Tuple[torch.Tensor, Metrics]:
+                  factors: Optional[Mapping[str, float]] = None) -> Tuple[torch.Tensor, Metrics]:
     """Combine the terms of ``TERMS`` present in ``values``.
 
     Args:
         values: term name -> its 0-dim value (already normalised by its global count), or None / absent.
         weights: the step weights by name (``w_ppo``, ``w_dpo``, ``w_kl``; other keys are ignored).
-        group_scale: a factor per stream (``pairs``: the balance factor); 1 where absent.
+        factors: the controllers' factors by name (``StepFactors`` fields: ``pairs``, the balance factor);
+            a term's ``factor`` multiplies its weight, 1 where absent.
 
     Returns:
         ``(total, metrics)``: metrics ``loss`` (the total), each present term's value
         (``<name>_loss``) and weighted contribution (``weighted_<name>``), and the weights used
-        (``w_ppo``, ``w_dpo``, ``w_kl``, the group scale included).
+        (``w_ppo``, ``w_dpo``, ``w_kl``, the factor included).
     """
     unknown = set(values) - {t.name for t in TERMS}
     if unknown:
@@ -141,11 +142,11 @@ def hpa_objective(values: Mapping[str, Optional[torch.Tensor]], weights: Mapping
     if not present:
         raise ValueError("hpa_objective needs at least one loss term")
     reference = values[present[0].name]
-    scale = dict(group_scale or {})
+    scale = dict(factors or {})
     total = torch.zeros((), dtype=reference.dtype, device=reference.device)
     metrics: Metrics = {}
     for term in TERMS:
-        weight = weights[term.weight] * scale[term.group] if term.group in scale else weights[term.weight]
+        weight = weights[term.weight] * scale[term.factor] if term.factor in scale else weights[term.weight]
         metrics[term.weight] = torch.tensor(float(weight), dtype=reference.dtype)
         value = values.get(term.name)
         if value is None:
@@ -158,14 +159,15 @@ def hpa_objective(values: Mapping[str, Optional[torch.Tensor]], weights: Mapping
     return total, metrics
 
 
-def describe(weights: Mapping[str, float], group_scale: Optional[Mapping[str, float]] = None,
-             gate: Optional[float] = None) -> str:
-    """The table of terms with this step's weights (a Markdown table, logged when a run starts)."""
-    scale = dict(group_scale or {})
+def describe(weights: Mapping[str, float], factors: Optional[Mapping[str, float]] = None) -> str:
+    """The table of terms with this step's weights and factors (a Markdown table, logged when a run starts);
+    the trust gate's ``learned_advantage`` is shown on the term its advantages feed (``ppo``)."""
+    scale = dict(factors or {})
     lines = ["| term | group | weight | normaliser | scaled by | source |", "| --- | --- | --- | --- | --- | --- |"]
     for t in TERMS:
-        w = weights[t.weight] * scale.get(t.group, 1.0)
-        extra = f" (gate {gate:.3g})" if "trust_gate" in t.controllers and gate is not None else ""
+        w = weights[t.weight] * scale.get(t.factor, 1.0)
+        gate = scale.get("learned_advantage") if t.name == "ppo" else None
+        extra = f" (gate {gate:.3g})" if gate is not None else ""
         lines.append(f"| {t.name} | {t.group} | {t.weight} = {w:.4g} | {t.normaliser} | {t.scaled_by}{extra} | "
                      f"{t.source} |")
     return "\n".join(lines)

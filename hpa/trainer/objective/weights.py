@@ -1,9 +1,12 @@
-"""The scheduled coefficients of a step: each a schedule of training progress ``p = step / total_steps``."""
+"""The coefficients of a step: the scheduled weights (each a schedule of training progress
+``p = step / total_steps``) and the factors the controllers set (``StepFactors``), which travel with them."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Callable, Dict, Optional
+
+import torch
 
 from hpa.algorithms.kl import kl_warmup_scale
 from hpa.algorithms.schedules import make_schedule
@@ -11,8 +14,34 @@ from hpa.config.algorithm import AlgorithmConfig
 
 
 @dataclasses.dataclass(frozen=True)
+class StepFactors:
+    """What the controllers (``hpa.trainer.objective.controllers``) set for a step; 1 (or None) where no
+    controller acts.
+
+    Args:
+        reward_kl: the in-reward KL coefficient, before its warm-up (the KL controller).
+        learned_advantage: the weight of the learned component of the advantages (the trust gate).
+        pairs: the factor on the pair stream's weight (the automatic balance): a ``Term`` whose ``factor``
+            names it has its weight multiplied by it.
+        learned_trust: the per-row weight of the learned advantage component as a function of a
+            ``RolloutBatch`` (``[b]``; the coverage trust), evaluated on the held-out prompts too.
+    """
+
+    reward_kl: float = 1.0
+    learned_advantage: float = 1.0
+    pairs: float = 1.0
+    learned_trust: Optional[Callable[[object], torch.Tensor]] = None
+
+    def scales(self) -> Dict[str, float]:
+        """The scalar factors by name (what ``hpa_objective`` and ``describe`` read through a term's ``factor``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "float"}
+
+
+@dataclasses.dataclass(frozen=True)
 class StepWeights:
-    """The scheduled coefficients of one step (progress p = step / total_steps)."""
+    """The scheduled coefficients of one step (progress p = step / total_steps) and the controllers' factors.
+    ``reward_kl_coef`` is fixed at the step's start; ``factors`` are replaced when a controller updates
+    within the step (``with_factors``)."""
 
     w_ppo: float
     w_dpo: float
@@ -21,6 +50,14 @@ class StepWeights:
     lambda_semantic: float
     entropy_coef: float
     reward_kl_coef: float
+    factors: StepFactors = StepFactors()
+
+    def with_factors(self, factors: StepFactors) -> "StepWeights":
+        return dataclasses.replace(self, factors=factors)
+
+    def scheduled(self) -> Dict[str, float]:
+        """The scheduled weights by name (the ``weight`` fields of ``TERMS`` index it)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "factors"}
 
 
 class WeightSchedules:
@@ -33,11 +70,12 @@ class WeightSchedules:
         self.schedules = {name: make_schedule(**dataclasses.asdict(getattr(algo.hpa, name))) for name in self.NAMES}
         self.schedules["entropy_coef"] = make_schedule(**dataclasses.asdict(algo.ppo.entropy_coef))
 
-    def at(self, p: float, kl_coef: float) -> StepWeights:
-        """The weights at progress ``p``; the in-reward KL coefficient is the controller's ``kl_coef``
-        times the KL warm-up scale."""
+    def at(self, p: float, factors: StepFactors) -> StepWeights:
+        """The weights at progress ``p`` with the controllers' ``factors``; the in-reward KL coefficient is
+        their ``reward_kl`` times the KL warm-up scale."""
         values = {name: schedule(p) for name, schedule in self.schedules.items()}
-        return StepWeights(**values, reward_kl_coef=kl_coef * kl_warmup_scale(p, self.algo.kl.warmup_fraction))
+        return StepWeights(**values, factors=factors,
+                           reward_kl_coef=factors.reward_kl * kl_warmup_scale(p, self.algo.kl.warmup_fraction))
 
     def metrics(self, w: StepWeights) -> Dict[str, float]:
         return {"hpa/w_ppo": w.w_ppo, "hpa/w_dpo": w.w_dpo, "hpa/w_kl": w.w_kl,

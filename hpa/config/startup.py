@@ -1,0 +1,131 @@
+"""Start-up checks of a config against the file system, and warnings for values that are valid but make a
+run pathological. Both name the key; ``hpa.config.load.load_config(command=...)`` runs them with the keys'
+sources (file:line or command line).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+from typing import List, Mapping, Optional, Tuple
+
+from .errors import ConfigError
+from .schema import Config
+
+# what each command reads: (dotted key, "file" | "dir" | "any"); an unset optional key is skipped
+_TOKENIZER = ("data.tokenizer_path", "any")
+_POLICY = (("model.policy_path", "any"),)
+PATHS_READ = {
+    "train": (_TOKENIZER, ("data.prompt_path", "file"), ("data.preference_path", "file"),
+              ("data.eval_prompt_path", "file"), ("data.adversarial_prompt_path", "file"),
+              ("data.heldout_preference_path", "file"), ("reward.model_paths", "dir"), *_POLICY,
+              ("model.reference_path", "any"), ("model.critic_path", "any")),
+    "sft": (_TOKENIZER, ("data.sft_path", "file"), *_POLICY),
+    "train-rm": (_TOKENIZER, ("data.preference_path", "file"), ("reward.training.eval_path", "file"),
+                 ("reward.training.init_path", "dir"), ("reward.training.backbone_path", "any")),
+    "serve": (_TOKENIZER, *_POLICY, ("model.reference_path", "any")),
+    "generate": (_TOKENIZER, *_POLICY, ("model.reference_path", "any")),
+}
+REQUIRED = {"sft": ("data.sft_path",), "serve": ("model.policy_path",), "generate": ("model.policy_path",)}
+_KIND_WORD = {"file": "a file", "dir": "a directory", "any": "a file or directory"}
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_paths(cfg: Config, command: str) -> None:
+    """Raise a ConfigError naming the key of the first path ``command`` reads that does not exist or is
+    of the wrong kind."""
+    for key in REQUIRED.get(command, ()):
+        if _get(cfg, key) is None:
+            raise ConfigError(key, f"hpa {command} reads it and it is not set; give a path")
+    for key, kind in PATHS_READ[command]:
+        value = _get(cfg, key)
+        values = value if isinstance(value, tuple) else (value,)
+        for i, path in enumerate(values):
+            if path is None:
+                continue
+            item = f"{key}[{i}]" if isinstance(value, tuple) else key
+            if not os.path.exists(path):
+                raise ConfigError(item, f"{path!r} does not exist (relative paths: to the config file's "
+                                        f"directory for data.*, else to the working directory {os.getcwd()}); "
+                                        f"give {_KIND_WORD[kind]} that hpa {command} reads")
+            if kind == "file" and not os.path.isfile(path):
+                raise ConfigError(item, f"{path!r} is a directory; give a file")
+            if kind == "dir" and not os.path.isdir(path):
+                raise ConfigError(item, f"{path!r} is a file; give a checkpoint directory")
+    _check_reward_models(cfg)
+
+
+def _check_reward_models(cfg: Config) -> None:
+    """A reward model directory is a megatron checkpoint (``metadata.json``) with the heads the config says
+    (``hpa_reward_model.json``, written by ``hpa train-rm``), as ``hpa.reward.model.load_reward_model`` reads it."""
+    for i, path in enumerate(cfg.reward.model_paths):
+        key = f"reward.model_paths[{i}]"
+        if not any(os.path.isfile(os.path.join(path, *p)) for p in (("metadata.json",), ("policy", "metadata.json"))):
+            raise ConfigError(key, f"{path!r} is not a reward model checkpoint (no metadata.json); give the "
+                                   "reward_model/ directory that hpa train-rm wrote")
+        info = os.path.join(path, "hpa_reward_model.json")
+        try:
+            with open(info) as f:
+                heads = json.load(f).get("num_heads")
+        except (OSError, ValueError):
+            continue  # a checkpoint without the record: its heads are checked when it loads
+        if heads is not None and heads != cfg.reward.num_heads:
+            raise ConfigError("reward.num_heads", f"{cfg.reward.num_heads}, but the reward model {path} has {heads} "
+                                                  f"heads; set reward.num_heads: {heads}")
+
+
+def serve_api_key(serve, environ: Mapping[str, str], env_name: str) -> Optional[str]:
+    """``serve.api_key``, else the environment variable ``env_name``, else None (no key). A set but empty
+    variable or one with stray whitespace is an error: it would silently mean no key, or a key no client can
+    match."""
+    env = environ.get(env_name)
+    if serve.api_key is None and env is not None and (not env or env != env.strip()):
+        what = "is set but empty (unset it for no key)" if not env else \
+            "has leading or trailing whitespace, so no client's key can ever match it"
+        raise ConfigError("serve.api_key", f"its fallback, the environment variable {env_name}, {what}",
+                          source=f"environment variable {env_name}")
+    return serve.api_key or env or None
+
+
+def _row_tokens(cfg: Config) -> int:
+    return min(cfg.data.max_prompt_length + cfg.rollout.max_new_tokens, cfg.model.max_sequence_length)
+
+
+def config_warnings(cfg: Config) -> List[Tuple[str, str]]:
+    """``(key, message)`` for every valid value that makes a run pathological."""
+    out = []
+    t, row = cfg.trainer, _row_tokens(cfg)
+    for key in ("ppo_max_token_len_per_rank", "log_prob_max_token_len_per_rank"):
+        budget = getattr(t, key)
+        if budget is not None and budget < row:
+            out.append((f"trainer.{key}", f"{budget} tokens are fewer than one rollout row can hold "
+                        f"({row} = data.max_prompt_length + rollout.max_new_tokens, at most "
+                        f"model.max_sequence_length): a long row gets a micro-batch of its own, many small "
+                        f"forwards instead of a few; raise it to {row} or more"))
+    balance = cfg.algorithm.hpa.balance
+    if balance.enabled and balance.measure_steps > t.total_steps:
+        out.append(("algorithm.hpa.balance.measure_steps", f"{balance.measure_steps} measured steps are more than "
+                    f"trainer.total_steps={t.total_steps}: the balance factor is never frozen and every step "
+                    f"runs two backward passes; lower it or turn the balance off"))
+    same = _same_file(cfg.data.heldout_preference_path, cfg.data.preference_path)
+    if same:
+        out.append(("data.heldout_preference_path", f"{same} data.preference_path: the held-out pairs are the "
+                    f"training pairs, so the trust gate's and the coverage calibration's held-out numbers "
+                    f"measure nothing held out; give pairs kept out of training"))
+    return out
+
+
+def _same_file(a: Optional[str], b: Optional[str]) -> str:
+    if a is None or b is None:
+        return ""
+    if os.path.abspath(a) == os.path.abspath(b):
+        return "is the same path as"
+    if os.path.isfile(a) and os.path.isfile(b) and filecmp.cmp(a, b, shallow=False):
+        return "has the same content as"
+    return ""

@@ -1,0 +1,109 @@
+"""The coverage trust (``algorithm.hpa.coverage``, ``hpa.algorithms.coverage``) as a controller."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict
+
+import torch
+
+from hpa.algorithms.coverage import (EmbeddingCache, abstention_kl_weights, bank_center, calibrate, coverage_trust,
+                                     knn_distance, trust_metrics, unique_rows)
+from hpa.config.algorithm import CoverageConfig
+from hpa.distributed import comm
+from hpa.reward.embeddings import chosen_embeddings, prompt_embeddings
+from hpa.trainer.objective.controllers.base import Controller, ControllerInputs, StepSignals
+from hpa.trainer.objective.weights import StepFactors
+
+
+def covered_learned_reward(batch, dp_group) -> float:
+    """The learned part of the rollouts' reward (r̂ minus the rule) averaged with their coverage trust as
+    weights, over the rows that train and the DP ranks (``coverage/learned_reward``, logged; NaN when no
+    row is covered). Not the gate's input: measured as one, it kept the gate open where every row's
+    learned reward closed it (docs/objective.md)."""
+    valid = batch.get("mask").sum(dim=1) > 0  # [b]
+    learned = torch.where(valid, batch.get("raw_rewards").double() - batch.get("rule_scores").double(),
+                          torch.zeros((), dtype=torch.float64))  # [b]
+    weight = batch.get("learned_trust").double() * valid.double()  # [b]
+    sums = torch.stack([(weight * learned).sum(), weight.sum()]).cpu()
+    comm.all_reduce_sum(sums, dp_group)
+    return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+
+
+class CoverageTrust(Controller):
+    """Each rollout row's weight of the learned advantage component, written to the batch as
+    ``learned_trust`` ``[b]`` (and, as the factor ``learned_trust``, a function the evaluation reads).
+
+    At start-up the bank is the first reward model's embeddings of ``data.preference_path`` (the pairs the
+    reward models were trained on): of each pair's prompt (``space: prompt``) or chosen sequence
+    (``space: sequence``), centred on the bank's mean; the held-out pairs' distances to it give the trust
+    ramp's ``low`` and ``high``. The bank is recomputed at every start (frozen reward model, fixed file:
+    the same rows; too large for the run state); the two constants are saved, and a restore keeps the
+    saved ones, so a resumed run is the uninterrupted one even where a new layout rounds the start-up
+    forwards differently. Costs, once, a forward of the first reward model over both pair files and, in
+    prompt space, one over each prompt the first time a step (or an evaluation) draws it (the reward model
+    is frozen: a prompt's embedding is kept, ``EmbeddingCache``); in sequence space one over the rollouts.
+    With ``kl_boost`` > 0 it also writes ``kl_weights`` ``[b]``, each row's weight of the hierarchical KL
+    (``abstention_kl_weights``).
+    """
+
+    name, observes = "coverage", "rollouts"
+
+    def __init__(self, c: CoverageConfig, run: ControllerInputs):
+        self.k, self.space, self.model_reward, self.pad_id = c.k, c.space, run.model_reward, run.pad_id
+        self.dp_group, self.timer = run.groups.dp_group, run.timer
+        self.kl_boost, self.cache = c.kl_boost, EmbeddingCache()
+        self.bank = self._embed_pairs(run.pairs)  # [m, h]
+        self.center = bank_center(self.bank)  # [h]
+        held = knn_distance(self._embed_pairs(run.heldout_pairs), self.bank, self.k, center=self.center)  # [n]
+        self.low, self.high = calibrate(held, low_quantile=c.low_quantile, high_quantile=c.high_quantile,
+                                        margin=c.margin)
+        logging.getLogger("hpa").info("coverage trust (%s space): %d rows in the bank; trust 1 up to distance "
+                                      "%.4g, 0 from %.4g", self.space, self.bank.shape[0], self.low, self.high)
+
+    def _embed_pairs(self, examples) -> torch.Tensor:
+        if self.space == "prompt":  # every pair's prompt (a prompt with more pairs weighs more), each embedded once
+            prompts, where = unique_rows([e.prompt_ids for e in examples])
+            return prompt_embeddings(self.model_reward, prompts, pad_id=self.pad_id)[where]
+        return chosen_embeddings(self.model_reward, examples, pad_id=self.pad_id)
+
+    def trust(self, batch) -> torch.Tensor:
+        """The trust of each row of a rollout batch ``[b]``: of its prompt (``space: prompt``, each distinct
+        prompt embedded once) or of its prompt + response (``space: sequence``)."""
+        if self.space == "prompt":
+            rows = [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids.cpu(), batch.prompt_mask.cpu())]
+            prompts, where = unique_rows(rows)
+            embeddings = self.cache.embed(prompts, lambda new: prompt_embeddings(
+                self.model_reward, new, pad_id=self.pad_id))  # [u, h]
+        else:
+            embeddings = self.model_reward.sequence_embeddings(batch.response_ids, batch.response_mask,
+                                                               batch.prompt_ids, batch.prompt_mask)  # [b, h]
+            where = torch.arange(embeddings.shape[0])
+        trust = coverage_trust(knn_distance(embeddings, self.bank, self.k, center=self.center), self.low, self.high)
+        return trust[where].to(batch.response_ids.device)
+
+    def update(self, s: StepSignals) -> Dict[str, float]:
+        batch = s.batch
+        with self.timer("coverage"):
+            trust = self.trust(batch)  # [b]
+        batch.set("learned_trust", trust)
+        if self.kl_boost > 0:
+            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost))
+        valid = batch.get("mask").sum(dim=1) > 0  # the rows that train (not dropped by the filter)
+        trust = comm.all_gather_cat(trust.float(), self.dp_group)[comm.all_gather_cat(valid.float(), self.dp_group) > 0]
+        nan = float("nan")
+        metrics = trust_metrics(trust) if trust.numel() else {
+            f"coverage/{k}": nan for k in ("trust_mean", "trust_p10", "trust_p90", "far_share")}
+        return {**metrics, "coverage/low": self.low, "coverage/high": self.high,
+                "coverage/cached": float(len(self.cache)),
+                "coverage/learned_reward": covered_learned_reward(batch, self.dp_group)}
+
+    def act(self, factors: StepFactors) -> StepFactors:
+        return dataclasses.replace(factors, learned_trust=self.trust)
+
+    def state_dict(self) -> Dict:
+        return {"low": self.low, "high": self.high}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.low, self.high = state["low"], state["high"]

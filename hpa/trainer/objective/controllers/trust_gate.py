@@ -1,0 +1,95 @@
+"""The trust gate (``algorithm.hpa.gate``, ``hpa.algorithms.gate``) as a controller, and what each of its
+signals needs from the run (``GATE_SIGNAL_INPUTS``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Callable, Dict, Optional
+
+from hpa.algorithms.gate import TrustGate
+from hpa.config.algorithm import TrustGateConfig
+from hpa.config.schema import RolloutConfig
+from hpa.reward.embeddings import greedy_and_sampled_reward, heldout_reward_ceiling
+from hpa.trainer.objective.controllers.base import Controller, ControllerInputs, StepSignals
+from hpa.trainer.objective.weights import StepFactors
+
+logger = logging.getLogger("hpa")
+
+
+@dataclasses.dataclass(frozen=True)
+class GateSignal:
+    """What a trust-gate signal needs from the run: ``start(gate, run, rollout)`` once, at start-up, and
+    ``measure(run)`` each step (the held-out NLL, or None)."""
+
+    start: Callable[[TrustGate, ControllerInputs, RolloutConfig], None]
+    measure: Callable[[ControllerInputs], Optional[float]]
+
+
+def _set_ceiling(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig) -> None:
+    gate.set_ceiling(*heldout_reward_ceiling(run.model_reward, run.heldout_pairs, pad_id=run.pad_id))
+    logger.info("trust gate: the held-out chosen responses' learned reward is %.4f, margin %.4f", gate.ceiling,
+                gate.margin)
+
+
+def _set_sampled_ceiling(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig) -> None:
+    chosen, margin = heldout_reward_ceiling(run.model_reward, run.heldout_pairs, pad_id=run.pad_id)
+    greedy, sampled = greedy_and_sampled_reward(run.model_reward, run.tokenizer, run.heldout_pairs, run.generate,
+                                                rollout, run.groups)
+    gate.set_ceiling(chosen, margin, offset=greedy - sampled)
+    logger.info("trust gate: the held-out chosen responses' learned reward is %.4f, margin %.4f; the start "
+                "policy's greedy responses score %.4f, its sampled ones %.4f: the ceiling on the rollouts' scale "
+                "is %.4f", chosen, margin, greedy, sampled, gate.ceiling)
+
+
+def _set_headroom(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig) -> None:
+    chosen, margin = heldout_reward_ceiling(run.model_reward, run.heldout_pairs, pad_id=run.pad_id)
+    greedy, sampled = greedy_and_sampled_reward(run.model_reward, run.tokenizer, run.heldout_pairs, run.generate,
+                                                rollout, run.groups)
+    gate.set_headroom(chosen, greedy, margin)
+    logger.info("trust gate: on the held-out prompts the chosen responses' learned reward is %.4f (margin %.4f), "
+                "the start policy's greedy responses' %.4f (sampled %.4f): headroom %.4f above the start's own "
+                "rollouts on the training prompts (the first updates' batches)", chosen, margin, greedy, sampled,
+                gate.headroom)
+
+
+def _heldout_nll(run: ControllerInputs) -> float:
+    with run.timer("gate"):
+        return run.policy_nll(run.heldout_pairs)
+
+
+GATE_SIGNAL_INPUTS: Dict[str, GateSignal] = {
+    "reward_ceiling": GateSignal(start=_set_ceiling, measure=lambda run: None),
+    "sampled_ceiling": GateSignal(start=_set_sampled_ceiling, measure=lambda run: None),
+    "start_rollouts": GateSignal(start=_set_headroom, measure=lambda run: None),
+    "heldout_nll": GateSignal(start=lambda gate, run, rollout: None, measure=_heldout_nll),
+}
+
+
+class TrustGateController(Controller):
+    """The weight of the learned component of the advantages (``learned_advantage``), from the signal
+    ``GATE_SIGNAL_INPUTS`` names."""
+
+    name, observes = "trust_gate", "rollouts"
+
+    def __init__(self, g: TrustGateConfig, rollout: RolloutConfig, run: ControllerInputs):
+        self.gate = TrustGate(signal=g.signal, slack=g.slack, kp=g.kp, ki=g.ki, reward_ema=g.reward_ema,
+                              baseline_steps=g.baseline_steps)
+        signal = GATE_SIGNAL_INPUTS[g.signal]
+        signal.start(self.gate, run, rollout)
+        self.measure = functools.partial(signal.measure, run)  # what it reads each step, nothing else of the run
+
+    def update(self, s: StepSignals) -> Dict[str, float]:
+        # every row's learned reward, also with the coverage trust on: the covered rows' alone (the metric
+        # coverage/learned_reward) kept the gate open where it should close (docs/objective.md)
+        return self.gate.update(self.measure(), s.metrics["reward/learned_mean"])
+
+    def act(self, factors: StepFactors) -> StepFactors:
+        return dataclasses.replace(factors, learned_advantage=self.gate.gate * factors.learned_advantage)
+
+    def state_dict(self) -> Dict:
+        return self.gate.state_dict()
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.gate.load_state_dict(state)
