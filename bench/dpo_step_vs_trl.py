@@ -297,8 +297,11 @@ def run_hpa(args, turn: "Turn") -> Dict:
         examples = [PreferenceExample(prompt_ids=p, chosen_ids=c, rejected_ids=r) for p, c, r in make_pairs(args)]
         ref_table, layout = None, "padded"
         if args.varied_lengths:  # as the trainer's reference cache: every pair's values once, one pair a micro-batch
-            ctx = phases.StepContext(cfg=None, groups=groups, micro_batch_size=args.batch,
-                                     vocab_size=model_cfg.vocab_size, temperature=1.0, pad_id=PAD)
+            from hpa.engine.batching import Batching
+
+            ctx = phases.StepContext(groups=groups, algorithm=None, trainer=None, vocab_size=model_cfg.vocab_size,
+                                     batching=Batching(micro_batch_size=args.batch, pad_id=PAD), temperature=1.0,
+                                     hidden_size=model_cfg.hidden_size)
             ref_table = phases.reference_pair_log_probs(examples, reference, ctx)  # [N, 2] (chosen, rejected)
             del reference
             turn.end()

@@ -1,19 +1,25 @@
-"""The GPU figures of a few bf16 HPA steps, as one JSON line (run by ``bench/gpu_check.sh``).
+"""The GPU figures of a few bf16 HPA steps, as one JSON line (run by ``bench/gpu_check.sh``); exits 1 when a
+path it is meant to check did not run.
 
-Makes the demo task and its tokenizer under ``--run-dir``/data, runs ``hpa train`` with ``--config`` (the
-Qwen2-0.5B-shaped random model, native engine, local layer spec) in this process, and prints: the update's
+Makes the demo task and its tokenizer under ``--run-dir``/data and runs ``hpa train`` with ``--config`` (the
+Qwen2-0.5B-shaped random model, native engine with graph decode, local layer spec, packed rows) in this
+process, then the same run with ``trainer.sequence_packing=false`` as the padded reference. Prints: the update's
 MFU (real and padded tokens), the rollout's generated tokens per second, the measured peak memory against
-``hpa plan``'s total (both GB = 1e9 bytes) and the bf16 gap between sampling-time and training log-probs.
-Then the same run again with ``trainer.sequence_packing=true``: the update's tokens per second and pad share
-with packing on against off (``packing``). The first step (CUDA warm-up, allocator growth) is left out of
-the rates. After those keys: ``phases``, each phase's seconds per step (rollout, old-policy forward, reference
-forward, update), the update's tokens/s and each forward-only pass's tokens/s and MFU, packing off and on; ``syncs``, the host-device syncs that
-``torch.cuda.set_sync_debug_mode("warn")`` reported over each whole run (start-up included) per step; and, with
-``--tokens-per-micro-batch N``, ``token_budget``: the packed run again with ``trainer.ppo_max_token_len_per_rank=N``
-(micro-batches of N real tokens), with the same figures.
+``hpa plan``'s total (both GB = 1e9 bytes), the bf16 gap between sampling-time and training log-probs;
+``packing``: the update's tokens per second and pad share packed against padded; ``phases``: each phase's
+seconds per step (rollout, old-policy forward, reference forward, update), the update's tokens/s and each
+forward-only pass's tokens/s and MFU, packed and padded; ``syncs``: the host-device syncs that
+``torch.cuda.set_sync_debug_mode("warn")`` reported over each whole run (start-up included) per step;
+``decode``: whether each step's rollout ran the graph decode (``rollout/decode_graph``) and the captures of the
+run against the buckets used; ``packing_probe``: the same random rows packed and padded through the model
+and hpa's label head in bf16 (the log-prob gap, the varlen kernel's calls) and a causality probe (one token
+changed: nothing before it and no other row may move); ``failed``: the checks that did not pass (``ok`` is
+true when none). The first step (CUDA warm-up, allocator growth) is left out of the rates. With
+``--tokens-per-micro-batch N``, ``token_budget``: the packed run again with
+``trainer.ppo_max_token_len_per_rank=N``.
 
-Ran on one H100 (docs/gpu.md, "GPU check", gives the figures) before the packing run was added; the packing
-run has not yet run on a GPU.
+Ran on one H100 (docs/gpu.md, "GPU check") before packing, the probe and the decode checks were added; those
+have not yet run on a GPU.
 """
 
 import argparse
@@ -39,34 +45,56 @@ def main(argv=None) -> int:
     import torch
 
     from hpa import cli
-    from hpa.config import load_config
-    from hpa.plan import plan
 
+    run = Path(args.run_dir)
+    overrides = _demo_task(run, args.steps)
+    base = [o for o in overrides if not o.startswith("trainer.run_dir=")]
+    # the config packs: the first run checks packing (varlen attention), the second is the padded reference
+    rc, syncs_on = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *overrides]))
+    if rc != 0:
+        print(json.dumps({"ok": False, "failed": ["hpa train (packed, the config's) failed: see the log above"]}))
+        return 1
+    steps, timed = _steps(run / "train")
+    padded_overrides = base + [f"trainer.run_dir={run / 'train_padded'}", "trainer.sequence_packing=false"]
+    rc, syncs_off = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *padded_overrides]))
+    padded_steps, padded_timed = _steps(run / "train_padded") if rc == 0 else ([], [])
+    figures = _figures(args.config, overrides, steps, timed, padded_timed, torch.cuda.is_available())
+    figures["packing"]["padded_run_ok"] = rc == 0
+    figures["syncs"] = {"per_step_on": _per_step(syncs_on, steps), "per_step_off": _per_step(syncs_off, padded_steps)}
+    figures["decode"] = decode_figures(steps)
+    figures["packing_probe"] = _probe(args.config, overrides)
+    if args.tokens_per_micro_batch:
+        figures["token_budget"] = _token_budget(args, base, run)
+    figures["failed"] = failed_checks(figures)
+    figures["ok"] = not figures["failed"]
+    print(json.dumps(_strict(figures)))
+    return 0 if figures["ok"] else 1
+
+
+def _demo_task(run: Path, steps: int) -> list:
+    """Makes the demo task and its tokenizer under ``run/data``; the overrides that point a run at them."""
     sys.path.insert(0, str(ROOT))
     from data_tools.make_demo_task import make_demo_task
 
-    run = Path(args.run_dir)
     data = run / "data"
     make_demo_task(str(data), 256, seed=0, num_eval_prompts=16)
     subprocess.run([sys.executable, "-m", "data_tools.train_tokenizer", "--input", str(data / "corpus.txt"),
                     "--model-prefix", str(data / "tok"), "--vocab-size", "96"], check=True, capture_output=True,
                    cwd=ROOT)
-    overrides = [f"data.tokenizer_path={data / 'tok.model'}", f"data.prompt_path={data / 'prompts.jsonl'}",
-                 f"data.preference_path={data / 'preferences.jsonl'}",
-                 f"data.eval_prompt_path={data / 'eval_prompts.jsonl'}", f"trainer.run_dir={run / 'train'}",
-                 f"trainer.total_steps={args.steps}", "checkpoint.resume=never"]
-    rc, syncs_off = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *overrides]))
-    if rc != 0:
-        print(json.dumps({"ok": False, "error": "hpa train failed (see the log above)"}))
-        return 1
-    steps, timed = _steps(run / "train")
-    base = [o for o in overrides if not o.startswith("trainer.run_dir=")]
-    packed_overrides = base + [f"trainer.run_dir={run / 'train_packed'}", "trainer.sequence_packing=true"]
-    rc, syncs_on = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *packed_overrides]))
-    packed_ok = rc == 0
-    packed_timed = _steps(run / "train_packed")[1] if packed_ok else []
-    cfg = load_config(args.config, overrides)
-    cuda = torch.cuda.is_available()  # False only when the script itself is tried on a CPU machine
+    return [f"data.tokenizer_path={data / 'tok.model'}", f"data.prompt_path={data / 'prompts.jsonl'}",
+            f"data.preference_path={data / 'preferences.jsonl'}",
+            f"data.eval_prompt_path={data / 'eval_prompts.jsonl'}", f"trainer.run_dir={run / 'train'}",
+            f"trainer.total_steps={steps}", "checkpoint.resume=never"]
+
+
+def _figures(config: str, overrides, steps, timed, padded_timed, cuda: bool) -> dict:
+    """The run's figures: MFU, rates, memory against the plan, the bf16 sampling/training gap, packing on/off."""
+    import torch
+
+    from hpa.config import load_config
+    from hpa.plan import plan
+
+    cfg = load_config(config, overrides)
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else 80.0
     planned = plan(cfg, world_size=1, gpu_memory_gb=gpu_gb)
     rows = cfg.trainer.global_batch_size * cfg.rollout.n
@@ -76,32 +104,151 @@ def main(argv=None) -> int:
         return statistics.fmean(values) if values else float("nan")
 
     rollout_tps = statistics.fmean(r["response_length/mean"] * rows / r["timing_s/rollout"] for r in timed)
-    figures = {
-        "ok": True, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "steps": len(steps),
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "steps": len(steps),
+        "sequence_packing": cfg.trainer.sequence_packing,
         "update_mfu": mean("perf/mfu"), "update_mfu_padded": mean("perf/mfu_padded"),
         "update_tokens_per_s": mean("perf/update_throughput"), "rollout_tokens_per_s": rollout_tps,
         "peak_memory_gb": max(r["perf/max_memory_gb"] for r in steps), "plan_total_gb": planned["total_gb"],
         "memory_unit": "GB (1e9 bytes)", "bf16_logprob_gap_mean": mean("rollout/logprob_diff_mean"),
         "bf16_logprob_gap_max": max(r["rollout/logprob_diff_max"] for r in steps),
-        "packing": {"ok": packed_ok, "update_tokens_per_s_off": mean("perf/update_throughput"),
-                    "update_tokens_per_s_on": mean("perf/update_throughput", packed_timed),
-                    "pad_share_off": mean("perf/pad_share"), "pad_share_on": mean("perf/pad_share", packed_timed)},
-        "phases": {"packing_off": phase_figures(timed), "packing_on": phase_figures(packed_timed)},
-        "syncs": {"per_step_off": _per_step(syncs_off, steps),
-                  "per_step_on": _per_step(syncs_on, _steps(run / "train_packed")[0] if packed_ok else [])},
+        "packing": {"update_tokens_per_s_on": mean("perf/update_throughput"),
+                    "update_tokens_per_s_off": mean("perf/update_throughput", padded_timed),
+                    "pad_share_on": mean("perf/pad_share"), "pad_share_off": mean("perf/pad_share", padded_timed)},
+        "phases": {"packing_on": phase_figures(timed), "packing_off": phase_figures(padded_timed)},
     }
-    if args.tokens_per_micro_batch:
-        budget_dir = run / "train_budget"
-        budget_overrides = base + [f"trainer.run_dir={budget_dir}", "trainer.sequence_packing=true",
-                                   f"trainer.ppo_max_token_len_per_rank={args.tokens_per_micro_batch}"]
-        rc, syncs_budget = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *budget_overrides]))
-        budget_steps, budget_timed = _steps(budget_dir) if rc == 0 else ([], [])
-        figures["token_budget"] = {"ok": rc == 0, "tokens_per_micro_batch": args.tokens_per_micro_batch,
-                                   "update_mfu": mean("perf/mfu", budget_timed),
-                                   "phases": phase_figures(budget_timed),
-                                   "syncs_per_step": _per_step(syncs_budget, budget_steps)}
-    print(json.dumps(_strict(figures)))
-    return 0
+
+
+def _token_budget(args, base, run: Path) -> dict:
+    from hpa import cli
+
+    budget_dir = run / "train_budget"
+    budget_overrides = base + [f"trainer.run_dir={budget_dir}", "trainer.sequence_packing=true",
+                               f"trainer.ppo_max_token_len_per_rank={args.tokens_per_micro_batch}"]
+    rc, syncs_budget = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *budget_overrides]))
+    budget_steps, budget_timed = _steps(budget_dir) if rc == 0 else ([], [])
+    values = [r["perf/mfu"] for r in budget_timed if isinstance(r.get("perf/mfu"), (int, float))]
+    return {"ok": rc == 0, "tokens_per_micro_batch": args.tokens_per_micro_batch,
+            "update_mfu": statistics.fmean(values) if values else float("nan"),
+            "phases": phase_figures(budget_timed), "syncs_per_step": _per_step(syncs_budget, budget_steps)}
+
+
+def decode_figures(steps) -> dict:
+    """The native engine's decode per step (``rollout/decode_graph``: 1 graph, 0 a fallback; absent: an engine
+    that decoded eagerly from the start) and its CUDA-graph captures for the run against the buckets it used."""
+    graph = [r.get("rollout/decode_graph") for r in steps]
+    last = steps[-1] if steps else {}
+    return {"graph_per_step": graph, "captures_per_run": last.get("rollout/graph_captures"),
+            "buckets": last.get("rollout/decode_buckets")}
+
+
+def failed_checks(figures: dict) -> list:
+    """What the check was meant to exercise and did not (or did wrongly): an empty list passes."""
+    failed = []
+    decode, probe = figures["decode"], figures["packing_probe"]
+    if not figures["sequence_packing"]:
+        failed.append("the config does not pack (trainer.sequence_packing): varlen attention untested")
+    if not figures["packing"].get("padded_run_ok", False):
+        failed.append("the padded reference run failed")
+    if not decode["graph_per_step"] or any(g != 1.0 for g in decode["graph_per_step"]):
+        failed.append(f"graph decode did not run at every step: {decode['graph_per_step']} (1 graph, 0 a fallback "
+                      f"after a failed capture, None an eager engine)")
+    elif decode["captures_per_run"] != decode["buckets"]:
+        failed.append(f"{decode['captures_per_run']} captures for {decode['buckets']} buckets: captured again")
+    if probe.get("error"):
+        failed.append(f"packing probe: {probe['error']}")
+    else:
+        if figures["device"] != "cpu" and not probe["varlen_calls"]:
+            failed.append("packed attention did not call the varlen kernel on the GPU")
+        if probe["causality_leak_max"] > PROBE_LEAK_MAX or not probe["changed_after_max"] > 0:
+            failed.append(f"causality probe: positions before the changed token moved by "
+                          f"{probe['causality_leak_max']}, those after by {probe['changed_after_max']}")
+        if not probe["logprob_gap_mean"] <= PROBE_GAP_MEAN_MAX:
+            failed.append(f"packed vs padded log-probs differ by {probe['logprob_gap_mean']} on average "
+                          f"(at most {PROBE_GAP_MEAN_MAX})")
+    return failed
+
+
+# the probe's limits: a token changes nothing before it (the same kernels on the same shapes: exact but for
+# rounding); packed and padded bf16 log-probs differ by the rounding of different matmul shapes (a guess: no GPU
+# has run the probe yet, docs/gpu.md)
+PROBE_LEAK_MAX = 1e-3
+PROBE_GAP_MEAN_MAX = 0.05
+
+
+def _probe(config: str, overrides) -> dict:
+    """``packing_probe`` on the config's model (random weights, its dtype) in this process."""
+    import torch
+
+    from hpa.config import load_config
+    from hpa.distributed import LaunchEnv, destroy, initialize
+    from hpa.distributed.init import _free_port
+    from hpa.models import build_policy
+
+    cfg = load_config(config, overrides)
+    try:
+        groups = initialize(cfg.parallel, launch=LaunchEnv(rank=0, world_size=1, local_rank=0,
+                                                           master_addr="127.0.0.1", master_port=_free_port(),
+                                                           launcher="torchrun"))
+    except Exception as err:  # noqa: BLE001 -- reported in the JSON, and the check fails
+        return {"error": f"initialise: {err}"}
+    try:
+        torch.manual_seed(0)
+        model = build_policy(cfg.model, cfg.parallel, groups)
+        return packing_probe(model, groups, cfg.model.vocab_size)
+    except Exception as err:  # noqa: BLE001
+        return {"error": f"{type(err).__name__}: {err}"}
+    finally:
+        destroy()
+
+
+def packing_probe(model, groups, vocab_size: int, lengths=None, seed: int = 0) -> dict:
+    """The same rows packed and padded through ``model`` and hpa's label head: the log-prob gap, how often the
+    varlen kernel ran, and a causality probe (one token of row 0 changed: nothing before it and no other row
+    may move, what comes after must)."""
+    import torch
+
+    from hpa.engine.head import label_log_probs
+    from hpa.engine.micro_batch import MicroBatch
+    from hpa.engine.step import model_inputs, to_model_device
+    from hpa.models import specs
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = lengths or torch.randint(32, 257, (16,), generator=g).tolist()
+    n, width, lens = len(lengths), max(lengths), torch.tensor(lengths)
+    keep = torch.arange(width)[None] < lens[:, None]
+    ids = torch.randint(1, vocab_size, (n, width), generator=g) * keep
+    labels = torch.roll(ids, -1, 1) * keep
+    label_mask = torch.arange(width)[None] < (lens - 1)[:, None]  # [n, s]
+
+    def log_probs(input_ids, packed):
+        mb = to_model_device(MicroBatch.from_padded("rows", input_ids, labels, lens, packed=packed,
+                                                    label_mask=label_mask.float()), groups.device)
+        i, p, params, _ = model_inputs(mb, 1)
+        with torch.no_grad():
+            out = model(i, p, None, **({"packed_seq_params": params} if params is not None else {}))
+            return label_log_probs(mb, out, groups.tp_group, vocab_size=vocab_size).float().cpu()
+
+    calls, real = [], specs.varlen_causal_attention
+    specs.varlen_causal_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
+    model.eval()
+    try:
+        padded, packed = log_probs(ids, False), log_probs(ids, True)
+        varlen_calls = len(calls)
+        t = lengths[0] // 2
+        changed = ids.clone()
+        changed[0, t] = changed[0, t] % (vocab_size - 1) + 1  # another real token
+        probed = log_probs(changed, True)
+    finally:
+        specs.varlen_causal_attention = real
+    gap = (packed - padded).abs()[label_mask]
+    moved = (probed - packed).abs()
+    before = label_mask.clone()
+    before[0, t:] = False
+    return {"rows": n, "tokens": int(lens.sum()), "logprob_gap_max": float(gap.max()),
+            "logprob_gap_mean": float(gap.mean()), "varlen_calls": varlen_calls,
+            "causality_leak_max": float(moved[before].max()),
+            "changed_after_max": float(moved[0, t:lengths[0] - 1].max())}
 
 
 PHASES = {"rollout": "timing_s/rollout", "old_policy": "timing_s/old_logprob", "reference": "timing_s/reference",

@@ -27,9 +27,11 @@ tail -n 5 "$LOG_DIR/gpu_tests.log" >&2
 python bench/gpu_check.py --run-dir "$LOG_DIR" > "$LOG_DIR/figures.json" 2> "$LOG_DIR/gpu_check.log" || true
 figures="$(tail -n 1 "$LOG_DIR/figures.json")"
 [ -n "$figures" ] || figures='{"ok": false, "error": "bench/gpu_check.py printed nothing (see gpu_check.log)"}'
+# exits 1 when the gpu tests failed or a path the check is meant to exercise did not run ("failed" says which)
 python - "$figures" "$tests_rc" <<'PY'
 import json, sys
 out = json.loads(sys.argv[1])
 out["gpu_tests_rc"] = int(sys.argv[2])
 print(json.dumps(out))
+sys.exit(0 if out.get("ok") and out["gpu_tests_rc"] == 0 else 1)
 PY

@@ -6,7 +6,8 @@ Usage::
 
 Prints one JSON line::
 
-    {"forward": {L: {R: {"aten_ops": n, "kernel_ops": n, "syncs": n}}}, "update": {...},
+    {"forward": {L: {R: {"aten_ops": n, "kernel_ops": n, "syncs": n, "sync_ops": n, "sync_sites": {...}}}},
+     "update": {...},
      "syncs_per_step": {"padded": n, "packed": n}, "config": {...}}
 
 per micro-batch, with L the layout (``padded``: rows right-padded to the longest; ``packed``: the rows'
@@ -16,16 +17,22 @@ heads and 2 KV heads, RoPE, SwiGLU, RMSNorm, QKV biases, tied embeddings) at nar
 head dim 4), so it runs in seconds on a CPU and the counts are those of the real shape: on a GPU the host
 issues one kernel per operation whatever the widths, and the small model's operations are the same.
 
-- ``forward``: the micro-batch's copy to the model's device, its model inputs and one forward pass
-  without gradients (what the old-policy and reference forwards do per micro-batch).
-- ``update``: the same, with gradients, and the backward pass of a loss on the logits.
+- ``forward``: the micro-batch's copy to the model's device, its model inputs, one forward pass without
+  gradients and hpa's heads on the logits (what the old-policy and reference forwards do per micro-batch).
+- ``update``: the same, with gradients and the entropy, and the backward pass of the heads' loss.
 - ``aten_ops``: every aten operation the pass dispatches (a ``TorchDispatchMode``), views included.
 - ``kernel_ops``: the aten operations that would launch a kernel on a GPU: all of them except views
   (operations whose output aliases their input: ``view``, ``transpose``, ``expand``, ``slice``...),
   ``detach``/``alias``/``lift_fresh`` and allocations without initialisation (``empty*``).
+- ``sync_ops``: operations that make the host wait for a CUDA device, forward and backward
+  (``hpa/distributed/sync_ops.py``, ``SyncOps``): the reads ``syncs`` counts and those inside operations
+  (``nonzero``, boolean masks, ``index_put_`` with accumulate, ``unique``, ``repeat_interleave`` without
+  ``output_size``, ``unravel_index``...) and blocking host-to-device copies; ``sync_sites`` gives each one's
+  ``file:line``. The pass includes hpa's two heads (``hpa.engine.head``: response log-probs and entropy,
+  label log-probs) as the losses call them.
 - ``syncs``: host-device syncs, counted in hpa's test device mode (``hpa/distributed/device_mode.py``,
   ``SyncCounter``): reads of device values (``.item()``, ``.tolist()``, tensor ``bool``, device-to-host
-  copies) in hpa's code and inside the model's forward. Backward passes are not seen.
+  copies) in hpa's code and inside the model's forward; backward passes are not seen (``sync_ops`` sees them).
 - ``syncs_per_step``: the syncs of one step's worth of model passes through hpa's engine
   (``hpa.engine.step.forward_backward``, megatron's schedule): 4 micro-batches of 8 rows forward-only
   (old policy), the same for the reference, and 4 with the backward pass (the update), with a
@@ -68,6 +75,8 @@ class OpCounter(TorchDispatchMode):
 
 
 def _micro_batch(rows: int, packed: bool, vocab: int, seed: int):
+    """Rows of 12 to 60 tokens, the first 8 the prompt: the response positions (``response_index``, ``mask``
+    ``[n, r]``) and the label positions (``label_mask`` ``[n, s]``) that hpa's two heads read."""
     from hpa.engine.micro_batch import MicroBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -77,29 +86,41 @@ def _micro_batch(rows: int, packed: bool, vocab: int, seed: int):
     keep = torch.arange(width)[None, :] < lengths[:, None]
     ids = ids * keep
     labels = torch.roll(ids, -1, dims=1) * keep
-    return MicroBatch.from_padded("rows", ids, labels, lengths, packed=packed, mask=keep.float())
+    prompt = 8
+    index = (prompt - 1 + torch.arange(width - prompt))[None, :].expand(rows, -1)  # [n, r]: predicts the response
+    mask = (index < (lengths - 1)[:, None]).float()
+    label_mask = keep & (torch.arange(width)[None, :] >= prompt - 1) & (torch.arange(width)[None, :] < (lengths - 1)[:, None])
+    return MicroBatch.from_padded("rows", ids, labels, lengths, packed=packed, response_index=index.contiguous(),
+                                  mask=mask, label_mask=label_mask.float())
 
 
-def _log_probs(batch, logits):
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch.labels[..., None])[..., 0]
-    return batch.unpack(logp[None] if logp.dim() == 1 else logp)
+def _loss(batch, logits, vocab: int, entropy: bool):
+    """hpa's heads as the losses call them: response log-probs (and entropy) and label log-probs."""
+    from hpa.engine.head import label_log_probs, response_log_probs
+
+    logp, ent = response_log_probs(batch, logits, None, vocab_size=vocab, entropy=entropy)  # [n, r]
+    labels = label_log_probs(batch, logits, None, vocab_size=vocab)  # [n, s]
+    loss = -(logp * batch["mask"]).sum() - (labels * batch["label_mask"]).sum()
+    return loss - (ent * batch["mask"]).sum() * 0.01 if ent is not None else loss
 
 
-def _one_pass(model, batch, groups, *, backward: bool) -> dict:
+def _one_pass(model, batch, groups, *, backward: bool, vocab: int) -> dict:
     from hpa.distributed.device_mode import SyncCounter
+    from hpa.distributed.sync_ops import SyncOps
     from hpa.engine.step import model_inputs, to_model_device
 
     model.train(backward)
-    with SyncCounter() as syncs, OpCounter() as ops:
+    with SyncCounter() as syncs, SyncOps() as sync_ops, OpCounter() as ops:
         with torch.set_grad_enabled(backward):
             b = to_model_device(batch, groups.device)
             ids, positions, packed, s = model_inputs(b, 1)
             kwargs = {"packed_seq_params": packed} if packed is not None else {}
             logits = model(ids, positions, None, **kwargs)
+            loss = _loss(b, logits, vocab, entropy=backward)
             if backward:
-                logp = _log_probs(b, logits)
-                (-(logp * b.rows["mask"]).sum()).backward()
-    return {"aten_ops": ops.aten_ops, "kernel_ops": ops.kernel_ops, "syncs": syncs.count}
+                loss.backward()
+    return {"aten_ops": ops.aten_ops, "kernel_ops": ops.kernel_ops, "syncs": syncs.count,
+            "sync_ops": sync_ops.count, "sync_sites": dict(sync_ops.by_site)}
 
 
 def _step_syncs(model, groups, packed: bool, vocab: int) -> int:
@@ -109,8 +130,7 @@ def _step_syncs(model, groups, packed: bool, vocab: int) -> int:
     batches = [_micro_batch(8, packed, vocab, seed=100 + i) for i in range(4)]
 
     def loss_fn(batch, output, _hidden):
-        logp = _log_probs(batch, output)
-        loss = -(logp * batch.rows["mask"]).sum() / 1000.0
+        loss = _loss(batch, output, vocab, entropy=False) / 1000.0
         return loss, {"loss": loss.detach()}
 
     with SyncCounter() as syncs:
@@ -155,9 +175,9 @@ def main(argv=None) -> dict:
                 result[phase][layout] = {}
                 for rows in args.rows:
                     batch = _micro_batch(rows, layout == "packed", args.vocab, seed=rows)
-                    _one_pass(model, batch, groups, backward=backward)  # warm caches (rotary tables...)
+                    _one_pass(model, batch, groups, backward=backward, vocab=args.vocab)  # warm caches (rotary tables...)
                     batch = _micro_batch(rows, layout == "packed", args.vocab, seed=rows)
-                    result[phase][layout][f"rows{rows}"] = _one_pass(model, batch, groups, backward=backward)
+                    result[phase][layout][f"rows{rows}"] = _one_pass(model, batch, groups, backward=backward, vocab=args.vocab)
         if not args.no_step:
             result["syncs_per_step"] = {layout: _step_syncs(model, groups, layout == "packed", args.vocab)
                                         for layout in ("padded", "packed")}

@@ -107,6 +107,13 @@ def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_thresho
     gathered.sort(key=lambda r: r["index"])
     if [r["index"] for r in gathered] != list(range(len(data))):
         raise RuntimeError("hpa generate: gathered records do not cover every prompt exactly once")
+    return _summary(gathered, output_path, kl_threshold=kl_threshold, guard_temperature=guard_temperature,
+                    reference_is_policy=reference_is_policy, is_main=g.is_main)
+
+
+def _summary(gathered: List[Dict[str, Any]], output_path: str, *, kl_threshold: float, guard_temperature: float,
+             reference_is_policy: bool, is_main: bool) -> Dict[str, Any]:
+    """The summary of every prompt's record (in input order); the main rank writes the records' JSONL."""
     n = len(gathered)
     summary = {
         "num_prompts": n,
@@ -119,7 +126,7 @@ def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_thresho
         "reference_is_policy": reference_is_policy,
         "output_path": output_path,
     }
-    if g.is_main:
+    if is_main:
         os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
         with open(output_path, "w") as f:
             for r in gathered:

@@ -9,57 +9,76 @@ The estimate is analytic (no GPU, no megatron import). Per GPU, the worst pipeli
   ``4·h``), the final norm and the output layer ``V_pad·h`` (last stage, unless tied; under PP a
   tied embedding is kept on the last stage too). Linear layers are split over TP, norms are
   replicated; layers are split over PP. The critic and the reward models replace the output layer
-  by a replicated ``ScalarHead`` of ``K·h + K`` parameters.
+  by a replicated ``ScalarHead`` of ``K·h + K`` parameters. A reward model has its own architecture
+  (``reward_architectures``: the record at its path, else ``--reward-config``, else the policy's), laid
+  out under the policy's TP/PP as ``hpa train`` loads it.
+* **LoRA** (``model.lora.rank > 0``, ``hpa.models.lora``): the base weights are frozen and held once per
+  stage; the policy adds ``A [r, in]`` and ``B [out, r]`` per adapted linear and layer (the side that follows
+  the base weight's TP split divided by TP, ``lora_parameters``), the reference is the same base with the
+  adapters off (no weights of its own) and a critic would add its own adapters and value head only.
+  Gradients and optimizer state are the adapters'.
 * **gradients**: megatron DDP keeps fp32 main grads (``grad_reduce_in_fp32=True``): 4 bytes per
   trainable parameter, not sharded by the distributed optimizer (it shards optimizer state only).
 * **optimizer state** (Adam): ``exp_avg`` + ``exp_avg_sq`` in fp32 (8 bytes), plus an fp32 master
   copy (4 bytes) when the parameters are bf16/fp16; divided by DP with the distributed optimizer.
   Torch's one-element ``step`` tensors and the distributed optimizer's alignment padding (at most
-  63 elements per tensor) are left out.
-* **activations**: the bytes one training micro-batch saves for backward, on one rank, for the
-  largest micro-batch of each kind the trainer runs (``training_micro_batches``): rollout rows
+  63 elements per tensor) are left out. (megatron-core's ``optimizer_cpu_offload`` is not an hpa option:
+  its ``HybridDeviceOptimizer`` needs CUDA streams, so it could not be tested here.)
+* **activations**: the peak bytes one training micro-batch holds, forward and backward, on one rank, for
+  the largest micro-batch of each kind the trainer runs (``training_micro_batches``): rollout rows
   (``b = trainer.micro_batch_size`` sequences of ``s = data.max_prompt_length +
   rollout.max_new_tokens`` tokens; under ``trainer.ppo_max_token_len_per_rank`` enough rows to
-  cover that budget) and DPO rows (``2·micro_batch_size`` chosen + rejected sequences of
-  ``max_prompt_length + data.max_response_length``). Per token and layer, in bytes, with
-  ``e = bytes(model.params_dtype)``, ``a`` heads, ``g`` query groups, ``d = h/a``, ``f`` FFN size,
-  ``t = TP``; "replicated" terms are divided by ``t`` only under sequence parallelism:
+  cover that budget: a micro-batch holds the budget's tokens, padded or packed) and DPO rows
+  (``2·micro_batch_size`` chosen + rejected sequences of ``max_prompt_length + data.max_response_length``).
+  Per token and layer, in bytes, with ``e = bytes(model.params_dtype)``, ``a`` heads, ``g`` query groups,
+  ``d = h/a``, ``f`` FFN size, ``t = TP``; "replicated" terms are divided by ``t`` only under sequence
+  parallelism:
 
   - each of the two norms keeps its input and output, ``2·h·e``, replicated (torch's RMSNorm,
     which the local spec uses, also keeps ``x·rstd``: ``3·h·e``);
-  - attention keeps ``(2·h + g·d + (a + 2·g)·d)·e/t``: q and k after RoPE, the qkv output that v is
-    a view of, and the context. megatron's local ``DotProductAttention`` instead repeats k and v to
-    all heads under GQA (``g < a``: ``4·h·e/t``) and keeps the softmax output ``a·s·e/t`` (the
-    ``[b, a/t, s, s]`` probabilities; with attention dropout also the dropped probabilities and the
-    mask; in 16 bits also the fp32 softmax's own output, ``a·s·4/t``, as megatron computes the local
-    softmax in fp32); Transformer Engine's fused attention keeps no ``[s, s]`` tensor;
+  - attention keeps ``(2·h + g·d + (a + 2·g)·d)·e/t + a·4/t``: q and k after RoPE, the qkv output that v
+    is a view of, the context and the fused kernel's fp32 log-sum-exp. Both Transformer Engine and the
+    local spec (one SDPA call per layer: flash attention on CUDA, torch's flash kernel on CPU) keep no
+    ``[s, s]`` tensor; only attention dropout on the float32 (CPU) path runs torch's math kernel, which
+    repeats k and v under GQA and keeps the probabilities, their dropped-out copy and the mask
+    (``a·s·(2·e + mask)/t``);
   - the MLP keeps ``5·f·e/t`` with SwiGLU (fc1's output, ``x_linear + 0``, ``silu``, their product)
-    or ``2·f·e/t`` with GeLU;
+    or ``2·f·e/t`` with GeLU; LoRA adds ``r·e`` per adapted linear (``u = A x``);
   - with hidden dropout, two dropout masks ``2·h`` bytes, replicated (CUDA keeps a bool mask; torch
     on CPU a noise tensor of ``e`` bytes: float32 is taken as the CPU path), and one more for the
-    embedding.
+    embedding;
+  - a layer's backward holds, beside what it keeps, the gradients of fc1's output and the activation and of
+    the layer's input and output, ``(3·f (SwiGLU) or 2·f)·e/t + 2·h·e`` (replicated; the math kernel: two
+    ``[s, s]`` gradients if larger), and under sequence parallelism ``2·h·e`` more (a column-parallel
+    linear's input gathered again, a row-parallel one's gradient before its reduce-scatter).
 
-  The head adds the final norm and the logits shard ``V_pad/t·e`` the loss keeps, plus the loss's
-  fp32 working copy of it ``V_pad/t·4`` (the critic's scalar head adds only the norm). Selective
-  recomputation (core attention) drops the local spec's softmax output and repeated k, v, and
-  recomputes them in backward once the layer's later part is freed; under Transformer Engine it
-  changes nothing. Full recomputation keeps each layer's input ``h·e`` (replicated) and, in
-  backward, one recomputed layer at a time. Peak = ``L·(per layer) + max(head, recomputed part)``:
-  the head's tensors are freed before any layer is recomputed. Under 1F1B the first stage holds
-  ``PP`` micro-batches of its ``L/PP`` layers, i.e. ``L`` layers' worth at any PP; the head is
-  counted as if it were on that stage. Left out (about 1% at the tested sizes; up to 3% for
-  ``s = 256`` at ``b = 2``): ``[s, b]`` statistics (norm ``rstd``, the loss's), the RoPE tables,
-  the local spec's ``[s, s]`` bool causal mask per layer, token ids. Policy and critic update one
-  after the other, so the larger of the two counts.
+  The LM head (``lm_head_bytes``, the fused log-prob head of ``hpa.ops.fused_head`` at the positions the loss
+  reads: ``N`` response tokens) holds the logits shard ``L = T·V_pad/t·e`` and, in backward, their gradient
+  ``L`` beside two fp32 chunks of ``c = min(N, CHUNK_ELEMENTS/(V_pad/t))`` rows (in 16 bits also the chunk
+  read in the input dtype), then the output layer's contiguous copy of that gradient and its weight
+  gradient: ``2·L + max(c·V_pad/t·(8 + e_16), V_pad/t·h·e + T·h·e)``, never an fp32 ``[T, vocab]`` tensor.
+  The critic's scalar head adds only the norm. Selective recomputation (core attention) changes nothing
+  outside the math kernel; there it drops the probabilities and recomputes them in backward. Full
+  recomputation keeps each layer's input ``h·e`` (replicated) and, in backward, one recomputed layer
+  and its gradients at a time. Peak = ``L·(per layer) + max(head, the backward's transient)``: the head's
+  tensors are freed before any layer is recomputed. Under 1F1B the first stage holds ``PP``
+  micro-batches of its ``L/PP`` layers, i.e. ``L`` layers' worth at any PP; the head is counted as if it
+  were on that stage. Left out: ``[s, b]`` statistics, the RoPE tables, token ids, per-row loss tensors.
+  Policy and critic update one after the other, so the larger of the two counts.
+* **forward-only passes** (old and reference log-probs, values; ``forward_only_bytes``): micro-batches of
+  ``trainer.log_prob_max_token_len_per_rank`` tokens (else ``micro_batch_size`` rows), no graph: one
+  layer's tensors at a time, then the logits (``2·L`` while megatron copies them contiguous, or ``L`` and
+  a forward chunk). The activation term is the larger of training's and this.
 
-  *Measured vs formula-only*: the local-spec terms (float32, TP1 and TP2, with and without
-  sequence parallelism, no / selective / full recomputation, GQA and MHA, RMSNorm and LayerNorm,
-  SwiGLU and GeLU, dropout) match the peak of the bytes saved for backward, measured on CPU in
-  ``tests/test_plan.py``, within about 1%. The Transformer Engine terms
-  (``transformer_engine_expected``: ``transformer_impl``, or for ``auto`` a 16-bit
-  ``params_dtype`` where Transformer Engine is installed), the 16-bit local terms and PP are formula
-  only. Under sequence parallelism a micro-batch is padded to
-  a multiple of TP positions (at most TP - 1 more), which the estimate leaves out.
+  *Measured vs formula-only*: on CPU (float32, the local spec) ``tests/test_plan.py`` runs micro-batches
+  through megatron DDP, ``forward_backward`` and the trainer's fused head and tracks the bytes of every
+  storage alive (a ``TorchDispatchMode``): TP1, TP2 and TP2 with sequence parallelism, no / selective / full
+  recomputation, GQA and MHA, RMSNorm and LayerNorm, SwiGLU and GeLU, dropout, and the GPU-check config's
+  shapes scaled down (token budgets, a chunked head, the forward-only pass); the estimate is within about
+  7 % (docs/memory.md). The Transformer Engine terms (``transformer_engine_expected``: ``transformer_impl``,
+  or for ``auto`` a 16-bit ``params_dtype`` where Transformer Engine is installed), the 16-bit terms and PP
+  are formula only. Under sequence parallelism a micro-batch is padded to a multiple of TP positions (at
+  most TP - 1 more), which the estimate leaves out.
 * **rollout KV cache** (native engine, ``hpa.rollout.kv_cache.CachedDecoder``): keys and values
   ``[B, g/TP, P + R, d]`` in ``params_dtype`` for each of the stage's ``L/PP`` layers, with
   ``P = data.max_prompt_length``, ``R = rollout.max_new_tokens`` and ``B = global_batch_size/DP·n``
@@ -86,11 +105,12 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from hpa.config.errors import ConfigError
-from hpa.config.schema import Config, ModelConfig, data_parallel_size, validate
+from hpa.config.schema import Config, LoRAConfig, ModelConfig, data_parallel_size, validate
 
 GB = 1e9
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -183,54 +203,112 @@ def _dropout_mask_bytes(model: ModelConfig, transformer_engine: bool) -> int:
     return 1 if transformer_engine or model.params_dtype != "float32" else 4
 
 
+def _math_attention(model: ModelConfig, transformer_engine: bool) -> bool:
+    """Whether the core attention keeps its ``[s, s]`` probabilities: only the local spec's SDPA with attention
+    dropout on the CPU (float32) path, which runs torch's math kernel. Transformer Engine, and the local spec's
+    SDPA otherwise (flash attention on CUDA in 16 bits, torch's flash kernel on CPU), keep none."""
+    return not transformer_engine and model.attention_dropout > 0 and model.params_dtype == "float32"
+
+
+def _lora_activations(model: ModelConfig, tp: int, sequence_parallel: bool) -> float:
+    """Bytes per token one layer's adapters save: ``u = A x`` (``[T, r]``, whole on every TP rank) per adapted
+    linear, and with adapter dropout the dropped input and its mask."""
+    lora = model.lora
+    if not lora.enabled:
+        return 0.0
+    e = _DTYPE_BYTES[model.params_dtype]
+    h, f = model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size
+    inputs = {"linear_qkv": h, "linear_proj": h / tp, "linear_fc1": h, "linear_fc2": f / tp}  # A's input width
+    out = len(lora.target_modules) * lora.rank * e
+    if lora.dropout > 0:
+        out += sum(inputs[t] for t in lora.target_modules) * (e + _dropout_mask_bytes(model, False))
+    return out
+
+
 def _layer_activations(model: ModelConfig, *, tp: int, sequence_parallel: bool, seq_length: int,
                        transformer_engine: bool) -> dict:
     """Bytes per token that one layer saves for backward on one TP rank (module docstring, terms).
 
     Returns ``input`` (the layer input, all full recomputation keeps), ``none`` and ``selective``
-    (the whole layer without / with core-attention recomputation) and ``attention_recompute`` (what
-    the recomputed core attention saves again in backward beyond what the layer has freed by then).
+    (the whole layer without / with core-attention recomputation), ``gradients`` (the working set of the
+    layer's backward beside what it keeps) and ``attention_recompute`` (the recomputed core attention and its
+    gradients in backward, or that working set if larger).
     """
     h, a, s, e = model.hidden_size, model.num_attention_heads, seq_length, _DTYPE_BYTES[model.params_dtype]
     g, d = model.kv_heads, model.hidden_size // model.num_attention_heads
     f = model.ffn_hidden_size or 4 * h
     replicated = tp if sequence_parallel else 1  # norms and dropout masks are split by TP only under SP
     norm = _norm_activations(model, transformer_engine) / replicated
-    # q and k after RoPE, the qkv output v is a view of, and the context
-    qkv_kept = (2 * h + g * d + (a + 2 * g) * d) * e / tp
+    # q and k after RoPE, the qkv output v is a view of, the context, and the fused kernels' fp32
+    # log-sum-exp [b, a/tp, s]
+    qkv_kept = (2 * h + g * d + (a + 2 * g) * d) * e / tp + a * 4 / tp
     mlp = (5 if model.activation == "swiglu" else 2) * f * e / tp
     noise = _dropout_mask_bytes(model, transformer_engine)
     dropout_masks = 2 * h * noise / replicated if model.hidden_dropout > 0 else 0.0
-    probs = a * s * e / tp  # [b, a/tp, s, s] softmax output
-    if e < 4:  # 16-bit: the local softmax runs in fp32 (attention_softmax_in_fp32) and keeps its fp32 output
-        probs += a * s * 4 / tp
-    if model.attention_dropout > 0:
-        probs += a * s * (e + noise) / tp  # the dropped-out probabilities and the mask
-    if transformer_engine:  # fused attention keeps q, k, v, the output (and a [b, a, s] fp32 log-sum-exp)
-        attention = selective_attention = qkv_kept
-        attention_recompute = h * e / tp
-    else:  # local DotProductAttention: GQA repeats k and v to all heads before the matmuls
+    lora = _lora_activations(model, tp, sequence_parallel)
+    if _math_attention(model, transformer_engine):  # SDPA's math kernel: GQA repeats k, v; the probabilities
         gqa = a != g
-        attention = (4 * h * e / tp if gqa else qkv_kept) + probs
-        selective_attention = qkv_kept
-        attention_recompute = probs + (2 * h * e / tp if gqa else 0.0)
-    # backward recomputes the core attention after the layer's later part (the context, the second
-    # norm, the MLP, the dropout masks) has been freed
-    after_attention = h * e / tp + norm + mlp + dropout_masks
-    rest = 2 * norm + mlp + dropout_masks
+        probs = a * s * e / tp + a * s * (e + noise) / tp  # softmax output, the dropped-out one and the mask
+        attention = (qkv_kept - a * 4 / tp) + (2 * h * e / tp if gqa else 0.0) + probs
+        # recomputed in backward, plus the gradients of the dropped-out and the softmax's probabilities
+        attention_recompute = probs + (2 * h * e / tp if gqa else 0.0) + 2 * a * s * e / tp
+    else:  # fused attention keeps q, k, v, the output and the log-sum-exp
+        attention = qkv_kept
+        attention_recompute = h * e / tp + (a + 2 * g) * d * e / tp  # the output, then q, k, v's gradients
+    selective_attention = qkv_kept
+    rest = 2 * norm + mlp + dropout_masks + lora
+    # the MLP's backward holds the gradients of fc1's output and of the activation, and of the layer's
+    # input and output, beside what the layer keeps
+    # (the math kernel's attention: the gradients of its two [s, s] probabilities); under sequence
+    # parallelism also a column-parallel linear's input gathered again and a row-parallel one's gradient
+    # before its reduce-scatter, whole-sequence [s, b, h] tensors
+    gradients = max((3 if model.activation == "swiglu" else 2) * f * e / tp + 2 * h * e / replicated,
+                    2 * a * s * e / tp if _math_attention(model, transformer_engine) else 0.0)
+    gradients += 2 * h * e if sequence_parallel and tp > 1 else 0.0
     return {"input": h * e / replicated, "none": rest + attention, "selective": rest + selective_attention,
-            "attention_recompute": max(0.0, attention_recompute - after_attention)}
+            "gradients": gradients, "attention_recompute": max(gradients, attention_recompute)}
+
+
+def _chunk_rows(model: ModelConfig, tp: int, positions: int) -> int:
+    """Rows the fused head upcasts at a time: ``min(positions, CHUNK_ELEMENTS // (V_pad/t))``."""
+    from hpa.ops import fused_head
+
+    return max(1, min(positions, fused_head.CHUNK_ELEMENTS // (_padded_vocab(model, tp) // tp)))
+
+
+def lm_head_bytes(model: ModelConfig, *, tp: int, tokens: int, positions: int, backward: bool = True) -> int:
+    """Peak bytes of the LM head of one micro-batch of ``tokens`` tokens whose loss reads ``positions`` of them,
+    on top of what the layers keep (``hpa.ops.fused_head``; module docstring).
+
+    The logits shard ``L = tokens·V_pad/t·e`` (megatron returns ``[b, s, v/t]`` as a contiguous copy of its
+    ``[s, b, v/t]`` output: ``2·L`` for a moment) is kept for the head's backward; the head upcasts
+    ``c = min(positions, CHUNK_ELEMENTS / (V_pad/t))`` rows at a time (two fp32 chunks, and in 16 bits the
+    chunk read in the input dtype). Backward: the logits' gradient ``L`` (the input dtype) beside the logits
+    and two fp32 chunks (plus the chunk's cast back in 16 bits); then the output layer's backward makes a
+    contiguous copy of that gradient (``L``) and computes its weight gradient (``V_pad/t·h·e``; none for a
+    frozen output layer under LoRA) and the input gradient ``tokens·h·e``.
+    """
+    vocab, e, h = _padded_vocab(model, tp) // tp, _DTYPE_BYTES[model.params_dtype], model.hidden_size
+    logits = tokens * vocab * e
+    cast = e if e < 4 else 0  # a 16-bit chunk is read as such, then upcast
+    chunk = _chunk_rows(model, tp, positions) * vocab * (8 + cast)
+    if not backward:
+        return max(2 * logits, logits + chunk)
+    wgrad = 0 if model.lora.enabled else vocab * h * e
+    return max(2 * logits + chunk, 2 * logits + wgrad + tokens * h * e)
 
 
 def activation_bytes(model: ModelConfig, *, tp: int, sequence_parallel: bool, recompute: Optional[str],
                      micro_batch_size: int, seq_length: int, with_logits: bool = True,
-                     transformer_engine: Optional[bool] = None) -> int:
-    """Activation memory of one rank for the in-flight micro-batches (see the module docstring).
+                     transformer_engine: Optional[bool] = None, positions: Optional[int] = None) -> int:
+    """Activation memory of one rank for the in-flight micro-batches of a training forward and backward
+    (see the module docstring).
 
     Args:
-        micro_batch_size, seq_length: the micro-batch ``[b, s]``.
+        micro_batch_size, seq_length: the micro-batch ``[b, s]`` (``b·s`` tokens: padded, or packed rows).
         with_logits: the LM head (policy); False for a scalar head (critic).
         transformer_engine: which layers the run uses; None: ``transformer_engine_expected(model)``.
+        positions: the tokens whose log-probs the loss reads (the fused head computes only those); None: all.
     """
     if transformer_engine is None:
         transformer_engine = transformer_engine_expected(model)
@@ -240,17 +318,36 @@ def activation_bytes(model: ModelConfig, *, tp: int, sequence_parallel: bool, re
     replicated = tp if sequence_parallel else 1
     stem = model.hidden_size * _dropout_mask_bytes(model, transformer_engine) / replicated \
         if model.hidden_dropout > 0 else 0.0  # embedding dropout
-    head = _norm_activations(model, transformer_engine) / replicated  # final norm
-    if with_logits:  # the saved logits shard, plus the loss's fp32 working copy of it
-        head += _padded_vocab(model, tp) / tp * (_DTYPE_BYTES[model.params_dtype] + 4)
-    if recompute == "full":  # layer inputs; in backward, one recomputed layer at a time
-        stored, transient = layer["input"], layer["none"] - layer["input"]
+    head = tokens * _norm_activations(model, transformer_engine) / replicated  # final norm
+    if with_logits:
+        head += lm_head_bytes(model, tp=tp, tokens=tokens, positions=tokens if positions is None else positions)
+    if recompute == "full":  # layer inputs; in backward, one recomputed layer at a time, and its gradients
+        stored, transient = layer["input"], layer["none"] - layer["input"] + layer["gradients"]
     elif recompute == "selective":
         stored, transient = layer["selective"], layer["attention_recompute"]
     else:
-        stored, transient = layer["none"], 0.0
+        stored, transient = layer["none"], layer["gradients"]
     # the head's tensors are freed (its backward ran) before any layer recomputes
-    return int(tokens * (model.num_layers * stored + stem + max(head, transient)))
+    return int(tokens * (model.num_layers * stored + stem) + max(head, tokens * transient))
+
+
+def forward_only_bytes(model: ModelConfig, *, tp: int, sequence_parallel: bool, micro_batch_size: int,
+                       seq_length: int, positions: Optional[int] = None, with_logits: bool = True,
+                       transformer_engine: Optional[bool] = None) -> int:
+    """Peak bytes of one forward-only micro-batch (no graph): one layer's tensors at a time, then the LM
+    head's logits and chunks (``lm_head_bytes(backward=False)``)."""
+    if transformer_engine is None:
+        transformer_engine = transformer_engine_expected(model)
+    tokens = micro_batch_size * seq_length
+    layer = _layer_activations(model, tp=tp, sequence_parallel=sequence_parallel, seq_length=seq_length,
+                               transformer_engine=transformer_engine)
+    hidden = 2 * model.hidden_size * _DTYPE_BYTES[model.params_dtype] / (tp if sequence_parallel else 1)
+    body = int(tokens * (layer["none"] + hidden))
+    if not with_logits:
+        return body
+    head = lm_head_bytes(model, tp=tp, tokens=tokens, positions=tokens if positions is None else positions,
+                         backward=False)
+    return max(body, int(tokens * hidden) + head)
 
 
 def training_micro_batches(cfg: Config) -> Dict[str, Tuple[int, int]]:
@@ -258,7 +355,8 @@ def training_micro_batches(cfg: Config) -> Dict[str, Tuple[int, int]]:
 
     ``rollout`` (PPO and critic): ``trainer.micro_batch_size`` rows of prompt + response,
     ``data.max_prompt_length + rollout.max_new_tokens`` tokens, or, with
-    ``trainer.ppo_max_token_len_per_rank``, enough such rows to cover the budget (rounded up).
+    ``trainer.ppo_max_token_len_per_rank``, enough such rows to cover the budget (rounded up: a
+    micro-batch holds the budget's tokens, padded or packed, and can pass it by one row).
     ``preference`` (DPO): chosen and rejected rows of ``micro_batch_size`` pairs,
     ``data.max_prompt_length + data.max_response_length`` tokens.
     """
@@ -269,6 +367,23 @@ def training_micro_batches(cfg: Config) -> Dict[str, Tuple[int, int]]:
         rows = -(-t.ppo_max_token_len_per_rank // rollout_length)
     return {"rollout": (rows, rollout_length),
             "preference": (2 * t.micro_batch_size, data.max_prompt_length + data.max_response_length)}
+
+
+def head_positions(cfg: Config, kind: str, rows: int) -> int:
+    """The positions whose log-probs a micro-batch's loss reads: every response position of each row
+    (``rollout.max_new_tokens`` for rollouts and forward-only passes, ``data.max_response_length`` for pairs)."""
+    return rows * (cfg.data.max_response_length if kind == "preference" else cfg.rollout.max_new_tokens)
+
+
+def forward_micro_batch(cfg: Config) -> Tuple[int, int]:
+    """``(rows, seq_length)`` of the largest forward-only micro-batch (old and reference log-probs, values):
+    ``trainer.micro_batch_size`` rollout rows, or enough rows to cover ``trainer.log_prob_max_token_len_per_rank``."""
+    t = cfg.trainer
+    length = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    rows = t.micro_batch_size
+    if t.log_prob_max_token_len_per_rank is not None:
+        rows = -(-t.log_prob_max_token_len_per_rank // length)
+    return rows, length
 
 
 def rollout_batch(cfg: Config, dp: int) -> Tuple[int, int]:
@@ -295,16 +410,74 @@ class _Knobs:
     recompute: Optional[str]
 
 
-def _models(cfg: Config) -> List[tuple]:
-    """(name, scalar_heads or None, trainable) for every model the run keeps."""
-    models = [("policy", None, True)]
+def lora_parameters(model: ModelConfig, tp: int = 1, pp: int = 1) -> int:
+    """Adapter parameters of one rank of a pipeline stage (``hpa.models.lora``; docs/lora.md, shapes per TP
+    rank): per adapted linear of each of the stage's ``L/PP`` layers, ``A [r, in]`` and ``B [out, r]``, the
+    side that follows the base weight's split divided by TP. 0 without LoRA."""
+    lora = model.lora
+    if not lora.enabled:
+        return 0
+    h, f, r = model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size, lora.rank
+    d = h // model.num_attention_heads
+    qkv = (model.num_attention_heads + 2 * model.kv_heads) * d
+    fc1 = (2 if model.activation == "swiglu" else 1) * f
+    per_rank = {"linear_qkv": r * h + qkv // tp * r, "linear_fc1": r * h + fc1 // tp * r,  # column: A whole
+                "linear_proj": r * (model.num_attention_heads * d // tp) + h * r,  # row: B whole
+                "linear_fc2": r * (f // tp) + h * r}
+    return model.num_layers // pp * sum(per_rank[t] for t in lora.target_modules)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """One model the run keeps: its architecture, a scalar head's K (None: the LM head), whether it trains,
+    and whether its base weights are the policy's (LoRA: the reference and the critic share them)."""
+    name: str
+    model: ModelConfig
+    scalar_heads: Optional[int]
+    trainable: bool
+    shares_base: bool = False
+
+
+def _models(cfg: Config, reward_models: Sequence[ModelConfig]) -> List[_Model]:
+    """Every model the run keeps; ``reward_models``: the architecture of each of ``reward.model_paths``."""
+    lora = cfg.model.lora.enabled
+    models = [_Model("policy", cfg.model, None, True)]
     if cfg.algorithm.advantage.estimator == "gae":
-        models.append(("critic", 1, True))
-    models.append(("reference", None, False))
-    for i, _ in enumerate(cfg.reward.model_paths):
-        models.append((f"reward{i}" if len(cfg.reward.model_paths) > 1 else "reward",
-                       cfg.reward.num_heads, False))
+        models.append(_Model("critic", cfg.model, 1, True, shares_base=lora))
+    models.append(_Model("reference", cfg.model, None, False, shares_base=lora))
+    for i, rm in enumerate(reward_models):
+        models.append(_Model(f"reward{i}" if len(reward_models) > 1 else "reward", rm, cfg.reward.num_heads, False))
     return models
+
+
+def reward_architectures(cfg: Config, reward_config: Optional[Config] = None) -> Tuple[List[ModelConfig], List[str]]:
+    """The architecture of each reward model, as ``hpa train`` builds it (``hpa.reward.model``), and notes.
+
+    A path that holds a reward model's record (``hpa_reward_model.json`` with its architecture) gives its
+    own; otherwise ``reward_config``'s ``model`` section (the config it is, or will be, trained with:
+    ``hpa train-rm --config``, whose architecture ``train-rm`` records); otherwise the policy's architecture
+    (what the loader assumes for a record without one), said in a note.
+    """
+    from hpa.reward.model import ARCHITECTURE_FIELDS, read_reward_model_info, reward_model_config
+
+    out, notes = [], []
+    for path in cfg.reward.model_paths:
+        try:
+            info = read_reward_model_info(path) if os.path.isdir(path) else None
+            if info is not None:
+                out.append(reward_model_config(cfg.model, path, info))
+                continue
+        except ValueError as exc:  # an unreadable or invalid record
+            raise ConfigError("reward.model_paths", str(exc)) from None
+        if reward_config is not None:
+            arch = {k: getattr(reward_config.model, k) for k in ARCHITECTURE_FIELDS}
+            out.append(dataclasses.replace(cfg.model, **arch, lora=LoRAConfig()))
+            notes.append(f"reward model {path}: no record there; planned with the model section of --reward-config")
+        else:
+            out.append(dataclasses.replace(cfg.model, lora=LoRAConfig()))
+            notes.append(f"reward model {path}: no record there; planned with the policy's architecture "
+                         "(give --reward-config FILE, the config it is trained with, for its own size)")
+    return out, notes
 
 
 def vllm_budget_gb(cfg: Config, gpu_memory_gb: float) -> float:
@@ -331,38 +504,57 @@ def _fitting_utilization(cfg: Config, static_gb: float, activations_gb: float, g
     return util if util > 0 and util * gpu_memory_gb >= vllm_minimum_gb(cfg) else None
 
 
-def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float) -> dict:
+def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float,
+              reward_models: Sequence[ModelConfig]) -> dict:
     m = cfg.model
     dp = world_size // (k.tp * k.pp)
     sp = k.tp > 1 and _sequence_parallel_possible(cfg) and (
         cfg.parallel.sequence_parallel or k.tp != cfg.parallel.tensor_model_parallel_size)
-    pbytes = _DTYPE_BYTES[m.params_dtype]
-    adam_bytes = 8 + (4 if m.params_dtype != "float32" else 0)
     shapes = training_micro_batches(cfg)
+    adapters = lora_parameters(m, k.tp, k.pp)
 
     def activations(recompute: Optional[str], lm_head: bool) -> float:
         kinds = shapes if lm_head else {"rollout": shapes["rollout"]}  # the critic sees no preference pairs
         return max(activation_bytes(m, tp=k.tp, sequence_parallel=sp, recompute=recompute, micro_batch_size=b,
-                                    seq_length=s, with_logits=lm_head) for b, s in kinds.values()) / GB
+                                    seq_length=s, with_logits=lm_head, positions=head_positions(cfg, kind, b))
+                   for kind, (b, s) in kinds.items()) / GB
+
+    def forward_only(lm_head: bool) -> float:
+        b, s = forward_micro_batch(cfg)
+        return forward_only_bytes(m, tp=k.tp, sequence_parallel=sp, micro_batch_size=b, seq_length=s,
+                                  positions=head_positions(cfg, "rollout", b), with_logits=lm_head) / GB
 
     rows = {}
-    for name, heads, trainable in _models(cfg):
-        params = max(stage_parameters(m, k.tp, k.pp, heads))
-        row = {"parameters": count_parameters(m, heads), "parameters_per_gpu": params,
+    for spec in _models(cfg, reward_models):
+        heads, pbytes = spec.scalar_heads, _DTYPE_BYTES[spec.model.params_dtype]
+        own_head = heads * m.hidden_size + heads if heads is not None else 0
+        if spec.shares_base:  # LoRA: the policy's base; a critic adds its adapters and value head
+            params = trainable = (adapters + own_head) if spec.trainable else 0
+        else:
+            params = max(stage_parameters(spec.model, k.tp, k.pp, heads))
+            params += adapters if spec.trainable else 0
+            trainable = (adapters if m.lora.enabled else params) if spec.trainable else 0
+        row = {"parameters": count_parameters(spec.model, heads), "parameters_per_gpu": params,
+               "trainable_per_gpu": trainable, "shares_base": spec.shares_base,
                "params_gb": params * pbytes / GB, "grads_gb": 0.0, "optimizer_gb": 0.0,
-               "activations_gb": 0.0}
-        if trainable:
-            plain, dist = params * adam_bytes, params * adam_bytes / dp
-            row["grads_gb"] = params * 4 / GB
+               "activations_gb": 0.0, "forward_gb": 0.0}
+        if spec.trainable:
+            adam_bytes = 8 + (4 if spec.model.params_dtype != "float32" else 0)
+            plain, dist = trainable * adam_bytes, trainable * adam_bytes / dp
+            row["grads_gb"] = trainable * 4 / GB
             row["optimizer_gb"] = (dist if k.distributed_optimizer else plain) / GB
             row["optimizer_gb_plain"], row["optimizer_gb_distributed"] = plain / GB, dist / GB
             per = {r or "none": activations(r, heads is None) for r in (None, "selective", "full")}
             row["activations_gb"] = per[k.recompute or "none"]
             row["activations_gb_by_recompute"] = per
+        if spec.name in ("policy", "critic", "reference"):  # old/reference log-probs, values
+            row["forward_gb"] = forward_only(heads is None)
         row["static_gb"] = row["params_gb"] + row["grads_gb"] + row["optimizer_gb"]
-        rows[name] = row
+        rows[spec.name] = row
     static = sum(r["static_gb"] for r in rows.values())
-    activations = max(r["activations_gb"] for r in rows.values())
+    training = max(r["activations_gb"] for r in rows.values())
+    forward = max(r["forward_gb"] for r in rows.values())
+    activations = max(training, forward)
     kv = kv_cache_bytes(cfg, k.tp, k.pp, dp) / GB
     rollout = vllm_budget_gb(cfg, gpu_memory_gb) if cfg.rollout.engine == "vllm" else kv
     return {
@@ -372,6 +564,8 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float) -> 
                    "recompute_granularity": k.recompute},
         "models": rows,
         "static_gb": static,
+        "training_activations_gb": training,
+        "forward_activations_gb": forward,
         "activations_gb": activations,
         "kv_cache_gb": kv,
         "rollout_gb": rollout,
@@ -409,7 +603,8 @@ def _changes(cfg: Config, k: _Knobs) -> List[str]:
     return out
 
 
-def _suggest(cfg: Config, world_size: int, gpu_memory_gb: float, limit: int = 5) -> List[dict]:
+def _suggest(cfg: Config, world_size: int, gpu_memory_gb: float, reward_models: Sequence[ModelConfig],
+             limit: int = 5) -> List[dict]:
     """Single and combined changes that make the run fit, fewest changes first, then least memory."""
     p, m = cfg.parallel, cfg.model
     layouts = [(tp, pp) for tp in range(1, min(_MAX_TP, world_size) + 1)
@@ -419,7 +614,7 @@ def _suggest(cfg: Config, world_size: int, gpu_memory_gb: float, limit: int = 5)
     for (tp, pp), dist, rec in itertools.product(
             layouts, {p.use_distributed_optimizer, True}, {m.recompute_granularity, "selective", "full"}):
         k = _Knobs(tp, pp, dist, rec)
-        est = _estimate(cfg, world_size, k, gpu_memory_gb)
+        est = _estimate(cfg, world_size, k, gpu_memory_gb, reward_models)
         changes = _changes(cfg, k)
         if est["total_gb"] <= gpu_memory_gb:
             if changes:
@@ -434,7 +629,7 @@ def _suggest(cfg: Config, world_size: int, gpu_memory_gb: float, limit: int = 5)
     return found[:limit]
 
 
-def plan(cfg: Config, world_size: int, gpu_memory_gb: float) -> dict:
+def plan(cfg: Config, world_size: int, gpu_memory_gb: float, reward_config: Optional[Config] = None) -> dict:
     """Memory per GPU (worst pipeline stage) for ``cfg`` on ``world_size`` GPUs of ``gpu_memory_gb``.
 
     Returns a dict: ``layout``, ``models`` (per model: ``parameters`` (unsharded count),
@@ -454,11 +649,12 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float) -> dict:
     p = cfg.parallel
     k = _Knobs(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.use_distributed_optimizer,
                cfg.model.recompute_granularity)
-    out = _estimate(cfg, world_size, k, gpu_memory_gb)
+    reward_models, reward_notes = reward_architectures(cfg, reward_config)
+    out = _estimate(cfg, world_size, k, gpu_memory_gb, reward_models)
     out["world_size"] = world_size
     out["gpu_memory_gb"] = gpu_memory_gb
     out["fits"] = out["total_gb"] <= gpu_memory_gb
-    out["suggestions"] = [] if out["fits"] else _suggest(cfg, world_size, gpu_memory_gb)
+    out["suggestions"] = [] if out["fits"] else _suggest(cfg, world_size, gpu_memory_gb, reward_models)
     shapes = training_micro_batches(cfg)
     out["training_micro_batches"] = {kind: {"rows": b, "seq_length": s} for kind, (b, s) in shapes.items()}
     out["transformer_engine"] = transformer_engine_expected(cfg.model)
@@ -467,6 +663,10 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float) -> dict:
             f"{kind} {b}x{s}" for kind, (b, s) in shapes.items()) + " (rows x tokens); "
         + ("Transformer Engine layers (formula only)" if out["transformer_engine"] else
            "megatron's local spec (the formula measured on CPU)"),
+        "forward-only passes: {}x{} (rows x tokens) per micro-batch, no graph kept".format(*forward_micro_batch(cfg)),
+        *(["LoRA: the base weights are frozen and held once (the reference is the base with the adapters off); "
+           "gradients and Adam state for the adapters only"] if cfg.model.lora.enabled else []),
+        *reward_notes,
         (f"rollout: vLLM takes rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization:g} of the "
          f"GPU while awake (its weights + KV cache; it sleeps during training, megatron's state stays); "
          f"the native engine's KV cache would be {out['kv_cache_gb']:.2f} GB"
@@ -490,13 +690,14 @@ def format_plan(result: dict) -> str:
              f"recompute={lay['recompute_granularity']}",
              "",
              f"{'model':<10} {'params':>9} {'params/GPU':>11} {'weights':>8} {'grads':>8} "
-             f"{'optim':>8} {'activ.':>8} {'static':>8}   (GB per GPU)"]
+             f"{'optim':>8} {'train':>8} {'fwd':>8} {'static':>8}   (GB per GPU)"]
     for name, r in result["models"].items():
         lines.append(f"{name:<10} {r['parameters'] / 1e9:>8.2f}B {r['parameters_per_gpu'] / 1e9:>10.3f}B "
                      f"{r['params_gb']:>8.2f} {r['grads_gb']:>8.2f} {r['optimizer_gb']:>8.2f} "
-                     f"{r['activations_gb']:>8.2f} {r['static_gb']:>8.2f}")
+                     f"{r['activations_gb']:>8.2f} {r['forward_gb']:>8.2f} {r['static_gb']:>8.2f}"
+                     + ("   (the policy's base)" if r["shares_base"] else ""))
     lines += [f"{'static (weights + grads + optimizer)':<40} {result['static_gb']:>8.2f}",
-              f"{'activations (training peak)':<40} {result['activations_gb']:>8.2f}",
+              f"{'activations (training, forward-only)':<40} {result['activations_gb']:>8.2f}",
               f"{rollout_label:<40} {result['rollout_gb']:>8.2f}",
               f"{'total = static + max(activ., rollout)':<40} {result['total_gb']:>8.2f}  of "
               f"{result['gpu_memory_gb']:g} GB"]
@@ -532,6 +733,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--world-size", type=int, required=True, help="number of GPUs")
     parser.add_argument("--gpu-memory-gb", type=float, required=True, help="memory per GPU in GB (1e9 bytes)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--reward-config", default=None, help="the config the reward models are trained with "
+                        "(hpa train-rm --config): their size where reward.model_paths holds no record yet")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -539,7 +742,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError("--gpu-memory-gb", f"must be a positive number of GB, got {args.gpu_memory_gb}",
                               source="command line")
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
-        result = plan(cfg, args.world_size, args.gpu_memory_gb)
+        reward_cfg = load_config(args.reward_config) if args.reward_config else None
+        result = plan(cfg, args.world_size, args.gpu_memory_gb, reward_cfg)
     except ConfigError as exc:
         print(f"hpa plan: {exc}", file=sys.stderr)
         return 2

@@ -78,7 +78,7 @@ def test_70b_layout_is_refused_on_one_node():
         load_config(ROOT / "configs" / "llama2_70b.yaml", world_size=8)
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", [*CONFIGS, "llama2_70b_lora.yaml"])
 def test_placeholder_paths_are_documented(name):
     text = (ROOT / "configs" / name).read_text()
     cfg = load_config(ROOT / "configs" / name)
@@ -188,10 +188,12 @@ def test_gpu_check_config_is_qwen2_0_5b_shaped_for_one_gpu():
     assert count_parameters(cfg.model) == 494_032_768
     assert (cfg.model.params_dtype, cfg.model.transformer_impl, cfg.rollout.engine) == ("bfloat16", "local", "megatron")
     assert cfg.parallel.backend == "nccl" and cfg.algorithm.advantage.estimator == "grpo"
+    # what the check exercises: packed rows (varlen attention) and graph decode (gpu_check.py fails without)
+    assert cfg.trainer.sequence_packing and cfg.rollout.cuda_graphs
 
 
 # every training config shipped in configs/ -> a world size it is meant for
-TRAIN_CONFIGS = {**CONFIGS, "tiny_cpu.yaml": 1, "qwen2_0.5b_gpu_check.yaml": 1}
+TRAIN_CONFIGS = {**CONFIGS, "llama2_70b_lora.yaml": 8, "tiny_cpu.yaml": 1, "qwen2_0.5b_gpu_check.yaml": 1}
 
 
 def test_every_training_config_is_listed():

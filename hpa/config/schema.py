@@ -26,6 +26,7 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 ROLLOUT_ENGINES = ("megatron", "vllm")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RESUME_MODES = ("auto", "never")
 SAVE_FAILURE_ACTIONS = ("continue", "stop")
@@ -87,9 +88,9 @@ LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 class LoRAConfig:
     """Low-rank adapters over one frozen base (docs/lora.md).
 
-    With ``rank`` > 0 the base weights are frozen and shared: the policy trains its adapters, the reference is
-    the same weights with the adapters off (no second copy), and a critic, where the algorithm has one, trains
-    its own adapters and value head over the same base. ``rank: 0`` trains every weight as before.
+    With ``rank`` > 0 the base weights are frozen and shared: the policy trains its adapters and the reference is
+    the same weights with the adapters off (no second copy). A critic over the same base is not built yet: LoRA
+    with ``algorithm.advantage.estimator: gae`` is a config error. ``rank: 0`` trains every weight as before.
 
     Attributes:
         rank: the adapters' rank r; 0: LoRA off (full fine-tuning).
@@ -98,6 +99,10 @@ class LoRAConfig:
         target_modules: which of megatron's linear layers carry adapters: linear_qkv | linear_proj |
             linear_fc1 | linear_fc2.
         rslora: rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023) instead of alpha / r.
+        adapter_path: start the adapters from this adapter checkpoint (a LoRA run's
+            ``<run_dir>/checkpoints/step_N``, or the output of ``hpa convert peft-to-megatron``) over the base
+            ``model.policy_path``, instead of B = 0; ``hpa generate`` and ``hpa serve`` load the policy's
+            adapters from it. Its rank and scaling must be these.
     """
 
     rank: int = 0
@@ -105,9 +110,13 @@ class LoRAConfig:
     dropout: float = 0.0
     target_modules: Tuple[str, ...] = LORA_TARGET_MODULES
     rslora: bool = False
+    adapter_path: Optional[str] = None
 
     def __post_init__(self):
         check_range("rank", self.rank, low=0)
+        if self.adapter_path is not None and (not self.adapter_path or not self.rank):
+            raise ConfigError("adapter_path", f"{self.adapter_path!r} needs LoRA on: set model.lora.rank (and "
+                              "alpha, target_modules) to the adapters' (their run's config.yaml), or leave it out")
         check_range("alpha", self.alpha, low=0.0, low_open=True)
         check_range("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         if self.rank and not self.target_modules:
@@ -336,7 +345,6 @@ class TrainerConfig:
             backward, so usually twice the update's; null: ``micro_batch_size`` rows.
         sequence_packing: pack each micro-batch's rows into one sequence, attention kept inside each row.
         eval_interval: greedy evaluation on ``data.eval_prompt_path`` every this many steps (and at step 0); 0: off.
-        log_interval: ``hpa train-rm`` logs every this many steps.
         peak_tflops_per_device: the device's peak TFLOP/s, for ``perf/mfu``; null: MFU is NaN.
         max_steps_per_run: end this process after that many steps with a checkpoint; the next launch resumes.
     """
@@ -353,14 +361,13 @@ class TrainerConfig:
     log_prob_max_token_len_per_rank: Optional[int] = None
     sequence_packing: bool = False
     eval_interval: int = 0
-    log_interval: int = 1
     peak_tflops_per_device: Optional[float] = None
     max_steps_per_run: Optional[int] = None
 
     def __post_init__(self):
         _positive(self, "total_steps", "global_batch_size", "micro_batch_size", "preference_batch_size",
                   "ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_rank",
-                  "log_prob_max_token_len_per_rank", "log_interval",
+                  "log_prob_max_token_len_per_rank",
                   "max_steps_per_run")
         check_range("eval_interval", self.eval_interval, low=0)
         if not self.run_dir:
@@ -510,18 +517,26 @@ class LoggingConfig:
     """Metrics sinks besides ``metrics.jsonl`` (always written).
 
     Attributes:
-        console: a log line with the key metrics every step.
-        progress_bar: a tqdm bar on rank 0 with the key metrics (to stderr).
+        console: a log line with the key metrics every ``log_interval`` steps (and the last step).
+        log_interval: steps between console lines of ``hpa sft``, ``hpa train-rm`` and ``hpa train`` (every
+            step stays in the metrics files and wandb).
+        progress_bar: one tqdm bar per phase on rank 0, on a terminal only (to stderr; log lines print above it).
         tensorboard: event files under ``<run_dir>/tensorboard`` (needs the ``tensorboard`` package).
         wandb: Weights & Biases.
-        level: reserved: the CLI logs at INFO whatever this says.
+        level: the level of the console's log records; DEBUG also shows megatron-core's start-up records
+            (its DDP buckets, its FSDP probe), which otherwise log at WARNING and above only.
     """
 
     wandb: WandbConfig = field(default_factory=WandbConfig)
     console: bool = True
+    log_interval: int = 25
     progress_bar: bool = True
     tensorboard: bool = False
     level: str = "INFO"
+
+    def __post_init__(self):
+        check_range("log_interval", self.log_interval, low=1)
+        check_choice("level", self.level, LOG_LEVELS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -626,6 +641,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _check_model_layout(cfg)
     _check_lengths(cfg)
     _check_trust(cfg)
+    check_lora(cfg)
     _check_rewards_and_filters(cfg)
     if world_size is not None:
         _check_data_parallel(cfg, world_size)
@@ -716,6 +732,24 @@ def _check_data_parallel(cfg: Config, world_size: int) -> None:
         if value % dp:
             raise ConfigError(key, f"{value} is not divisible by the data-parallel size {dp} (world size "
                               f"{world_size} / TP·PP·CP); use a multiple of {dp}")
+
+
+def check_lora(cfg: Config) -> None:
+    """What LoRA over one frozen base cannot combine with (docs/lora.md): a critic (its own adapter set over
+    the shared base is not built yet), a reference other than the base, Transformer Engine's fused layers."""
+    m = cfg.model
+    if not m.lora.enabled:
+        return
+    if cfg.algorithm.advantage.estimator == "gae":
+        raise ConfigError("model.lora.rank", f"LoRA (rank {m.lora.rank}) has no critic yet: "
+                          "algorithm.advantage.estimator gae needs one; use grpo, rloo or reinforce_plus_plus, "
+                          "or model.lora.rank: 0")
+    if m.reference_path and m.reference_path != m.policy_path:
+        raise ConfigError("model.reference_path", "with LoRA the reference is the frozen base (model.policy_path) "
+                          "with the adapters off; unset model.reference_path or set model.lora.rank: 0")
+    if m.transformer_impl == "transformer_engine":
+        raise ConfigError("model.transformer_impl", "LoRA adapts megatron's local parallel linears; Transformer "
+                          "Engine's fused layer-norm linears are not supported: use local (or auto on CPU)")
 
 
 def component_advantages(cfg: Config) -> bool:

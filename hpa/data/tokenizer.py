@@ -10,6 +10,7 @@ is trained on do not depend on backend defaults.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Dict, List, Optional, Sequence
 
@@ -45,12 +46,14 @@ class Tokenizer:
         eos_id: end-of-sequence id; generation stops on it.
         pad_id: id used for padding (masked out; the EOS id when the tokenizer has no pad token).
         bos_id: beginning-of-sequence id, or None when the tokenizer has none.
+        kind: the backend's name in ``TOKENIZERS``.
     """
 
     vocab_size: int
     eos_id: int
     pad_id: int
     bos_id: Optional[int]
+    kind: str = ""
 
     def encode(self, text: str) -> List[int]:
         raise NotImplementedError
@@ -62,10 +65,25 @@ class Tokenizer:
         """Render chat messages to prompt text (tokenise it with ``encode``)."""
         return fallback_chat_template(messages, add_generation_prompt)
 
+    def pieces(self) -> List[str]:
+        """The text of every id, in id order (what the fingerprint hashes)."""
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """sha256 of the id -> piece table and the special ids: equal exactly when two tokenizers map every
+        id to the same piece, wherever their files lie (a copied tokenizer file keeps its fingerprint)."""
+        digest = hashlib.sha256()
+        for piece in self.pieces():
+            digest.update(piece.encode("utf-8", "surrogatepass") + b"\x00")
+        digest.update(repr((self.eos_id, self.pad_id, self.bos_id)).encode())
+        return digest.hexdigest()
+
 
 @TOKENIZERS.register("sentencepiece")
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model file. A model trained without a pad piece pads with EOS."""
+
+    kind = "sentencepiece"
 
     def __init__(self, path: str):
         import sentencepiece as spm
@@ -88,10 +106,15 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
+    def pieces(self) -> List[str]:
+        return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
 
 @TOKENIZERS.register("hf")
 class HFTokenizer(Tokenizer):
     """A Hugging Face tokenizer from a local directory; uses its chat template when it has one."""
+
+    kind = "hf"
 
     def __init__(self, path: str):
         from transformers import AutoTokenizer
@@ -114,6 +137,13 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def pieces(self) -> List[str]:
+        table = [""] * self.vocab_size
+        for piece, i in self._tok.get_vocab().items():
+            if 0 <= i < self.vocab_size:
+                table[i] = piece
+        return table
 
     def apply_chat_template(self, messages: Sequence[Dict[str, str]], add_generation_prompt: bool = True) -> str:
         if getattr(self._tok, "chat_template", None):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hpa.config.schema import ParallelConfig, data_parallel_size
 
+from .console import configure_logging
 from .groups import ParallelGroups
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def launched(cfg):
 
     launch = read_launch_env()
     validate(cfg, launch.world_size)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(cfg.logging.level)
     groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
     note = megatron_fallback_note(groups.device)
     if note and groups.rank == 0:

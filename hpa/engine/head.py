@@ -25,8 +25,7 @@ def _model_positions(batch: MicroBatch, rows: torch.Tensor,
     """
     if not batch.packed:
         return rows * batch.input_ids.shape[1] + cols, None
-    lengths = batch.lengths.to(cols.device)
-    offsets = torch.cumsum(lengths, 0) - lengths
+    offsets, lengths = batch.row_offsets(cols.device)  # [n], built on the host, copied once without blocking
     row_length = lengths[rows]
     return offsets[rows] + torch.minimum(cols, row_length - 1), cols < row_length
 
@@ -68,11 +67,20 @@ def label_log_probs(batch: MicroBatch, logits: torch.Tensor, tp_group, *, vocab_
     Args:
         logits: ``[n, s, v/tp]`` padded or ``[1, T, v/tp]`` packed.
     """
-    label_mask = batch["label_mask"].to(logits.device)  # [n, s]
-    rows, cols = label_mask.nonzero(as_tuple=True)  # one host sync: the number of label tokens
-    flat, valid = _model_positions(batch, rows, cols)
-    if valid is not None:
-        rows, cols, flat = rows[valid], cols[valid], flat[valid]
+    label_mask = batch["label_mask"]  # [n, s]
+    positions = batch.label_positions(logits.device)  # from the host's mask: no count read on the device
+    if positions is None:  # a mask made on the device: every model-layout token, the mask applied after
+        logp = _dense_log_probs(batch, logits, tp_group, vocab_size, temperature, chunk_tokens)
+        return torch.where(label_mask != 0, logp, 0.0)
+    rows, cols, flat = positions
     logp, _ = _head(batch, logits, flat, tp_group, vocab_size, temperature, False, chunk_tokens)
     out = logp.new_zeros(label_mask.shape)
     return out.index_put((rows, cols), logp)
+
+
+def _dense_log_probs(batch: MicroBatch, logits: torch.Tensor, tp_group, vocab_size: int, temperature: float,
+                     chunk_tokens: Optional[int]) -> torch.Tensor:
+    """Log-probs of every token of the model layout, in the row layout ``[n, s]`` (0 past a packed row)."""
+    flat = torch.arange(batch.input_ids.numel(), device=logits.device).view(batch.input_ids.shape)
+    logp, _ = _head(batch, logits, flat, tp_group, vocab_size, temperature, False, chunk_tokens)
+    return batch.unpack(logp)

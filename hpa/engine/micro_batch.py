@@ -155,7 +155,8 @@ class MicroBatch:
             longest = max(lengths)
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=longest, max_seqlen_kv=longest)
-            # the chunks of rows of the attention without the varlen kernel, laid out on the host
+            # the chunks of rows of the attention without the varlen kernel: laid out on the host and copied at
+            # its first read (the varlen kernel reads none)
             params.hpa_chunks = ChunkLayout(lengths).moved(lambda x: host_to_device(x, self.input_ids.device))
             cache[("packed", pad)] = params
         return cache[("packed", pad)]
@@ -184,13 +185,48 @@ class MicroBatch:
         return values[rows, cols][None]
 
     def _positions(self, device) -> tuple:
-        key = str(device)
+        """``(rows [T], cols [T])`` of the packed tokens on ``device``."""
+        return self._host_cached("positions", device, self._host_positions)
+
+    def _host_positions(self) -> tuple:
+        rows = torch.repeat_interleave(torch.arange(self.num_rows), self.lengths)
+        cols = torch.cat([torch.arange(int(n)) for n in self.lengths]) if self.num_rows else rows
+        return rows, cols
+
+    def row_offsets(self, device) -> tuple:
+        """``(first model-layout token [n], length [n])`` of each row on ``device`` (packed)."""
+        return self._host_cached("offsets", device, lambda: (torch.cumsum(self.lengths, 0) - self.lengths,
+                                                             self.lengths))
+
+    def label_positions(self, device):
+        """``(rows [N], cols [N], flat [N])`` of the row-layout positions where ``label_mask`` is nonzero and the
+        model computes a token (``flat``: its index in the model layout's tokens), on ``device``; None when the
+        mask never was on the host (then the number of positions is known only on the device)."""
+        host = self.__dict__.get("_host_rows", self.rows).get("label_mask")
+        if host is None or host.device.type != "cpu":
+            return None
+
+        def build():
+            rows, cols = host.nonzero(as_tuple=True)
+            if self.packed:
+                keep = cols < self.lengths[rows]
+                rows, cols = rows[keep], cols[keep]
+                flat = (torch.cumsum(self.lengths, 0) - self.lengths)[rows] + cols
+            else:
+                flat = rows * self.input_ids.shape[1] + cols
+            return rows, cols, flat
+
+        return self._host_cached("labels", device, build)
+
+    def _host_cached(self, name: str, device, build) -> tuple:
+        """``build()``'s host tensors on ``device``, built once per micro-batch and copied once per device without
+        blocking; shared with every copy ``to`` makes."""
         cache = self.__dict__.setdefault("_position_cache", {})
-        if key not in cache:
-            rows = torch.repeat_interleave(torch.arange(self.num_rows), self.lengths)
-            cols = torch.cat([torch.arange(int(n)) for n in self.lengths]) if self.num_rows else rows
-            cache[key] = (rows.to(device), cols.to(device))
-        return cache[key]
+        if name not in cache:
+            cache[name] = {"cpu": tuple(t.contiguous() for t in build())}
+        if str(device) not in cache[name]:
+            cache[name][str(device)] = tuple(host_to_device(t, device) for t in cache[name]["cpu"])
+        return cache[name][str(device)]
 
     # ------------------------------------------------------------------ the rows' side
 
@@ -200,9 +236,13 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         """A copy with every tensor on ``device`` (the one host-to-device point of a micro-batch)."""
-        return dataclasses.replace(self, input_ids=host_to_device(self.input_ids, device),
-                                   labels=host_to_device(self.labels, device), lengths=self.lengths,
-                                   rows={k: host_to_device(v, device) for k, v in self.rows.items()})
+        out = dataclasses.replace(self, input_ids=host_to_device(self.input_ids, device),
+                                  labels=host_to_device(self.labels, device), lengths=self.lengths,
+                                  rows={k: host_to_device(v, device) for k, v in self.rows.items()})
+        # the host-built positions travel with the copy, and so do the host rows they are built from
+        out.__dict__["_position_cache"] = self.__dict__.setdefault("_position_cache", {})
+        out.__dict__["_host_rows"] = self.__dict__.get("_host_rows", self.rows)
+        return out
 
     # dict-style access (``batch["mask"]``, ``batch.get("is_weights")``) to fields and rows; writes go to rows
     def __setitem__(self, key: str, value) -> None:
@@ -210,6 +250,9 @@ class MicroBatch:
             self.kind = value
         elif torch.is_tensor(value):
             self.rows[key] = value
+            if key == "label_mask":  # the label positions are built from it
+                self.__dict__.pop("_host_rows", None)
+                self.__dict__.get("_position_cache", {}).pop("labels", None)
         else:
             raise TypeError(f"micro-batch rows are tensors; {key!r} got {type(value).__name__}")
 
@@ -235,6 +278,7 @@ def host_to_device(tensor: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type == "cpu" or tensor.device == device or tensor.device.type != "cpu":
         return tensor.to(device)
+    tensor = tensor.contiguous()  # a strided view would be staged through pageable memory, a blocking copy
     if device.type == "cuda" and not tensor.is_pinned():
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)

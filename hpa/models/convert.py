@@ -47,11 +47,12 @@ import torch
 import torch.distributed as dist
 
 from hpa.config.schema import ModelConfig, ParallelConfig
-from hpa.distributed.comm import all_gather_cat, all_gather_objects, barrier
+from hpa.distributed.comm import all_gather_objects, barrier
 from hpa.distributed.groups import ParallelGroups
 
 from .builders import padded_vocab_size
 from .heads import unwrap
+from .layouts import gather, global_layer_of, hf_to_megatron_full, megatron_full_to_hf, shard
 
 logger = logging.getLogger(__name__)
 
@@ -329,70 +330,6 @@ def mapping_table(megatron_names: Sequence[str], model_cfg: ModelConfig
 # Layout transforms (full HF tensors <-> megatron TP shards)
 
 
-def _qkv_groups(model_cfg: ModelConfig) -> Tuple[int, int, int]:
-    d = model_cfg.hidden_size // model_cfg.num_attention_heads
-    g = model_cfg.kv_heads
-    return g, model_cfg.num_attention_heads // g, d
-
-
-def _hf_to_megatron_full(kind: str, hf: Sequence[torch.Tensor], model_cfg: ModelConfig,
-                         padded_vocab: int) -> torch.Tensor:
-    """Full (TP=1) megatron tensor from the full HF tensors."""
-    if kind == "qkv":
-        g, qpg, d = _qkv_groups(model_cfg)
-        q, k, v = hf
-        rest = q.shape[1:]
-        # [g0: q_heads_per_group·d, k d, v d][g1: ...]
-        return torch.cat([q.reshape(g, qpg * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)],
-                         dim=1).reshape(g * (qpg + 2) * d, *rest)
-    if kind == "fc1":
-        return torch.cat(list(hf), dim=0)  # [gate; up]
-    (t,) = hf
-    if kind == "vocab":
-        pad = torch.zeros(padded_vocab - t.shape[0], *t.shape[1:], dtype=t.dtype)
-        return torch.cat([t, pad], dim=0)  # [v_pad, h], pad rows zero
-    return t
-
-
-def _shard(kind: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """This TP rank's shard of a full megatron tensor."""
-    if kind in ("qkv", "vocab"):
-        return full.chunk(tp, dim=0)[rank]  # qkv: whole query groups per rank
-    if kind == "fc1":
-        two_ffn, h = full.shape
-        return full.view(2, tp, two_ffn // (2 * tp), h)[:, rank].reshape(-1, h)  # [gate_r; up_r]
-    if kind == "row":
-        return full.chunk(tp, dim=1)[rank]
-    return full
-
-
-def _gather(kind: str, local: torch.Tensor, tp_group, tp: int) -> torch.Tensor:
-    """Full megatron tensor from this rank's shard (all_gather over ``tp_group``)."""
-    if kind == "replicated" or tp == 1:
-        return local
-    if kind == "row":
-        return all_gather_cat(local, tp_group, dim=1)
-    full = all_gather_cat(local, tp_group, dim=0)
-    if kind == "fc1":
-        rows, h = local.shape
-        return full.view(tp, 2, rows // 2, h).transpose(0, 1).reshape(-1, h)  # [gate; up]
-    return full
-
-
-def _megatron_full_to_hf(kind: str, full: torch.Tensor, model_cfg: ModelConfig) -> Tuple[torch.Tensor, ...]:
-    if kind == "qkv":
-        g, qpg, d = _qkv_groups(model_cfg)
-        rest = full.shape[1:]
-        grouped = full.reshape(g, (qpg + 2) * d, *rest)
-        q, k, v = grouped.split([qpg * d, d, d], dim=1)
-        return (q.reshape(g * qpg * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest))
-    if kind == "fc1":
-        return tuple(full.chunk(2, dim=0))
-    if kind == "vocab":
-        return (full[:model_cfg.vocab_size],)  # strip vocab padding
-    return (full,)
-
-
 # ----------------------------------------------------------------------------------------------
 # HF tensor sources
 
@@ -458,11 +395,6 @@ class SafetensorsSource(HFTensorSource):
 # Import
 
 
-def _global_layer_of(model) -> Dict[int, int]:
-    """local layer index -> global index (``layer_number`` is 1-based and global in megatron)."""
-    return {i: layer.layer_number - 1 for i, layer in enumerate(unwrap(model).decoder.layers)}
-
-
 def load_hf_into_megatron(model, source: HFTensorSource, model_cfg: ModelConfig,
                           groups: ParallelGroups) -> None:
     """Fill this rank's local shards of ``model`` from full HF tensors; collective over ``groups.mp_group``.
@@ -476,7 +408,7 @@ def load_hf_into_megatron(model, source: HFTensorSource, model_cfg: ModelConfig,
     tied = not model_cfg.untie_embeddings_and_output_weights
     tp, tp_rank = groups.tensor_model_parallel_size, groups.tp_rank
     padded = padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, tp)
-    layer_map = _global_layer_of(gpt)
+    layer_map = global_layer_of(gpt)
     available = set(source.keys())
     consumed = set()
     for name, param in gpt.named_parameters():
@@ -492,12 +424,12 @@ def load_hf_into_megatron(model, source: HFTensorSource, model_cfg: ModelConfig,
         for n, t, shape in zip(hf_names, hf, hf_shapes(name, model_cfg)):
             if tuple(t.shape) != shape:
                 raise ValueError(f"HF tensor {n!r} has shape {tuple(t.shape)}, config.json implies {shape}")
-        shard = _shard(rule.kind, _hf_to_megatron_full(rule.kind, hf, model_cfg, padded), tp, tp_rank)
-        if shard.shape != param.shape:
+        local = shard(rule.kind, hf_to_megatron_full(rule.kind, hf, model_cfg, padded), tp, tp_rank)
+        if local.shape != param.shape:
             raise ValueError(f"megatron parameter {name!r} has local shape {tuple(param.shape)} but the "
-                             f"HF tensors {list(hf_names)} give {tuple(shard.shape)} at TP rank {tp_rank}")
+                             f"HF tensors {list(hf_names)} give {tuple(local.shape)} at TP rank {tp_rank}")
         with torch.no_grad():
-            param.copy_(shard.to(dtype=param.dtype))
+            param.copy_(local.to(dtype=param.dtype))
         consumed.update(hf_names)
     used = set().union(*all_gather_objects(sorted(consumed), groups.mp_group))
     if tied and "lm_head.weight" in available:
@@ -556,8 +488,21 @@ def import_hf_checkpoint(hf: Any, out_dir: Union[str, os.PathLike], parallel_cfg
 
 
 def _layer_suffixes(gpt) -> List[str]:
-    """Parameter names below ``decoder.layers.<i>.``: the same on every stage (one spec)."""
-    return [n for n, _ in gpt.decoder.layers[0].named_parameters()]
+    """Parameter names below ``decoder.layers.<i>.``: the same on every stage (one spec); LoRA adapters
+    are not HF weights (they are merged into the weights they adapt, ``_local_weight``)."""
+    from . import lora
+
+    return [n for n, _ in gpt.decoder.layers[0].named_parameters() if not lora.is_adapter_key(n)]
+
+
+def _local_weight(params: Dict[str, torch.Tensor], adapted: Dict[str, Any], name: str) -> torch.Tensor:
+    """This rank's shard of parameter ``name``, with its LoRA update merged in when an enabled adapter has
+    one (``W + scaling · B A``): an export or a vLLM sync of a LoRA model carries the policy, not the base."""
+    tensor = params[name].detach()
+    adapter = adapted.get(name)
+    if adapter is not None and adapter.enabled:
+        tensor = tensor + adapter.delta_weight().detach().to(tensor.dtype)
+    return tensor
 
 
 def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGroups
@@ -566,7 +511,8 @@ def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGrou
 
     Collective: every rank of the model-parallel group (all TP × PP ranks of one replica) must
     iterate to the end, and every one of them receives every full tensor (on ``groups.device``, in
-    the model's dtype), in the same order: the owning stage all-gathers TP shards over
+    the model's dtype), in the same order (a LoRA model's weights with its enabled adapters merged in):
+    the owning stage all-gathers TP shards over
     ``groups.tp_group``, then broadcasts over ``groups.pp_group``. DP replicas work independently
     (call it on one replica only if the others do not need the tensors). Global layer index =
     ``layer.layer_number - 1`` (= pp_rank · layers_per_stage + local index). A tied output layer
@@ -576,9 +522,12 @@ def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGrou
     gpt = unwrap(model)
     tp, pp = groups.tensor_model_parallel_size, groups.pipeline_model_parallel_size
     tied = not model_cfg.untie_embeddings_and_output_weights
+    from . import lora
+
     params = dict(gpt.named_parameters())
+    adapted = {name[:-len(lora.SUFFIX)] + ".weight": a for name, a in lora.adapters(gpt)}
     dtype = next(iter(params.values())).dtype
-    local_to_global = _global_layer_of(gpt)
+    local_to_global = global_layer_of(gpt)
     global_to_local = {g: l for l, g in local_to_global.items()}
     owners: Dict[int, int] = {}  # global layer -> pp rank
     for stage, layers in enumerate(all_gather_objects(sorted(global_to_local), groups.pp_group)):
@@ -606,8 +555,8 @@ def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGrou
             if local_name not in params:
                 raise KeyError(f"pipeline stage {owner} has no parameter {local_name!r} "
                                f"(HF {list(hf_names)})")
-            full = _gather(rule.kind, params[local_name].detach(), groups.tp_group, tp)
-            tensors = _megatron_full_to_hf(rule.kind, full, model_cfg)
+            full = gather(rule.kind, _local_weight(params, adapted, local_name), groups.tp_group, tp)
+            tensors = megatron_full_to_hf(rule.kind, full, model_cfg)
             tensors = [t.contiguous() for t in tensors]
         else:
             tensors = [torch.empty(s, dtype=dtype, device=groups.device) for s in shapes]
@@ -727,7 +676,20 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     exp.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from this directory")
     exp.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                      help="dtype of the written tensors (default: the model's)")
-    for p in (imp, exp):
+    exp.add_argument("--base-dir", default=None,
+                     help="a LoRA checkpoint's frozen base (megatron weights; default: the config's "
+                          "model.policy_path); the merged model (base + adapters) is written")
+    exp.add_argument("--peft-dir", default=None,
+                     help="with a LoRA checkpoint: also write its adapters as a PEFT LoRA directory here, "
+                          "for peft.PeftModel.from_pretrained(<the exported base>, DIR)")
+    peft = sub.add_parser("peft-to-megatron", help="PEFT LoRA adapter -> hpa adapter checkpoint (to train on)")
+    peft.add_argument("--peft-dir", required=True, help="PEFT adapter directory (adapter_config.json + "
+                                                        "adapter_model.safetensors)")
+    peft.add_argument("--config", required=True, help="hpa YAML: model (the base's architecture, model.lora: the "
+                                                      "rank the import needs) and model.policy_path (the base)")
+    peft.add_argument("--out", required=True, help="new directory for the adapter checkpoint "
+                                                   "(then: model.lora.adapter_path=OUT)")
+    for p in (imp, exp, peft):
         p.add_argument("--tensor-model-parallel-size", type=int, default=1)
         p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
         p.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"))
@@ -773,13 +735,35 @@ def _convert(args, groups: ParallelGroups, parallel_cfg: ParallelConfig) -> None
             print(f"wrote megatron checkpoint {out}; model section:\n"
                   + json.dumps({k: v for k, v in dataclasses.asdict(model_cfg).items() if v is not None}, indent=2))
         return
+    if args.direction == "peft-to-megatron":
+        from .lora_io import import_peft_checkpoint
+
+        out = import_peft_checkpoint(args.peft_dir, args.config, args.out, parallel_cfg, groups,
+                                     transformer_impl=args.transformer_impl)
+        if groups.is_main:
+            print(f"wrote the adapter checkpoint {out}; train on it with model.lora.adapter_path={out}")
+        return
     from hpa.models.weights import load_model_weights
 
     from .builders import build_reference
+    from .lora_io import export_peft_adapter, is_adapter_checkpoint, load_lora_checkpoint, merged_model
 
-    model_cfg, family, base = _model_cfg_for_export(args)
-    model = build_reference(model_cfg, parallel_cfg, groups)
-    load_model_weights(model, args.megatron_dir, groups)
+    if is_adapter_checkpoint(args.megatron_dir):
+        lora_model, model_cfg, family, base = load_lora_checkpoint(args, parallel_cfg, groups)
+        if args.peft_dir is not None:
+            export_peft_adapter(lora_model, model_cfg, model_cfg.lora, groups, args.peft_dir,
+                                base_model_name_or_path=str(Path(args.out).resolve()))
+            if groups.is_main:
+                print(f"wrote the PEFT adapter {args.peft_dir} (base: {args.out})")
+        model = merged_model(lora_model, model_cfg, parallel_cfg, groups)
+        model_cfg = dataclasses.replace(model_cfg, lora=dataclasses.replace(model_cfg.lora, rank=0))
+    else:
+        if args.peft_dir is not None or args.base_dir is not None:
+            raise ValueError(f"--peft-dir and --base-dir need a LoRA checkpoint; {args.megatron_dir} holds full "
+                             "weights (no lora.json)")
+        model_cfg, family, base = _model_cfg_for_export(args)
+        model = build_reference(model_cfg, parallel_cfg, groups)
+        load_model_weights(model, args.megatron_dir, groups)
     out = export_hf_checkpoint(model, model_cfg, groups, args.out, family=family, hf_config_base=base,
                                tokenizer_dir=args.tokenizer_dir, dtype=args.dtype)
     if groups.is_main:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -125,48 +126,58 @@ ATTENTION_CHUNK_TOKENS = 512
 
 
 class ChunkLayout:
-    """Where each packed token sits in a batch of chunks of consecutive rows, built on the host from the
-    rows' lengths once per micro-batch (``MicroBatch.packed_seq_params``) and copied with it.
+    """Where each packed token sits in a batch of chunks of consecutive rows, laid out on the host from the
+    rows' lengths and copied with ``moved``'s function (``MicroBatch.packed_seq_params``: the micro-batch's
+    host-to-device copy). Built at the first read of a tensor, so the varlen path, which never reads one,
+    builds and copies nothing.
 
     Attributes:
         index: ``[n, c]`` token of each chunk slot (token 0 in pad slots: they attend to themselves only, and
             their outputs are dropped).
         rows: ``[n, c]`` row of each slot; every pad slot has a row of its own (it sees only itself).
         inverse: ``[t]`` flat slot of each token.
+        whole: one chunk without pads (no gather needed).
     """
 
     def __init__(self, lengths, budget: int = ATTENTION_CHUNK_TOKENS):
-        lengths = [int(n) for n in lengths]
-        budget = max(budget, max(lengths, default=1))
-        chunks, current, size = [], [], 0
-        for row, n in enumerate(lengths):
-            if current and size + n > budget:
-                chunks.append(current)
-                current, size = [], 0
-            current.append(row)
-            size += n
-        chunks.append(current)
-        width = max(sum(lengths[r] for r in chunk) for chunk in chunks)
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        tokens = starts[-1]
-        index = torch.zeros((len(chunks), width), dtype=torch.long)
-        rows = -1 - torch.arange(len(chunks) * width).view(len(chunks), width)  # pads: a row each
-        for c, chunk in enumerate(chunks):
-            first, last = starts[chunk[0]], starts[chunk[-1] + 1]
-            index[c, :last - first] = torch.arange(first, last)
-            rows[c, :last - first] = torch.repeat_interleave(torch.tensor(chunk), torch.tensor([lengths[r] for r in chunk]))
-        self.index, self.rows = index, rows
-        self.inverse = torch.nonzero(rows.flatten() >= 0).flatten()  # slots in token order (chunks keep it)
-        self.whole = len(chunks) == 1 and width == tokens  # one chunk without pads: no gather needed
+        self._lengths, self._budget = tuple(int(n) for n in lengths), budget
+        self._source, self._move, self._tensors, self._whole = None, None, None, None
 
     def moved(self, move) -> "ChunkLayout":
-        """A copy with ``move(tensor)`` of each tensor (e.g. the micro-batch's host-to-device copy)."""
-        out = object.__new__(ChunkLayout)
-        out.index, out.rows, out.inverse = (move(x) for x in (self.index, self.rows, self.inverse))
-        out.whole = self.whole
+        """This layout with ``move(tensor)`` of each tensor, applied at the first read (to this layout's tensors,
+        which are built, and moved, once)."""
+        out = ChunkLayout(self._lengths, self._budget)
+        out._source, out._move = self, move
         return out
+
+    def _layout(self) -> dict:
+        if self._tensors is None:
+            if self._source is None:
+                host = _chunk_layout(self._lengths, self._budget)
+                self._whole = host.pop("whole")
+                self._tensors = host
+            else:
+                self._tensors = {k: self._move(v) for k, v in self._source._layout().items()}
+        return self._tensors
+
+    @property
+    def index(self) -> torch.Tensor:
+        return self._layout()["index"]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self._layout()["rows"]
+
+    @property
+    def inverse(self) -> torch.Tensor:
+        return self._layout()["inverse"]
+
+    @property
+    def whole(self) -> bool:
+        if self._source is not None:
+            return self._source.whole
+        self._layout()
+        return self._whole
 
     def mask(self) -> torch.Tensor:
         """``[n, 1, c, c]`` bool, True where slot i may attend to slot j: the same row and ``j <= i``."""
@@ -176,6 +187,35 @@ class ChunkLayout:
             same = self.rows[:, :, None] == self.rows[:, None, :]
             self._mask = (same & (position[None, None, :] <= position[None, :, None]))[:, None]
         return self._mask
+
+
+def _chunk_layout(lengths, budget: int) -> dict:
+    """``ChunkLayout``'s host tensors."""
+    budget = max(budget, max(lengths, default=1))
+    chunks, current, size = [], [], 0
+    for row, n in enumerate(lengths):
+        if current and size + n > budget:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(row)
+        size += n
+    chunks.append(current)
+    width = max(sum(lengths[r] for r in chunk) for chunk in chunks)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    # Python lists, not tensor ops: this may run inside a model's forward, where the ops would stand for the
+    # device's (``hpa.distributed.sync_ops``); it is host work on host values
+    index = torch.zeros((len(chunks), width), dtype=torch.long)
+    rows = -1 - torch.arange(len(chunks) * width).view(len(chunks), width)  # pads: a row each
+    inverse = []  # slots in token order (chunks keep it)
+    for c, chunk in enumerate(chunks):
+        first, last = starts[chunk[0]], starts[chunk[-1] + 1]
+        index[c, :last - first] = torch.arange(first, last)
+        rows[c, :last - first] = torch.tensor([r for r in chunk for _ in range(lengths[r])], dtype=torch.long)
+        inverse.extend(range(c * width, c * width + last - first))
+    return {"index": index, "rows": rows, "inverse": torch.tensor(inverse, dtype=torch.long),
+            "whole": len(chunks) == 1 and width == starts[-1]}
 
 
 def chunked_causal_attention(query, key, value, packed_seq_params, *, dropout: float, scale: float, gqa: bool):
@@ -218,7 +258,9 @@ def varlen_causal_attention(query, key, value, packed_seq_params, *, scale: floa
                        **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
 def _varlen_parameters(fn) -> frozenset:
+    """The kernel's parameter names, read once (``inspect.signature`` costs more than a small layer's kernels)."""
     import inspect
 
     return frozenset(inspect.signature(fn).parameters)

@@ -74,12 +74,20 @@ def load_model_weights(model, directory: os.PathLike, groups: ParallelGroups, st
     if not (directory / "metadata.json").is_file():
         raise FileNotFoundError(f"{directory} is not a megatron distributed checkpoint "
                                 f"(no metadata.json); point model.*_path at a saved checkpoint directory")
-    sharded = {k: v for k, v in sharded_state_dict(model).items() if not k.startswith(tuple(exclude_prefixes))}
+    from hpa.models import lora
+
+    if (directory / lora.MARKER).is_file():
+        raise lora.LoRAError(f"{directory} is a LoRA checkpoint (adapters only, {lora.MARKER}), not full model "
+                             f"weights: resume it as a LoRA run (model.lora.rank > 0, model.policy_path its base) "
+                             f"or export the merged model first")
+    sharded = {k: v for k, v in sharded_state_dict(model).items()
+               if not k.startswith(tuple(exclude_prefixes)) and not lora.is_adapter_key(k)}
     # tensors are found by their global keys, so a run checkpoint's {"model", "optimizer"} loads too
     state = dist_checkpointing.load(sharded, str(directory), strict=StrictHandling.ASSUME_OK_UNEXPECTED)
     state = {k: v for k, v in state.items() if k in sharded}  # drop a run checkpoint's optimizer part
     missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith(tuple(exclude_prefixes)) and not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.startswith(tuple(exclude_prefixes)) and not k.endswith("_extra_state")
+               and not lora.is_adapter_key(k)]  # adapters are not base weights
     if strict and (missing or unexpected):
         raise RuntimeError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")

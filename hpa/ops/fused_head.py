@@ -39,14 +39,19 @@ def _chunk(logits: torch.Tensor, positions: Optional[torch.Tensor], rows: slice,
     if positions is None:
         z = logits[rows, :num_valid].to(dtype, copy=True)
     else:  # advanced indexing copies the chunk's rows only, whatever the strides of the leading dims
-        z = logits[..., :num_valid][_unravel(positions[rows], logits)]  # [c, n_valid], the input dtype
+        z = logits[..., :num_valid][_leading_index(positions[rows], logits.shape[:-1])]  # [c, n_valid], input dtype
         z = z.to(dtype) if z.dtype != dtype else z
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _unravel(positions: torch.Tensor, logits: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """Indices into the leading dims of ``logits`` of positions in their flattening."""
-    return torch.unravel_index(positions, logits.shape[:-1])
+def _leading_index(positions: torch.Tensor, shape: torch.Size) -> Tuple[torch.Tensor, ...]:
+    """Indices into the leading dims ``shape`` of positions in their flattening, by division with the sizes as
+    Python ints (``torch.unravel_index`` copies the shape to the device, a blocking copy on CUDA)."""
+    index = []
+    for size in reversed(shape[1:]):
+        index.append(positions % size)
+        positions = torch.div(positions, size, rounding_mode="floor")
+    return (positions, *reversed(index))
 
 
 def _label_index(labels: torch.Tensor, start: int, num_valid: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +106,8 @@ class _FusedHead(torch.autograd.Function):
         if grad_log_probs is None and grad_entropy is None:
             return (None,) + none
         dense = positions is None and num_valid == logits.shape[-1]
-        grad = torch.empty_like(logits) if dense else torch.zeros_like(logits)  # [M, v/tp], the input dtype
+        # contiguous whatever the input's strides: position p of the flattened leading dims is row p of a flat view
+        grad = logits.new_empty(logits.shape) if dense else logits.new_zeros(logits.shape)  # [M, v/tp], input dtype
         if num_valid == 0:
             return (grad,) + none
         index, on_shard = _label_index(labels, start, num_valid)
@@ -126,9 +132,8 @@ class _FusedHead(torch.autograd.Function):
                 chunk_grad.div_(temperature)
             if positions is None:
                 grad[rows, :num_valid] = chunk_grad
-            else:  # a position selected twice gets both gradients
-                grad[..., :num_valid].index_put_(_unravel(positions[rows], logits), chunk_grad.to(grad.dtype),
-                                                 accumulate=True)
+            else:  # a position selected twice gets both gradients; index_add_ checks no index range on the host
+                grad.view(-1, grad.shape[-1])[:, :num_valid].index_add_(0, positions[rows], chunk_grad.to(grad.dtype))
             del chunk_grad, p
         return (grad,) + none
 

@@ -19,17 +19,21 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hpa.config.errors import ConfigError
 from hpa.config.reward import RewardConfig
-from hpa.config.schema import ModelConfig, ParallelConfig
+from hpa.config.schema import LoRAConfig, ModelConfig, ParallelConfig
+from hpa.data.tokenizer import Tokenizer
 from hpa.distributed.groups import ParallelGroups
 from hpa.models import build_reward
+from hpa.models.heads import unwrap
 from hpa.algorithms.masked import mean_pool
 from hpa.reward.shaping import BaseRewardOutput, RewardInputs
 from hpa.models.weights import load_model_weights
@@ -167,34 +171,139 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 # Saved reward models
 
 
-def write_reward_model_info(directory: os.PathLike, *, num_heads: int, hidden_size: int, **extra) -> None:
-    """Record K (and h) next to the weights so a loader can check them against its config."""
-    info = {"num_heads": num_heads, "hidden_size": hidden_size, **extra}
+# The ModelConfig fields that fix a reward model's weights and their math; the rest (dtype, layer
+# implementation, recomputation, dropout, paths, LoRA) follow the run that loads it.
+ARCHITECTURE_FIELDS: Tuple[str, ...] = (
+    "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length", "num_query_groups",
+    "ffn_hidden_size", "normalization", "norm_epsilon", "activation", "add_qkv_bias",
+    "untie_embeddings_and_output_weights", "rotary_base", "make_vocab_size_divisible_by")
+
+
+def architecture_of(model: ModelConfig) -> Dict[str, object]:
+    """The architecture a reward model records: ``ARCHITECTURE_FIELDS`` of ``model``."""
+    return {key: getattr(model, key) for key in ARCHITECTURE_FIELDS}
+
+
+def tokenizer_record(tokenizer: Tokenizer) -> Dict[str, object]:
+    """What a reward model records of its tokenizer: kind, file, vocabulary size and fingerprint."""
+    return {"kind": tokenizer.kind, "path": str(getattr(tokenizer, "path", "")), "vocab_size": tokenizer.vocab_size,
+            "fingerprint": tokenizer.fingerprint()}
+
+
+def write_reward_model_info(directory: os.PathLike, *, num_heads: int, model: ModelConfig,
+                            tokenizer: Optional[Dict[str, object]] = None, **extra) -> None:
+    """Record K, the architecture (``architecture_of``) and the tokenizer (``tokenizer_record``) next to
+    the weights, so a loader builds the reward model from them whatever the policy's size."""
+    info = {"num_heads": num_heads, "hidden_size": model.hidden_size, "architecture": architecture_of(model),
+            **({"tokenizer": tokenizer} if tokenizer is not None else {}), **extra}
     Path(directory, REWARD_MODEL_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
-def load_reward_model(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, path: os.PathLike,
-                      num_heads: int, *, trainable: bool = False):
-    """Build a reward model with ``num_heads`` heads and load ``path`` (saved under any TP/PP layout).
+def read_reward_model_info(path: os.PathLike) -> Optional[Dict[str, object]]:
+    """The ``hpa_reward_model.json`` of a saved reward model, or None when it has none."""
+    info_path = Path(path, REWARD_MODEL_INFO)
+    if not info_path.is_file():
+        return None
+    try:
+        return json.loads(info_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{info_path} is not valid JSON ({exc}); re-save the reward model with 'hpa train-rm'")
+
+
+def reward_model_config(policy: ModelConfig, path: os.PathLike,
+                        info: Optional[Dict[str, object]] = None) -> ModelConfig:
+    """The ``ModelConfig`` a saved reward model is built with.
+
+    A reward model that records its architecture is built from it (the run's dtype and layer
+    implementation kept, LoRA and the policy's paths dropped); an older one, without the record, has the
+    policy's architecture (checked against the hidden size it records).
 
     Raises:
-        ValueError: when the checkpoint records a different number of heads or hidden size.
+        ValueError: on an unknown or invalid recorded architecture, or an old record whose hidden size
+            is not the policy's.
     """
-    info_path = Path(path, REWARD_MODEL_INFO)
-    if info_path.is_file():
-        info = json.loads(info_path.read_text())
-        if info.get("num_heads") != num_heads:
-            raise ValueError(f"reward model {path} has {info.get('num_heads')} heads but reward.num_heads="
-                             f"{num_heads}; set reward.num_heads: {info.get('num_heads')}")
-        if info.get("hidden_size") != model.hidden_size:
+    info = read_reward_model_info(path) if info is None else info
+    if info is None or "architecture" not in info:
+        if info is not None and info.get("hidden_size") not in (None, policy.hidden_size):
             raise ValueError(f"reward model {path} has hidden size {info.get('hidden_size')} but model."
-                             f"hidden_size={model.hidden_size}; use the config the reward model was trained with")
-    rm = build_reward(model, parallel, groups, num_heads=num_heads)
+                             f"hidden_size={policy.hidden_size}, and its {REWARD_MODEL_INFO} records no "
+                             "architecture to build it from; use the config the reward model was trained with")
+        return dataclasses.replace(policy, policy_path=None, reference_path=None, critic_path=None,
+                                   lora=LoRAConfig())
+    arch = dict(info["architecture"])
+    unknown = sorted(set(arch) - set(ARCHITECTURE_FIELDS))
+    if unknown:
+        raise ValueError(f"{Path(path, REWARD_MODEL_INFO)} records unknown architecture keys {unknown}; "
+                         f"known: {', '.join(ARCHITECTURE_FIELDS)}")
+    try:
+        return dataclasses.replace(policy, **arch, policy_path=None, reference_path=None, critic_path=None,
+                                   lora=LoRAConfig())
+    except ConfigError as exc:
+        raise ValueError(f"{Path(path, REWARD_MODEL_INFO)}: its recorded architecture is invalid: {exc}") from None
+
+
+def check_reward_tokenizer(path: os.PathLike, info: Optional[Dict[str, object]],
+                           tokenizer: Optional[Dict[str, object]]) -> None:
+    """A reward model scores the policy's token ids, so it must have been trained with the same tokenizer.
+
+    Args:
+        path: the reward model directory.
+        info: its ``read_reward_model_info``.
+        tokenizer: the policy's ``tokenizer_record``; None: nothing to check against.
+
+    Raises:
+        ConfigError: naming both tokenizer files when their fingerprints differ, or when the policy's
+            tokenizer has ids the reward model cannot embed.
+    """
+    if tokenizer is None:
+        return
+    recorded = (info or {}).get("tokenizer")
+    if recorded is not None and recorded.get("fingerprint") != tokenizer["fingerprint"]:
+        raise ConfigError("reward.model_paths", f"reward model {path} was trained with the tokenizer "
+                          f"{recorded.get('path')!r} ({recorded.get('kind')}, {recorded.get('vocab_size')} ids) but "
+                          f"the policy uses data.tokenizer_path={tokenizer['path']!r} ({tokenizer['kind']}, "
+                          f"{tokenizer['vocab_size']} ids), and the two map ids to different pieces; a reward model "
+                          "must share the policy's tokenizer: train it with 'hpa train-rm "
+                          f"data.tokenizer_path={tokenizer['path']}'", source=str(Path(path, REWARD_MODEL_INFO)))
+
+
+def load_reward_model(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, path: os.PathLike,
+                      num_heads: int, *, tokenizer: Optional[Dict[str, object]] = None, trainable: bool = False):
+    """Build the reward model saved at ``path`` (under any TP/PP layout) from its recorded architecture
+    (``reward_model_config``; ``model`` is the policy's) with ``num_heads`` heads, and load it.
+
+    Args:
+        tokenizer: the policy's ``tokenizer_record``, checked against the one the reward model records.
+
+    Raises:
+        ValueError: when the checkpoint records a different number of heads, or its architecture does
+            not split over ``parallel``.
+        ConfigError: when it was trained with another tokenizer.
+    """
+    info = read_reward_model_info(path)
+    if info is not None and info.get("num_heads") != num_heads:
+        raise ValueError(f"reward model {path} has {info.get('num_heads')} heads but reward.num_heads="
+                         f"{num_heads}; set reward.num_heads: {info.get('num_heads')}")
+    check_reward_tokenizer(path, info, tokenizer)
+    rm_cfg = reward_model_config(model, path, info)
+    _check_layout(rm_cfg, groups, path)
+    rm = build_reward(rm_cfg, parallel, groups, num_heads=num_heads)
     load_model_weights(rm, path, groups)
     if not trainable:
         rm.requires_grad_(False)
         rm.eval()
     return rm
+
+
+def _check_layout(rm: ModelConfig, groups: ParallelGroups, path: os.PathLike) -> None:
+    """A reward model of its own size shares the policy's TP/PP layout, so its dimensions must split over it."""
+    tp, pp = groups.tensor_model_parallel_size, groups.pipeline_model_parallel_size
+    for key, value, size, what in (("num_attention_heads", rm.num_attention_heads, tp, "TP"),
+                                   ("num_query_groups", rm.kv_heads, tp, "TP"),
+                                   ("num_layers", rm.num_layers, pp, "PP")):
+        if value % size:
+            raise ValueError(f"reward model {path}: its {key}={value} does not split over the run's {what}={size}; "
+                             f"train the reward model with a {key} divisible by {size}")
 
 
 class ModelReward:
@@ -207,7 +316,7 @@ class ModelReward:
         models: reward models (``build_reward``), each with ``num_heads`` heads.
         groups: the layout they were built under.
         num_heads: heads per model.
-        hidden_size: h of the models.
+        hidden_size: h of the first model (its embeddings are the ones returned).
         pad_id: any valid token id; padding is masked.
         micro_batch_size: sequences per pipeline micro-batch.
         packed: pack each micro-batch's sequences (``trainer.sequence_packing``).
@@ -233,19 +342,24 @@ class ModelReward:
     @classmethod
     def from_config(cls, reward: RewardConfig, model: ModelConfig, parallel: ParallelConfig,
                     groups: ParallelGroups, *, pad_id: int = 0, micro_batch_size: int = 8,
-                    with_embeddings: Optional[bool] = None, packed: bool = False) -> "ModelReward":
-        """Load every checkpoint of ``reward.model_paths`` (each with ``reward.num_heads`` heads).
+                    with_embeddings: Optional[bool] = None, packed: bool = False,
+                    tokenizer: Optional[Dict[str, object]] = None) -> "ModelReward":
+        """Load every checkpoint of ``reward.model_paths`` (each with ``reward.num_heads`` heads), each built
+        from the architecture it records (``model`` is the policy's: see ``reward_model_config``).
 
         Embeddings are computed when ``with_embeddings`` is True; by default (None) only when the
-        shaping uses them (beta > 0 with the reward model as the diversity source).
+        shaping uses them (beta > 0 with the reward model as the diversity source). ``tokenizer`` (the
+        policy's ``tokenizer_record``) is checked against each reward model's.
         """
         if not reward.model_paths:
             raise ValueError("reward.model_paths is empty; list the reward model checkpoint(s) "
                              "(the reward_model/ directory of an 'hpa train-rm' run)")
-        models = [load_reward_model(model, parallel, groups, path, reward.num_heads) for path in reward.model_paths]
+        models = [load_reward_model(model, parallel, groups, path, reward.num_heads, tokenizer=tokenizer)
+                  for path in reward.model_paths]
         if with_embeddings is None:
             with_embeddings = reward.shaping.beta > 0 and reward.shaping.diversity_source == "reward_model"
-        return cls(models, groups, num_heads=reward.num_heads, hidden_size=model.hidden_size, pad_id=pad_id,
+        hidden_size = unwrap(models[0]).config.hidden_size  # the embeddings are the first model's
+        return cls(models, groups, num_heads=reward.num_heads, hidden_size=hidden_size, pad_id=pad_id,
                    micro_batch_size=micro_batch_size, with_embeddings=with_embeddings, packed=packed)
 
     @property

@@ -107,7 +107,7 @@ class Scorer:
     def __init__(self, cfg, groups: ParallelGroups, *, reward: bool = True, log_prob: bool = False,
                  embedding: bool = False, tokenizer: Optional[Tokenizer] = None, batch_size: int = 256):
         from hpa.models import build_policy
-        from hpa.reward.model import ModelReward
+        from hpa.reward.model import ModelReward, tokenizer_record
         from hpa.models.weights import load_model_weights
 
         if batch_size < 1:
@@ -124,7 +124,8 @@ class Scorer:
         if (reward or embedding) and cfg.reward.model_paths:
             self.model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups,
                                                         pad_id=self.tokenizer.pad_id, micro_batch_size=mbs,
-                                                        with_embeddings=embedding)
+                                                        with_embeddings=embedding,
+                                                        tokenizer=tokenizer_record(self.tokenizer))
         self.reward = build_reward(cfg.reward, self.model_reward).base if reward else None
         self.needs_ground_truth = reward and needs_ground_truth(cfg.reward)
         self.embedding = embedding

@@ -36,13 +36,16 @@ import torch
 import torch.nn.functional as F
 
 from hpa.config import ConfigError, load_config, write_resolved
-from hpa.config.schema import Config
+from hpa.config.schema import Config, ModelConfig
 from hpa.data import DistributedBatchSampler, PreferenceDataset, build_tokenizer, collate_preferences
 from hpa.distributed import ParallelGroups, launched, read_launch_env, set_seed
+from hpa.distributed.console import due as console_due
+from hpa.distributed.console import progress_bar
 from hpa.distributed.comm import all_reduce_sum, barrier, broadcast_tensor
 from hpa.models import build_reward
 from hpa.registry import Registry
-from hpa.reward.model import gather_last_token, score_sequences, write_reward_model_info
+from hpa.reward.model import (architecture_of, gather_last_token, read_reward_model_info, score_sequences,
+                              tokenizer_record, write_reward_model_info)
 from hpa.models.weights import load_model_weights, save_model_weights
 from hpa.engine.optimizer import make_trainable
 from hpa.engine.step import forward_backward, optimizer_step, zero_grad
@@ -192,6 +195,38 @@ def _check(cfg: Config, groups: ParallelGroups) -> None:
                           f"{cfg.model.max_sequence_length}; shorten them or raise the model's length")
 
 
+def recorded_architecture(path: str) -> Tuple[Optional[Dict[str, object]], Optional[Path]]:
+    """The architecture a starting checkpoint records, and the file it comes from: a reward model's
+    ``hpa_reward_model.json``, else the ``config.yaml`` of the run that wrote it (``<run_dir>/sft``,
+    ``<run_dir>/reward_model``); ``(None, None)`` when neither is there."""
+    info = read_reward_model_info(path)
+    if info is not None and "architecture" in info:
+        return info["architecture"], Path(path, "hpa_reward_model.json")
+    run_config = Path(path).resolve().parent / "config.yaml"
+    if run_config.is_file():
+        import yaml
+
+        model = (yaml.safe_load(run_config.read_text()) or {}).get("model")
+        if isinstance(model, dict):
+            return model, run_config
+    return None, None
+
+
+def check_recorded_architecture(model: ModelConfig, path: str, key: str) -> None:
+    """The reward model is built from ``model.*``; a starting checkpoint of another size (say, the SFT
+    model of a smaller backbone) needs those dimensions: say which to set instead of a shape error."""
+    arch, source = recorded_architecture(path)
+    if arch is None:
+        return
+    ours = architecture_of(model)
+    differ = {k: arch[k] for k in ours if k in arch and arch[k] != ours[k]}
+    if differ:
+        fix = " ".join(f"model.{k}={'null' if v is None else v}" for k, v in differ.items())
+        raise ConfigError(key, f"{path} is a model with {differ} ({source}) but the reward model is built from "
+                               f"model.* ({ {k: ours[k] for k in differ} }); give the reward model that backbone's "
+                               f"dimensions: {fix}")
+
+
 class _MetricsSink:
     """Appends one JSON object per line to ``rm_metrics.jsonl`` on the main rank."""
 
@@ -228,16 +263,17 @@ def evaluate(model, examples: Sequence, groups: ParallelGroups, *, num_heads: in
     return eval_metrics(all_reduce_sum(sums.to(groups.device), groups.dp_group).cpu())
 
 
-def save_reward_model(model, run_dir: Path, groups: ParallelGroups, *, num_heads: int, hidden_size: int,
-                      step: int) -> Path:
-    """Write ``run_dir/reward_model`` (replacing an older one only once the new one is complete)."""
+def save_reward_model(model, run_dir: Path, groups: ParallelGroups, *, num_heads: int, model_cfg: ModelConfig,
+                      tokenizer: Dict[str, object], step: int) -> Path:
+    """Write ``run_dir/reward_model`` (replacing an older one only once the new one is complete), with
+    its architecture (``model_cfg``) and tokenizer recorded, so it loads next to a policy of another size."""
     final, tmp = run_dir / REWARD_MODEL_DIR, run_dir / (REWARD_MODEL_DIR + ".tmp")
     if groups.is_main and tmp.exists():
         shutil.rmtree(tmp)
     barrier()
     save_model_weights(model, tmp, groups)
     if groups.is_main:
-        write_reward_model_info(tmp, num_heads=num_heads, hidden_size=hidden_size, step=step)
+        write_reward_model_info(tmp, num_heads=num_heads, model=model_cfg, tokenizer=tokenizer, step=step)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -259,6 +295,21 @@ def run_train_rm(cfg: Config, *, groups: Optional[ParallelGroups] = None) -> Dic
         return _train(cfg, groups)
 
 
+def _datasets(cfg: Config, tokenizer, run_dir: Path, groups: ParallelGroups) -> Tuple[List, List]:
+    """The training pairs and the held-out ones (``reward.training.eval_path``, else a split of the pairs)."""
+    rt = cfg.reward.training
+    rejects_dir = (cfg.data.rejects_dir or str(run_dir / "rejects")) if groups.is_main else None
+    dataset = PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects_dir)
+    if rt.eval_path is None:
+        train_idx, eval_idx = split_eval(len(dataset), rt.eval_fraction, cfg.trainer.seed)
+        return [dataset[i] for i in train_idx], [dataset[i] for i in eval_idx]
+    d = cfg.data
+    return list(dataset), list(PreferenceDataset.load(
+        rt.eval_path, tokenizer, max_prompt_length=d.max_prompt_length, max_response_length=d.max_response_length,
+        prompt_truncation=d.prompt_truncation, response_truncation=d.response_truncation, on_error=d.on_error,
+        apply_chat_template=d.apply_chat_template, append_eos=d.append_eos))
+
+
 def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     _check(cfg, groups)
     t, rt, num_heads = cfg.trainer, cfg.reward.training, cfg.reward.num_heads
@@ -269,18 +320,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     barrier()
 
     tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path, model_vocab_size=cfg.model.vocab_size)
-    rejects_dir = (cfg.data.rejects_dir or str(run_dir / "rejects")) if groups.is_main else None
-    dataset = PreferenceDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects_dir)
-    if rt.eval_path is not None:
-        train_set = list(dataset)
-        eval_set = list(PreferenceDataset.load(
-            rt.eval_path, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
-            max_response_length=cfg.data.max_response_length, prompt_truncation=cfg.data.prompt_truncation,
-            response_truncation=cfg.data.response_truncation, on_error=cfg.data.on_error,
-            apply_chat_template=cfg.data.apply_chat_template, append_eos=cfg.data.append_eos))
-    else:
-        train_idx, eval_idx = split_eval(len(dataset), rt.eval_fraction, t.seed)
-        train_set, eval_set = [dataset[i] for i in train_idx], [dataset[i] for i in eval_idx]
+    train_set, eval_set = _datasets(cfg, tokenizer, run_dir, groups)
     weights = (bootstrap_weights(len(train_set), num_heads, t.seed, rt.bootstrap_kind) if rt.bootstrap
                else torch.ones(len(train_set), num_heads, dtype=torch.long))  # [N, K]
     sampler = DistributedBatchSampler(len(train_set), global_batch_size=t.preference_batch_size,
@@ -291,12 +331,15 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     set_seed(t.seed)
     model = build_reward(cfg.model, cfg.parallel, groups, num_heads=num_heads)
     if rt.init_path is not None:
+        check_recorded_architecture(cfg.model, rt.init_path, "reward.training.init_path")
         load_model_weights(model, rt.init_path, groups)
     elif rt.backbone_path is not None:  # the policy's output layer is the vocabulary, not the heads
+        check_recorded_architecture(cfg.model, rt.backbone_path, "reward.training.backbone_path")
         load_model_weights(model, rt.backbone_path, groups, exclude_prefixes=("output_layer.",))
     trainable = make_trainable(model, cfg.optim, cfg.parallel, groups, t.total_steps)
     ddp, optimizer, scheduler = trainable.model, trainable.optimizer, trainable.scheduler
     sink = _MetricsSink(run_dir, groups.is_main)
+    bar = progress_bar("train-rm", t.total_steps) if groups.is_main and cfg.logging.progress_bar else None
     pad_id, margin, num_pairs = tokenizer.pad_id, rt.margin, t.preference_batch_size
 
     def loss_fn(batch, output, hidden):
@@ -332,11 +375,16 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
         if (t.eval_interval and step % t.eval_interval == 0) or step == t.total_steps:
             record.update(run_eval())
         if (cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0) or step == t.total_steps:
-            save_reward_model(ddp, run_dir, groups, num_heads=num_heads, hidden_size=cfg.model.hidden_size,
-                              step=step)
+            save_reward_model(ddp, run_dir, groups, num_heads=num_heads, model_cfg=cfg.model,
+                              tokenizer=tokenizer_record(tokenizer), step=step)
         sink.write(record)
-        if groups.is_main and step % t.log_interval == 0:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix({"rm/loss": f"{record['rm/loss']:.4g}", "rm/accuracy": f"{record['rm/accuracy']:.3g}"})
+        if groups.is_main and cfg.logging.console and console_due(step, cfg.logging.log_interval, t.total_steps):
             logger.info("train-rm step %d: %s", step, {k: round(v, 4) for k, v in record.items() if k != "step"})
+    if bar is not None:
+        bar.close()
     barrier()  # the metrics file and checkpoint are complete when any rank returns
     return record
 

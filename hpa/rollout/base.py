@@ -336,6 +336,10 @@ class RolloutEngine(abc.ABC):
             consecutive rows with ``group_ids == g``.
         """
 
+    def decode_metrics(self) -> Dict[str, float]:
+        """Facts of the engine's decoding for the step's metrics (the native engine: which decode ran)."""
+        return {}
+
     def sync_weights(self, *args, **kwargs) -> None:
         """Copy the current policy weights into the engine; a no-op for engines that use them in place.
         Callers sync before every rollout that follows a change of the weights."""

@@ -318,51 +318,38 @@ def _linear(module, x: torch.Tensor):
 
 
 class StaticDecodeStep:
-    """The native engine's decode step for one bucket of ``b`` rows and ``S`` cache slots: the cache,
-    the step's input buffers, and on CUDA the step captured once in a CUDA graph and replayed per token.
+    """The native engine's decode step for one bucket of ``b`` rows and ``S`` cache slots: the cache, the step's
+    input buffers, and the step behind a ``CUDAGraphWrapper`` (captured once, replayed per token; eager when
+    ``capture`` is off, on CPU and to check the graph).
 
     The engine writes the step's tokens, position and valid keys into ``input_ids`` ``[b, 1]``,
-    ``position`` ``[1]`` and ``key_valid`` ``[b, S]`` and calls the object; the same
-    ``CachedDecoder.decode_step`` runs eagerly when not captured (on CPU, and to check the graph). A
-    captured step reads the parameters through their storage: in-place updates are seen, a
-    parameter given new storage is not (the engine keys its steps on the storage addresses).
+    ``position`` ``[1]`` and ``key_valid`` ``[b, S]`` and calls the object. A captured step reads the
+    parameters through their storage: in-place updates (the optimizer's) are seen; a parameter given new
+    storage is not, so the wrapper captures again when a parameter's address changes.
 
     Args:
         module: the unwrapped GPTModel (one stage holding every layer), in eval mode when captured.
         batch_size: rows ``b`` (the bucket).
         max_sequence_length: slots ``S``.
-        capture: capture a CUDA graph (the parameters must be on CUDA).
+        capture: capture a CUDA graph (``hpa.rollout.cuda_graph.GRAPHS`` must be available on the device).
     """
 
-    warmup_steps = 3  # eager runs on a side stream before capture, as torch's CUDA-graph notes ask
-
     def __init__(self, module, batch_size: int, max_sequence_length: int, *, capture: bool):
+        from .cuda_graph import CUDAGraphWrapper
+
         self.decoder = CachedDecoder(module, batch_size, max_sequence_length)
         device = next(module.parameters()).device
         self.input_ids = torch.zeros((batch_size, 1), dtype=torch.long, device=device)  # [b, 1]
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.key_valid = torch.zeros((batch_size, max_sequence_length), dtype=torch.bool, device=device)  # [b, S]
-        self.graph = None
-        self.logits = None
-        if capture:
-            self._capture()
-
-    def _capture(self):
         # warm-up and capture write position 0 of the cache: every prefill overwrites it
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup_steps):
-                self.decoder.decode_step(self.input_ids, self.position, self.key_valid)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # as megatron: NCCL's watchdog
-            self.logits = self.decoder.decode_step(self.input_ids, self.position, self.key_valid)
+        self.step = CUDAGraphWrapper(lambda: self.decoder.decode_step(self.input_ids, self.position, self.key_valid),
+                                     lambda: tuple(p.data_ptr() for p in module.parameters()), enabled=capture)
+
+    @property
+    def captures(self) -> int:
+        return self.step.captures
 
     def __call__(self) -> torch.Tensor:
         """``[b, v_padded]`` logits of the step; from a graph, one buffer overwritten by the next replay."""
-        if self.graph is None:
-            return self.decoder.decode_step(self.input_ids, self.position, self.key_valid)
-        self.graph.replay()
-        return self.logits
-
+        return self.step()

@@ -37,11 +37,16 @@ Decode modes (``decode=``; the ``"hpa"`` cache at TP 1 and PP 1 only, the others
   ``SLOT_BLOCK``; after an eager prefill, each step is ``CachedDecoder.decode_step`` with those fixed shapes,
   its position a device tensor (``kv_cache.StaticDecodeStep``). The loop reads the device only to check
   whether every row has finished, every ``FINISHED_CHECK_EVERY`` steps.
-- ``"graph"``: ``"static"`` with the step captured in a CUDA graph once per bucket and weight version,
-  replayed per token. A version ends with ``sync_weights`` (the trainer calls it before every rollout),
-  with ``sleep`` (which frees the caches for training), or when a parameter gets new storage.
+- ``"graph"``: ``"static"`` with the step captured in a CUDA graph (``hpa.rollout.cuda_graph.CUDAGraphWrapper``)
+  once per bucket for the run and replayed per token. The graph reads the parameters where they are, so the
+  optimizer's in-place updates need no new capture; ``sync_weights`` and ``sleep`` keep the buckets (their
+  caches stay allocated between rollouts), and a bucket captures again only when a parameter got new storage.
 - ``"auto"`` (default): ``"graph"`` on CUDA where it applies, else ``"eager"``; a capture that fails
-  logs a warning and the engine decodes eagerly from then on.
+  logs a warning and the engine decodes eagerly from then on. ``decoded`` says which decode the last
+  ``generate`` ran, ``captures`` how many captures the engine made.
+
+``generate`` drives one decoder interface (``_Decoding``: ``prefill``, then ``step`` per token), eager over
+the engine's KV cache or static over a bucket's (with the graph wrapper, which replays or falls through).
 
 Sampling runs after the step, eagerly and on the real rows only, so a bucket's padding rows change
 neither the tokens nor the random stream.
@@ -163,9 +168,9 @@ class MegatronRolloutEngine(RolloutEngine):
         self.masks_padding = kv_cache == "hpa" or _attention_honours_masks(self.module)
         self.decode = self._decode_mode(decode)
         self._graph_by_default = decode == "auto" and self.decode == "graph"  # a failed capture falls back
-        self._steps = {}  # (rows, slots) -> StaticDecodeStep of the current weight version
-        self._weights_version = 0
-        self._steps_version = None
+        self._steps = {}  # (rows, slots) -> StaticDecodeStep, kept for the run
+        self.decoded = None  # the decode the last generate ran: "eager", "static" or "graph"
+        self._reports_decode = self.decode != "eager"
 
     def _decode_mode(self, decode: str) -> str:
         if decode not in DECODE_MODES:
@@ -175,7 +180,9 @@ class MegatronRolloutEngine(RolloutEngine):
                    "it runs at tensor and pipeline parallel size 1" if (g.tensor_model_parallel_size,
                                                                          g.pipeline_model_parallel_size) != (1, 1)
                    else None)
-        cuda = self.device.type == "cuda"
+        from .cuda_graph import GRAPHS
+
+        cuda = GRAPHS.available(self.device)
         if decode == "auto":
             return "graph" if why_not is None and cuda else "eager"
         if decode in ("static", "graph") and why_not is not None:
@@ -186,45 +193,63 @@ class MegatronRolloutEngine(RolloutEngine):
         return decode
 
     def sync_weights(self, *args, **kwargs) -> None:
-        """The weights are used in place; a sync starts a new weight version (graphs are captured again)."""
-        self._weights_version += 1
+        """The weights are used in place (the optimizer writes them where a captured graph reads them)."""
 
     def sleep(self) -> None:
-        """Free the static caches and graphs, so the training step gets their memory."""
-        self._steps.clear()
+        """Nothing to free: the buckets' caches and graphs stay, so the next rollout replays without a capture
+        (a graph reads fixed addresses; freeing them would mean capturing again, with its synchronisations)."""
+
+    def decode_metrics(self) -> dict:
+        """Which decode the last ``generate`` ran and the captures so far, where a static or graph decode was
+        asked for (``"auto"`` on CUDA included; nothing on an engine that decodes eagerly from the start):
+        ``rollout/decode_graph`` (1 graph, 0 not: a failed ``"auto"`` capture), ``rollout/graph_captures``
+        and ``rollout/decode_buckets`` (the buckets used, each captured once while the parameters stay put)."""
+        if not self._reports_decode:
+            return {}
+        return {"rollout/decode_graph": float(self.decoded == "graph"), "rollout/graph_captures": float(self.captures),
+                "rollout/decode_buckets": float(len(self._steps))}
+
+    @property
+    def captures(self) -> int:
+        """CUDA-graph captures so far (one per bucket while the parameters keep their storage)."""
+        return sum(step.captures for step in self._steps.values())
 
     def _static_step(self, rows: int, slots: int):
-        """The ``StaticDecodeStep`` of a bucket, captured once per weight version (see the module docstring)."""
+        """The ``StaticDecodeStep`` of a bucket, built once, its graph captured again only when a parameter's
+        storage moved (see the module docstring); None when an ``"auto"`` capture failed."""
         from .kv_cache import StaticDecodeStep
 
-        version = (self._weights_version, tuple(p.data_ptr() for p in self.module.parameters()))
-        if version != self._steps_version:
-            self._steps.clear()
-            self._steps_version = version
         if (rows, slots) not in self._steps:
-            try:
-                self._steps[(rows, slots)] = StaticDecodeStep(self.module, rows, slots,
-                                                              capture=self.decode == "graph")
-            except RuntimeError as err:
-                if not self._graph_by_default:
-                    raise
-                logger.warning("native rollout engine: capturing the decode step in a CUDA graph failed (%s); "
-                               "decoding eagerly from now on (rollout.cuda_graphs=false skips the attempt)", err)
-                self.decode = "eager"
-                return None
-        return self._steps[(rows, slots)]
+            self._steps[(rows, slots)] = StaticDecodeStep(self.module, rows, slots, capture=self.decode == "graph")
+        step = self._steps[(rows, slots)]
+        try:
+            step.step.ready()
+        except RuntimeError as err:
+            if not self._graph_by_default:
+                raise
+            logger.warning("native rollout engine: capturing the decode step in a CUDA graph failed (%s); "
+                           "decoding eagerly from now on (rollout.cuda_graphs=false skips the attempt)", err)
+            self.decode = "eager"
+            self._steps.clear()
+            return None
+        return step
 
-    # ----------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
-        token_lists = prompt_token_lists(prompts)
-        info, device = self.tokenizer_info, self.device
-        rows: List[List[int]] = [p for p in token_lists for _ in range(params.n)]
-        group_ids = torch.arange(len(token_lists)).repeat_interleave(params.n)  # [b]
-        b, p, r_max = len(rows), max(len(x) for x in rows), params.max_new_tokens
-        total = p + r_max
-        if total > self.max_sequence_length:
-            raise ValueError(f"longest prompt ({p}) + max_new_tokens ({r_max}) = {total} exceeds the model's "
+    def _decoding(self, b: int, total: int) -> "_Decoding":
+        """The decoder of one ``generate`` call of ``b`` rows and ``total`` positions (``self.decoded`` says
+        which)."""
+        static = None
+        if self.decode != "eager":
+            static = self._static_step(row_bucket(b), slot_bucket(total, self.max_sequence_length))
+        self.decoded = self.decode
+        if static is not None:
+            return _StaticDecoding(self, static, total)
+        return _EagerDecoding(self, b, total)
+
+    def _check_request(self, rows: List[List[int]], r_max: int) -> int:
+        """The longest prompt, after checking the request fits the model."""
+        p = max(len(x) for x in rows)
+        if p + r_max > self.max_sequence_length:
+            raise ValueError(f"longest prompt ({p}) + max_new_tokens ({r_max}) = {p + r_max} exceeds the model's "
                              f"max_sequence_length {self.max_sequence_length}; lower rollout.max_new_tokens "
                              f"or data.max_prompt_length")
         if not self.masks_padding and len({len(x) for x in rows}) > 1:
@@ -232,91 +257,43 @@ class MegatronRolloutEngine(RolloutEngine):
                 "prompts of different lengths need a padding mask, which this model's attention ignores "
                 "(Transformer Engine attention with a causal mask type drops attention_mask); use "
                 "model.transformer_impl=local, rollout.engine=vllm, or equal-length prompt batches")
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {info.eos_token_id})
-        stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        return p
 
+    # ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+        token_lists = prompt_token_lists(prompts)
+        rows: List[List[int]] = [p for p in token_lists for _ in range(params.n)]
+        group_ids = torch.arange(len(token_lists)).repeat_interleave(params.n)  # [b]
+        p = self._check_request(rows, params.max_new_tokens)
         was_training = self.module.training
         self.module.eval()  # before a graph is captured
-        static = None
-        if self.decode != "eager":  # None when the capture failed
-            # b_pad rows of the bucket: all padding, finished from the start
-            try:
-                static = self._static_step(row_bucket(b), slot_bucket(total, self.max_sequence_length))
-            except BaseException:
-                self.module.train(was_training)
-                raise
-        b_pad = static.key_valid.shape[0] if static is not None else b
-        tokens = torch.full((b_pad, total), info.pad_token_id, dtype=torch.long, device=device)  # [b_pad, p + r]
-        if static is not None:
-            static.key_valid.zero_()
-            key_valid = static.key_valid[:, :total]  # [b_pad, p + r], a view: the step reads it
-        else:
-            key_valid = torch.zeros((b_pad, total), dtype=torch.bool, device=device)  # [b_pad, p + r]
-        for i, seq in enumerate(rows):
-            tokens[i, p - len(seq):p] = torch.tensor(seq, dtype=torch.long)
-            key_valid[i, p - len(seq):p] = True
-        positions = (key_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [b_pad, p + r]; unused by RoPE
-        log_probs = torch.zeros((b_pad, r_max), dtype=torch.float32, device=device)  # [b_pad, r]
-        finished = torch.arange(b_pad, device=device) >= b  # [b_pad]
-        stopped = torch.zeros(b_pad, dtype=torch.bool, device=device)
-        check_every = FINISHED_CHECK_EVERY if static is not None else 1
-
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(int(params.seed))
-        context = static.decoder if static is not None else self._new_context(b, total)
-
         try:
-            steps = 0
-            for step in range(r_max):
-                if self.should_stop is not None and self.should_stop():
-                    raise GenerationStopped(f"generation stopped after {step} of {r_max} decode steps")
-                end = p + step
-                if static is not None and step > 0:
-                    static.input_ids.copy_(tokens[:, end - 1:end])
-                    static.position.fill_(end - 1)
-                    logits = static()  # [b_pad, v_padded]
-                else:
-                    start = 0 if (step == 0 or context is None) else end - 1
-                    logits = self._forward(tokens[:, start:end], positions[:, start:end], key_valid, start, end,
-                                           context)  # [b_pad, v_padded] or None
-                if self.kv_cache == "megatron":
-                    context.increment_sequence_len_offset(end - start)
-                    context.enable_decode_mode()
-                new_tokens, new_log_probs = self._sample_and_broadcast(
-                    logits[:b] if logits is not None else None, params, generator, b)  # the real rows only
-                if b_pad > b:
-                    new_tokens = F.pad(new_tokens, (0, b_pad - b), value=info.pad_token_id)
-                    new_log_probs = F.pad(new_log_probs, (0, b_pad - b))
-                active = ~finished
-                new_tokens = torch.where(active, new_tokens, torch.full_like(new_tokens, info.pad_token_id))
-                tokens[:, end] = new_tokens
-                key_valid[:, end] = active
-                log_probs[:, step] = torch.where(active, new_log_probs, torch.zeros_like(new_log_probs))
-                hit_stop = active & torch.isin(new_tokens, stop_tensor)
-                stopped |= hit_stop
-                finished |= hit_stop
-                steps = step + 1
-                if steps % check_every == 0 and bool(finished.all()):
-                    break
+            decoding = self._decoding(len(rows), p + params.max_new_tokens)
+            state = _DecodeState.start(decoding, rows, p, params, self.tokenizer_info, self.device)
+            self._decode(decoding, state, params)
         finally:
             self.module.set_input_tensor(None)
             self.module.train(was_training)
+        return state.batch(group_ids, self.tokenizer_info.pad_token_id)
 
-        # the responses end at the last step any row was active in (steps after that, checked only
-        # every check_every steps, fed padding)
-        response_mask = key_valid[:b, p:p + steps].cpu()  # [b, r]
-        active_steps = response_mask.any(dim=0).nonzero()
-        steps = int(active_steps[-1]) + 1 if len(active_steps) else 0
-        response_mask = response_mask[:, :steps].float()
-        response_ids = tokens[:b, p:p + steps].clone().cpu()  # [b, r]
-        prompt_ids, prompt_mask = tokens[:b, :p].clone().cpu(), key_valid[:b, :p].long().cpu()
-        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-                            response_ids=response_ids, response_mask=response_mask,
-                            log_probs=log_probs[:b, :steps].cpu(),
-                            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped[:b].tolist()],
-                            group_ids=group_ids, pad_token_id=info.pad_token_id)
+    def _decode(self, decoding: "_Decoding", state: "_DecodeState", params: SamplingParams) -> None:
+        """Prefill, then one step per token until every row stopped (checked every ``decoding.check_every``)."""
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(int(params.seed))
+        r_max, p, b = params.max_new_tokens, state.p, state.b
+        for step in range(r_max):
+            if self.should_stop is not None and self.should_stop():
+                raise GenerationStopped(f"generation stopped after {step} of {r_max} decode steps")
+            end = p + step
+            logits = decoding.prefill(state) if step == 0 else decoding.step(state, end)  # [b_pad, v] or None
+            new_tokens, new_log_probs = self._sample_and_broadcast(
+                logits[:b] if logits is not None else None, params, generator, b)  # the real rows only
+            state.append(step, new_tokens, new_log_probs)
+            if state.steps % decoding.check_every == 0 and bool(state.finished.all()):
+                break
 
     # ----------------------------------------------------------------------------------------------
     def _new_context(self, batch_size: int, max_sequence_length: int):
@@ -379,6 +356,128 @@ class MegatronRolloutEngine(RolloutEngine):
         if _group_size(g.pp_group) > 1:
             dist.broadcast(packed, src=g.last_stage_global_rank(), group=g.pp_group)
         return packed[0].long(), packed[1].float()
+
+
+class _Decoding:
+    """The decoder interface ``generate`` drives: ``prefill`` the prompts, then ``step`` one token at a time.
+
+    Attributes:
+        rows: rows decoded (the request's, or its bucket's: the extra rows are padding, finished from the start).
+        key_valid: ``[rows, p + r]`` bool, True where a position holds a real token (the steps read it).
+        check_every: steps between the host's reads of "has every row finished".
+    """
+
+    rows: int
+    key_valid: torch.Tensor
+    check_every: int
+
+    def prefill(self, state: "_DecodeState") -> Optional[torch.Tensor]:
+        """``[rows, v_padded]`` logits of the prompts' last position (None off the last stage)."""
+        raise NotImplementedError
+
+    def step(self, state: "_DecodeState", end: int) -> Optional[torch.Tensor]:
+        """``[rows, v_padded]`` logits of position ``end - 1``, whose token ``state.tokens`` holds."""
+        raise NotImplementedError
+
+
+class _EagerDecoding(_Decoding):
+    """Every step a forward through the engine's KV cache (``kv_cache``), one launch per op."""
+
+    def __init__(self, engine: MegatronRolloutEngine, b: int, total: int):
+        self.engine, self.rows, self.check_every = engine, b, 1
+        self.key_valid = torch.zeros((b, total), dtype=torch.bool, device=engine.device)  # [b, p + r]
+        self.context = engine._new_context(b, total)
+
+    def prefill(self, state):
+        return self._run(state, 0, state.p)
+
+    def step(self, state, end):
+        return self._run(state, 0 if self.context is None else end - 1, end)  # no cache: the whole sequence
+
+    def _run(self, state, start: int, end: int):
+        logits = self.engine._forward(state.tokens[:, start:end], state.positions[:, start:end], self.key_valid,
+                                      start, end, self.context)
+        if self.engine.kv_cache == "megatron":
+            self.context.increment_sequence_len_offset(end - start)
+            self.context.enable_decode_mode()
+        return logits
+
+
+class _StaticDecoding(_Decoding):
+    """An eager prefill into a bucket's cache, then its static step (a CUDA graph's replay in ``"graph"``)."""
+
+    def __init__(self, engine: MegatronRolloutEngine, static, total: int):
+        self.engine, self.static = engine, static
+        self.rows, self.check_every = static.key_valid.shape[0], FINISHED_CHECK_EVERY
+        static.key_valid.zero_()
+        self.key_valid = static.key_valid[:, :total]  # [b_pad, p + r], a view: the step reads it
+
+    def prefill(self, state):
+        p = state.p
+        return self.engine._forward(state.tokens[:, :p], state.positions[:, :p], self.key_valid, 0, p,
+                                    self.static.decoder)
+
+    def step(self, state, end):
+        self.static.input_ids.copy_(state.tokens[:, end - 1:end])
+        self.static.position.fill_(end - 1)
+        return self.static()
+
+
+class _DecodeState:
+    """The rows of one ``generate`` call as they grow: tokens, valid positions, log-probs, which rows stopped."""
+
+    @classmethod
+    def start(cls, decoding: _Decoding, rows: List[List[int]], p: int, params: SamplingParams,
+              info: TokenizerInfo, device: torch.device) -> "_DecodeState":
+        self = cls()
+        self.b, self.p, self.steps, self.pad = len(rows), p, 0, info.pad_token_id
+        b_pad, total = decoding.key_valid.shape
+        tokens = torch.full((b_pad, total), info.pad_token_id, dtype=torch.long)  # [b_pad, p + r], on the host
+        valid = torch.zeros((b_pad, total), dtype=torch.bool)
+        for i, seq in enumerate(rows):  # left-padded prompts
+            tokens[i, p - len(seq):p] = torch.tensor(seq, dtype=torch.long)
+            valid[i, p - len(seq):p] = True
+        self.tokens = tokens.to(device)
+        self.key_valid = decoding.key_valid
+        self.key_valid.copy_(valid)
+        self.positions = (self.key_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [b_pad, p + r]; unused by RoPE
+        self.log_probs = torch.zeros((b_pad, params.max_new_tokens), dtype=torch.float32, device=device)
+        self.finished = torch.arange(b_pad, device=device) >= self.b  # [b_pad]: the bucket's padding rows
+        self.stopped = torch.zeros(b_pad, dtype=torch.bool, device=device)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {info.eos_token_id})
+        self.stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        return self
+
+    def append(self, step: int, new_tokens: torch.Tensor, new_log_probs: torch.Tensor) -> None:
+        """Write the tokens sampled for the real rows ``[b]`` at position ``p + step``; stopped rows get padding."""
+        b_pad = self.tokens.shape[0]
+        if b_pad > self.b:
+            new_tokens = F.pad(new_tokens, (0, b_pad - self.b), value=self.pad)
+            new_log_probs = F.pad(new_log_probs, (0, b_pad - self.b))
+        active = ~self.finished
+        new_tokens = torch.where(active, new_tokens, torch.full_like(new_tokens, self.pad))
+        self.tokens[:, self.p + step] = new_tokens
+        self.key_valid[:, self.p + step] = active
+        self.log_probs[:, step] = torch.where(active, new_log_probs, torch.zeros_like(new_log_probs))
+        hit_stop = active & torch.isin(new_tokens, self.stop_tensor)
+        self.stopped |= hit_stop
+        self.finished |= hit_stop
+        self.steps = step + 1
+
+    def batch(self, group_ids: torch.Tensor, pad_token_id: int) -> RolloutBatch:
+        """The real rows on the CPU; the responses end at the last step any row was active in (steps after
+        that, checked only every ``check_every`` steps, fed padding)."""
+        b, p = self.b, self.p
+        response_mask = self.key_valid[:b, p:p + self.steps].cpu()  # [b, r]
+        active_steps = response_mask.any(dim=0).nonzero()
+        steps = int(active_steps[-1]) + 1 if len(active_steps) else 0
+        return RolloutBatch(prompt_ids=self.tokens[:b, :p].clone().cpu(),
+                            prompt_mask=self.key_valid[:b, :p].long().cpu(),
+                            response_ids=self.tokens[:b, p:p + steps].clone().cpu(),
+                            response_mask=response_mask[:, :steps].float(),
+                            log_probs=self.log_probs[:b, :steps].cpu(),
+                            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in self.stopped[:b].tolist()],
+                            group_ids=group_ids, pad_token_id=pad_token_id)
 
 
 def build_megatron_engine(rollout_cfg, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo,

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from . import chat, completions
 from .errors import install_handlers
-from .gate import Gate
+from .middleware import RequestMiddleware
 from .serving import ServeState, check_ready
 
 router = APIRouter()
@@ -42,5 +42,5 @@ def build_app(state: ServeState, *, api_key=None) -> FastAPI:
     install_handlers(app, state.metrics)
     for r in (router, completions.router, chat.router):
         app.include_router(r)
-    app.add_middleware(Gate, metrics=state.metrics, max_body_bytes=state.cfg.serve.max_body_bytes, api_key=api_key)
+    app.add_middleware(RequestMiddleware, metrics=state.metrics, max_body_bytes=state.cfg.serve.max_body_bytes, api_key=api_key)
     return app

@@ -2,7 +2,8 @@
 
 Layout of one checkpoint ``<dir>/step_00000012/``::
 
-    policy/            dist checkpoint: {"model": ..., "optimizer": ...} (any TP/PP can load it)
+    policy/            dist checkpoint: {"model": ..., "optimizer": ...} (any TP/PP can load it); with LoRA
+                       the adapters and their optimizer state only, marked by lora.json (docs/lora.md)
     critic/            the same for the critic (when there is one)
     trainer_state.pt   step, LR schedulers, KL controller, samplers, reward-shaping state, guard, ...
     rng/rank_00003.pt  CPU / CUDA / numpy / python / megatron-tracker RNG states of each rank
@@ -37,6 +38,7 @@ from hpa.config.schema import CheckpointConfig
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import is_collective_failure
+from hpa.models import lora
 from hpa.models.heads import unwrap
 from hpa.models.weights import MANIFEST, dist_save, sharded_state_dict
 from hpa.trainer import faults
@@ -200,12 +202,14 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
         comm.barrier()
         for name, (model, optimizer) in models.items():
-            model_sd = sharded_state_dict(model)
+            model_sd = lora.checkpoint_state_dict(model, sharded_state_dict(model))  # LoRA: adapters only
             sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
             if self.groups.is_main:
                 (tmp / name).mkdir()
             comm.barrier()
             dist_save(sharded, tmp / name)
+            if self.groups.is_main and lora.has_lora(model):
+                lora.write_marker(tmp / name, model)
         faults.maybe_fail_save(step, self.groups.rank)
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.groups.rank:05d}.pt")
         if self.groups.is_main:
@@ -266,7 +270,8 @@ class CheckpointManager:
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
         for name, (model, optimizer) in models.items():
-            model_sd = sharded_state_dict(model)
+            lora.check_checkpoint_kind(path / name, model)
+            model_sd = lora.checkpoint_state_dict(model, sharded_state_dict(model))
             sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
             loaded = dist_checkpointing.load(sharded, str(path / name), strict=StrictHandling.RAISE_ALL)
             unwrap(model).load_state_dict(loaded["model"], strict=False)

@@ -16,8 +16,9 @@ def heldout_nll(policy, examples, ctx) -> float:
     DP, so every rank returns the same number. ``ctx``: the step's ``phases.StepContext``."""
     g = ctx.groups
     mine = [examples[i] for i in range(g.dp_rank, len(examples), g.data_parallel_size)]
-    mbs = micro_batches.chosen_micro_batches(mine, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id,
-                                             packed=ctx.packed)
+    b = ctx.batching
+    mbs = micro_batches.chosen_micro_batches(mine, micro_batch_size=b.micro_batch_size, pad_id=b.pad_id,
+                                             packed=b.packed)
     sums = torch.zeros(2, dtype=torch.float64)
     if mbs:
         with torch.no_grad():

@@ -157,6 +157,9 @@ def load_policy(cfg, groups, *, command: str, load_reference: bool = True,
     tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path, model_vocab_size=m.vocab_size)
     policy = build_policy(m, cfg.parallel, g)
     load_model_weights(policy, m.policy_path, g)
+    if m.lora.enabled:  # the base (model.policy_path) plus the adapters; the reference is the base
+        return _with_adapters(cfg, g, policy, tokenizer, command=command, load_reference=load_reference,
+                              engine_kwargs=engine_kwargs)
     reference_is_policy = (not m.reference_path
                            or os.path.realpath(m.reference_path) == os.path.realpath(m.policy_path))
     if reference_is_policy or not load_reference:
@@ -174,6 +177,36 @@ def load_policy(cfg, groups, *, command: str, load_reference: bool = True,
                                   model_cfg=m, checkpoint_path=m.policy_path, **(engine_kwargs or {}))
     engine.sync_weights()  # the policy does not change here: one sync (vLLM) serves every call
     return LoadedPolicy(tokenizer, policy, reference, engine, reference_is_policy)
+
+
+def _with_adapters(cfg, groups, policy, tokenizer, *, command: str, load_reference: bool,
+                   engine_kwargs: Optional[Dict[str, Any]]) -> LoadedPolicy:
+    """``load_policy`` of a LoRA policy: ``model.lora``'s adapters attached to the loaded base and loaded from
+    ``model.lora.adapter_path``; the reference is the base itself (the same module with its adapters off), so the
+    KL guard measures the adapters' drift. The native engine samples through the adapters; vLLM gets the merged
+    weights (``hf_tensors_from_megatron`` merges enabled adapters)."""
+    from hpa.config.errors import ConfigError
+    from hpa.models import unwrap
+    from hpa.models.lora import BaseView, attach_lora
+    from hpa.models.lora_io import load_adapters
+    from hpa.rollout import build_rollout_engine
+
+    m = cfg.model
+    if not m.lora.adapter_path:
+        raise ConfigError("model.lora.adapter_path", f"{command} with model.lora.rank {m.lora.rank} needs the "
+                          "adapters: set it to a LoRA run's checkpoint (<run_dir>/checkpoints/step_N), or "
+                          "model.lora.rank: 0 to use the base alone")
+    if m.reference_path:
+        raise ConfigError("model.reference_path", "with LoRA the reference is the base (model.policy_path) with the "
+                          "adapters off; leave model.reference_path out")
+    attach_lora(policy, m.lora, groups, seed=0)
+    load_adapters(policy, m.lora.adapter_path, groups)
+    policy.eval()
+    engine = build_rollout_engine(cfg.rollout, unwrap(policy), groups, TokenizerInfo.from_tokenizer(tokenizer),
+                                  model_cfg=m, checkpoint_path=m.policy_path, **(engine_kwargs or {}))
+    engine.sync_weights()
+    reference = BaseView(policy) if load_reference else policy
+    return LoadedPolicy(tokenizer, policy, reference, engine, not load_reference)
 
 
 def _replace_rows(batch: RolloutBatch, rows: torch.Tensor, new: RolloutBatch) -> RolloutBatch:

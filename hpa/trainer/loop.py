@@ -63,10 +63,8 @@ class HPATrainer:
             write_resolved(cfg, run_dir)
         self.parts = p = build_run(cfg, groups)
         self.timings: Dict[str, float] = {}
-        self.ctx = phases.StepContext(cfg, groups, micro_batch_size=cfg.trainer.micro_batch_size,
-                                      vocab_size=p.tokenizer.vocab_size, pad_id=p.tokenizer.pad_id,
-                                      temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-                                      packed=cfg.trainer.sequence_packing, timer=self.timer)
+        self.ctx = phases.StepContext.from_config(cfg, groups, vocab_size=p.tokenizer.vocab_size,
+                                                  pad_id=p.tokenizer.pad_id, timer=self.timer)
         self.weights = WeightSchedules(cfg.algorithm)
         self.controllers = Controllers(cfg, ControllerInputs(
             groups=groups, pad_id=p.tokenizer.pad_id, timer=self.timer, tokenizer=p.tokenizer, pairs=p.pairs,

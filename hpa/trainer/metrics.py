@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional
 
 from hpa.config.schema import LoggingConfig
+from hpa.distributed.console import due as console_due
+from hpa.distributed.console import progress_bar
 
 logger = logging.getLogger("hpa")
 
@@ -42,18 +44,20 @@ class MetricsWriter:
         run_config: the resolved config as plain data, for wandb's run config.
         resume_step: append to an existing ``metrics.jsonl`` (after dropping records at or after
             ``resume_step``, so a resumed run has one record per step).
-        total_steps: the run's length, for the progress bar (no bar without it).
+        total_steps: the run's length, for the progress bar (no bar without it) and the last console line.
+        phase: the bar's name (``train``, ``sft``).
     """
 
     def __init__(self, run_dir: os.PathLike, logging_cfg: LoggingConfig, *, is_main: bool,
                  run_config: Optional[Mapping] = None, resume_step: Optional[int] = None,
-                 total_steps: Optional[int] = None):
+                 total_steps: Optional[int] = None, phase: str = "train"):
         self.is_main = is_main
         self.cfg = logging_cfg
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb = None
         self._tensorboard = None
         self._bar = None
+        self.total_steps = total_steps or 0
         if not is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,11 +69,8 @@ class MetricsWriter:
             self._wandb = self._init_wandb(run_dir, run_config)
         if logging_cfg.tensorboard:
             self._tensorboard = self._init_tensorboard(Path(run_dir) / "tensorboard")
-        if logging_cfg.progress_bar and total_steps:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=max((resume_step or 1) - 1, 0), desc="hpa", unit="step",
-                             dynamic_ncols=True)
+        if logging_cfg.progress_bar:
+            self._bar = progress_bar(phase, self.total_steps, initial=max((resume_step or 1) - 1, 0))
 
     @staticmethod
     def _init_tensorboard(log_dir: Path):
@@ -88,8 +89,12 @@ class MetricsWriter:
             logger.warning("wandb is not installed; logging.wandb.mode=%s ignored", self.cfg.wandb.mode)
             return None
         w = self.cfg.wandb
+        # wandb's own banner and run summary (some twenty lines per run) only at logging.level DEBUG
+        quiet = self.cfg.level != "DEBUG"
         run = wandb.init(project=w.project, entity=w.entity, name=w.name, mode=w.mode,
-                         dir=str(run_dir), config=dict(run_config or {}), resume="allow")
+                         dir=str(run_dir), config=dict(run_config or {}), resume="allow",
+                         settings=wandb.Settings(quiet=quiet, show_info=not quiet))
+        logger.info("wandb (%s): %s", w.mode, run.dir if w.mode == "offline" else run.url)
         # wandb's own step must only grow, but a rollback or a resume writes earlier steps again:
         # plot against hpa's step, a metric of its own
         run.define_metric(WANDB_STEP)
@@ -120,7 +125,7 @@ class MetricsWriter:
         if self._bar is not None:
             self._bar.update(max(step - self._bar.n, 0))
             self._bar.set_postfix({k: _fmt(record[k]) for k in _BAR_KEYS if k in record}, refresh=True)
-        if self.cfg.console:
+        if self.cfg.console and console_due(step, self.cfg.log_interval, self.total_steps):
             shown = {k: record[k] for k in sorted(record) if k in _CONSOLE_KEYS}
             logger.info("step %d %s", step, " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()))
 

@@ -15,10 +15,12 @@ import torch
 from hpa.algorithms import advantages as adv_lib
 from hpa.algorithms.kl import apply_kl_penalty
 from hpa.algorithms.ppo import truncated_importance_weights
-from hpa.config.schema import Config, component_advantages
+from hpa.config.algorithm import AlgorithmConfig
+from hpa.config.schema import Config, TrainerConfig, component_advantages
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine import forward
+from hpa.engine.batching import Batching
 from hpa.engine.micro_batch import MicroBatch
 from hpa.engine.optimizer import Trainable
 from hpa.engine.step import (add_grads, forward_backward, gradient_norm, guarded_optimizer_step, optimizer_step,
@@ -29,34 +31,53 @@ from hpa.trainer import micro_batches, objective
 from hpa.trainer.objective import Controllers, StepSignals, StepWeights
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StepContext:
-    """What every phase reads besides its models.
+    """What every phase reads besides its models: config sections, never the root config.
 
     Args:
+        groups: the run's parallel groups.
+        algorithm: the ``algorithm`` section (the losses, the advantages, the in-reward KL).
+        trainer: the ``trainer`` section (PPO epochs and mini-batches).
+        batching: how the step's rows are cut into micro-batches.
         vocab_size: the tokenizer's vocabulary; the embedding rows beyond it (``model.vocab_size`` and
             megatron's padding) are never sampled and never normalised over, in rollout and training alike.
         temperature: the rollout temperature (1 for greedy), which the training log-probs use too.
-        packed: pack the rows of every micro-batch (``trainer.sequence_packing``).
+        hidden_size: the policy's hidden size (the pooled hidden states the semantic KL reads).
+        reward_shares: the rule and learned shares of per-component advantages (``component_shares``), None
+            when the advantage is computed from the whole reward.
         timer: ``timer(name)`` is a context manager adding the block's wall time to ``timing_s/<name>``.
     """
 
-    cfg: Config
     groups: ParallelGroups
-    micro_batch_size: int
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    batching: Batching
     vocab_size: int
     temperature: float
-    pad_id: int
-    packed: bool = False
+    hidden_size: int
+    reward_shares: Optional[Dict[str, float]] = None
     timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
+
+    @classmethod
+    def from_config(cls, cfg: Config, groups: ParallelGroups, *, vocab_size: int, pad_id: int,
+                    timer: Optional[Callable[[str], contextlib.AbstractContextManager]] = None) -> "StepContext":
+        """The context of a run: its sections picked from ``cfg`` here, once."""
+        return cls(groups=groups, algorithm=cfg.algorithm, trainer=cfg.trainer,
+                   batching=Batching.from_config(cfg.trainer, pad_id), vocab_size=vocab_size,
+                   temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+                   hidden_size=cfg.model.hidden_size,
+                   reward_shares=component_shares(cfg.reward) if component_advantages(cfg) else None,
+                   **({"timer": timer} if timer is not None else {}))
 
 
 def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepContext) -> Dict[str, float]:
     """Reference and rollout-policy log-probs ``[b, r]`` and response-pooled hidden states ``[b, h]``
     (``ref_*``, ``old_*``), and the truncated importance weights when configured (``is_weights``)."""
-    kw = dict(micro_batch_size=ctx.micro_batch_size, vocab_size=ctx.vocab_size, temperature=ctx.temperature,
-              hidden_size=ctx.cfg.model.hidden_size, lengths=batch.sequence_lengths, packed=ctx.packed,
-              token_budget=ctx.cfg.trainer.log_prob_max_token_len_per_rank)
+    b = ctx.batching
+    kw = dict(micro_batch_size=b.micro_batch_size, vocab_size=ctx.vocab_size, temperature=ctx.temperature,
+              hidden_size=ctx.hidden_size, lengths=batch.sequence_lengths, packed=b.packed,
+              token_budget=b.forward_token_budget)
     with ctx.timer("reference"):
         ref = forward.sequence_log_probs(reference, batch.sequences, batch.response_mask, ctx.groups, **kw)
     with ctx.timer("old_logprob"):
@@ -65,7 +86,7 @@ def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepCo
     batch.set("old_log_probs", old["log_probs"]).set("old_pooled", old["pooled"])
     metrics = dict(logprob_consistency(batch.log_probs, old["log_probs"], batch.response_mask))
     metrics["perf/forward_tokens"] = float(batch.sequence_lengths.sum())  # this rank's, in each forward pass
-    threshold = ctx.cfg.algorithm.ppo.rollout_is_threshold
+    threshold = ctx.algorithm.ppo.rollout_is_threshold
     if threshold is not None:
         weights, is_m = truncated_importance_weights(old["log_probs"], batch.log_probs, batch.response_mask,
                                                      threshold)
@@ -92,10 +113,11 @@ def score(batch: RolloutBatch, ground_truths, reward, tokenizer, ctx: StepContex
 
 def critic_values(batch: RolloutBatch, critic, ctx: StepContext) -> None:
     """The critic's values ``[b, r]`` of the rollout (``values``)."""
+    b = ctx.batching
     batch.set("values", forward.sequence_values(critic, batch.sequences, ctx.groups,
-                                                micro_batch_size=ctx.micro_batch_size,
-                                                lengths=batch.sequence_lengths, packed=ctx.packed,
-                                                token_budget=ctx.cfg.trainer.log_prob_max_token_len_per_rank))
+                                                micro_batch_size=b.micro_batch_size,
+                                                lengths=batch.sequence_lengths, packed=b.packed,
+                                                token_budget=b.forward_token_budget))
 
 
 def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: float,
@@ -109,7 +131,7 @@ def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: fl
     trust gate) and each learned row times its ``learned_trust`` when the batch has one (the coverage
     trust); the in-reward KL penalty enters centred within its group, ungated.
     """
-    algo = ctx.cfg.algorithm
+    algo = ctx.algorithm
     metrics: Dict[str, float] = {}
     mask, token_scores = batch.get("mask"), batch.get("token_scores")
     rewards = token_scores
@@ -122,10 +144,10 @@ def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: fl
     valid = mask.sum(dim=1) > 0
     group_ids = torch.where(valid, batch.group_ids, -1 - torch.arange(batch.batch_size))
     a = algo.advantage
-    if component_advantages(ctx.cfg):
+    if ctx.reward_shares is not None:
         rule = batch.get("rule_scores")  # [b]
         learned = token_scores.sum(dim=1) - rule  # [b]
-        shares = component_shares(ctx.cfg.reward)
+        shares = ctx.reward_shares
         advantages, returns = adv_lib.compute_component_advantages(
             [rule, learned], [shares["rule"], shares["learned"] * learned_weight], mask, group_ids,
             offset=(rewards - token_scores).sum(dim=1), row_weights=[None, batch.extras.get("learned_trust")],
@@ -158,7 +180,8 @@ def reference_pair_log_probs(examples, reference, ctx: StepContext) -> torch.Ten
     changes every step. The reference log-prob cache (``hpa.trainer.reference_cache``) stores what this
     returns, so cached and live values are the same bits.
     """
-    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=1, pad_id=ctx.pad_id, packed=ctx.packed)
+    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=1, pad_id=ctx.batching.pad_id,
+                                           packed=ctx.batching.packed)
     rows = forward.pair_sequence_log_probs(reference, mbs, ctx.groups, vocab_size=ctx.vocab_size)  # [2m]
     return rows.reshape(len(examples), 2)  # one pair a micro-batch: its chosen row, then its rejected row
 
@@ -167,32 +190,33 @@ def preference_micro_batches(examples, reference, ctx: StepContext,
                              ref_log_probs: Optional[torch.Tensor] = None) -> List[MicroBatch]:
     """This step's preference pairs as pair micro-batches, with the reference's summed log-probs: the
     cached ones ``ref_log_probs`` ``[m, 2]`` (chosen, rejected) when given, else from a reference forward."""
-    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=ctx.micro_batch_size, pad_id=ctx.pad_id,
-                                           packed=ctx.packed)
+    b = ctx.batching
+    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=b.micro_batch_size, pad_id=b.pad_id,
+                                           packed=b.packed)
     if ref_log_probs is None:
         ref_log_probs = reference_pair_log_probs(examples, reference, ctx)
-    micro_batches.attach_ref_pair_logps(mbs, micro_batches.pair_rows(ref_log_probs, ctx.micro_batch_size))
+    micro_batches.attach_ref_pair_logps(mbs, micro_batches.pair_rows(ref_log_probs, b.micro_batch_size))
     return mbs
 
 
 def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[Tuple[int, int, List[MicroBatch]]]:
     """Per PPO epoch and mini-batch: its index, the number of mini-batches and the rollout micro-batches
     of its rows (none when ``batch`` is None: a pairs-only step)."""
-    t = ctx.cfg.trainer
+    t, b = ctx.trainer, ctx.batching
     minis = micro_batches.mini_batches(batch.batch_size if batch is not None else 0,
                                        t.global_batch_size // t.ppo_mini_batch_size if t.ppo_mini_batch_size else 1)
     for _ in range(t.ppo_epochs):
         for index, rows in enumerate(minis):
             yield index, len(minis), micro_batches.rollout_micro_batches(
-                batch, rows, micro_batch_size=ctx.micro_batch_size, token_budget=t.ppo_max_token_len_per_rank,
-                dp_group=ctx.groups.dp_group, packed=ctx.packed) if rows else []
+                batch, rows, micro_batch_size=b.micro_batch_size, token_budget=b.update_token_budget,
+                dp_group=ctx.groups.dp_group, packed=b.packed) if rows else []
 
 
-def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weights: StepWeights, policy: Trainable, guard,
+def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weights: StepWeights, policy: Trainable, guard,
                   ctx: StepContext, *, wrap_loss=lambda loss_fn: loss_fn,
                   controllers: Optional[Controllers] = None) -> Dict[str, float]:
-    """``ppo_epochs`` x mini-batches of optimizer updates at this step's LR, the preference micro-batches
-    dealt round-robin over the mini-batches; the LR schedule then advances once per HPA step (as verl's),
+    """``ppo_epochs`` x mini-batches of optimizer updates at this step's LR, the micro-batches of the offline
+    streams (``offline``: the preference pairs, ...) dealt round-robin over the mini-batches; the LR schedule then advances once per HPA step (as verl's),
     whatever the number of updates in it. ``guard`` decides what a non-finite or spiking gradient does.
     The metrics carry ``_tokens`` and ``_padded_tokens``: this rank's real tokens and the positions its
     updates computed (``tokens_computed``).
@@ -209,26 +233,26 @@ def update_policy(batch: Optional[RolloutBatch], pairs: List[MicroBatch], weight
     tokens = computed = 0.0
     lr = policy.optimizer.param_groups[0]["lr"]
     for index, num_minis, rollout_mbs in _mini_batches(batch, ctx):
-        pair_mbs = pairs[index::num_minis]
-        real, positions = tokens_computed(rollout_mbs + pair_mbs)
+        offline_mbs = offline[index::num_minis]
+        real, positions = tokens_computed(rollout_mbs + offline_mbs)
         tokens, computed = tokens + real, computed + positions
-        counts = objective.global_counts(rollout_mbs, pair_mbs, ctx.groups)
+        counts = objective.global_counts(rollout_mbs, offline_mbs, ctx.groups)
         split = controllers is not None and controllers.measuring("gradients") and bool(rollout_mbs) \
-            and bool(pair_mbs)
+            and bool(offline_mbs)
         # a measured update scales the pair gradients after both backward passes, not inside the loss
         loss_weights = weights.with_factors(dataclasses.replace(weights.factors, pairs=1.0)) if split else weights
-        loss_fn = wrap_loss(objective.make_policy_loss(ctx.cfg.algorithm, loss_weights, counts, ctx.groups,
+        loss_fn = wrap_loss(objective.make_policy_loss(ctx.algorithm, loss_weights, counts, ctx.groups,
                                                        vocab_size=ctx.vocab_size, temperature=ctx.temperature))
         zero_grad(policy.model, policy.optimizer)
         if split:
-            records, norms = _measured_backward(policy, rollout_mbs, pair_mbs, loss_fn, ctx)
+            records, norms = _measured_backward(policy, rollout_mbs, offline_mbs, loss_fn, ctx)
             controllers.update("gradients", StepSignals(weights=weights, grad_norms={
                 "rollout": norms["grad_norm/rollout"], "pairs": norms["grad_norm/pairs"]}))
             weights = weights.with_factors(controllers.factors())
             add_grads(policy.model, norms.pop("_rollout_grads"), scale=weights.factors.pairs)
             records.append(norms)
         else:
-            records = forward_backward(policy.model, rollout_mbs + pair_mbs, loss_fn, ctx.groups,
+            records = forward_backward(policy.model, rollout_mbs + offline_mbs, loss_fn, ctx.groups,
                                        capture_hidden=True)
         updated, grad_norm = guarded_optimizer_step(policy.optimizer, None, guard.grad_norm_action,
                                                     guard.spike_clip_value)
@@ -265,7 +289,7 @@ def update_critic(batch: RolloutBatch, critic: Trainable, ctx: StepContext) -> D
     for _, _, mbs in _mini_batches(batch, ctx):
         counts = objective.global_counts(mbs, [], ctx.groups)
         zero_grad(critic.model, critic.optimizer)
-        records = forward_backward(critic.model, mbs, objective.make_critic_loss(ctx.cfg.algorithm, counts),
+        records = forward_backward(critic.model, mbs, objective.make_critic_loss(ctx.algorithm, counts),
                                    ctx.groups)
         optimizer_step(critic.optimizer)
         steps.append(objective.step_metrics(records, ctx.groups))

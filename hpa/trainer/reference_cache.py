@@ -34,6 +34,7 @@ import torch
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.models.heads import unwrap
+from hpa.models.lora import is_adapter_key
 from hpa.trainer.checkpoint import CheckpointError, file_sha256, seal, verify
 
 logger = logging.getLogger("hpa")
@@ -77,7 +78,8 @@ def weights_digest(model, groups: ParallelGroups) -> str:
     (pipeline stage, TP rank) shards are hashed together (DP replicas hold the same shards)."""
     h = hashlib.sha256()
     for name, tensor in sorted(unwrap(model).state_dict().items()):
-        if not isinstance(tensor, torch.Tensor) or name.endswith("_extra_state"):
+        # a LoRA reference is the base with the adapters off: the (trained) adapters are not its weights
+        if not isinstance(tensor, torch.Tensor) or name.endswith("_extra_state") or is_adapter_key(name):
             continue
         h.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
         h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -116,6 +118,7 @@ def _stored(directory: Path, key: Dict, num_pairs: int) -> Tuple[Optional[torch.
     try:
         verify(directory)
         stored = json.loads((directory / KEY).read_text())
+        key = json.loads(json.dumps(key))  # as stored: a tuple in the key (model.lora.target_modules) reads back a list
         changed = sorted(k for k in key.keys() | stored.keys() if key.get(k) != stored.get(k))
         if changed:
             return None, f"changed: {', '.join(changed)}"

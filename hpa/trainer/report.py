@@ -158,6 +158,11 @@ def _plot(panel: Panel, series: Series, out_dir: Path) -> Path:
     return path
 
 
+# figures that need the device's peak FLOP/s (``trainer.peak_tflops_per_device``, unknown on CPU): NaN by
+# design there, so a run where they are never finite shows them as "n/a on CPU", not as non-finite values
+NEED_PEAK = ("perf/mfu", "perf/mfu_padded")
+
+
 def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
@@ -192,7 +197,11 @@ def write_summary(series: Series, run_dir: Path, plots: Sequence[Path], skipped:
                      f"{_fmt(eval_points[-1][1])} at step {eval_points[-1][0]} (after)")
     else:
         lines.append("- eval score: not logged")
-    nonfinite = {k: len(v) - len(_finite(v)) for k, v in series.items()}
+    unknown_peak = sorted(k for k in NEED_PEAK if k in series and not _finite(series[k]))
+    if unknown_peak:
+        lines.append("- n/a on CPU (no peak FLOP/s known; set trainer.peak_tflops_per_device on a GPU): "
+                     + ", ".join(f"`{k}`" for k in unknown_peak))
+    nonfinite = {k: len(v) - len(_finite(v)) for k, v in series.items() if k not in unknown_peak}
     nonfinite = {k: n for k, n in nonfinite.items() if n}
     if nonfinite:
         listed = ", ".join(f"`{k}` ({n})" for k, n in sorted(nonfinite.items()))

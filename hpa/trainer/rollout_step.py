@@ -63,6 +63,7 @@ class RolloutStep:
         with ctx.timer("rollout"):
             batch = self.rollout([e.prompt_ids for e in examples], refill_round)
         metrics = phases.reference_and_old_policy(batch, p.reference, p.policy.model, ctx)
+        metrics.update(p.engine.decode_metrics())  # which decode ran (bench/gpu_check.py fails on a fallback)
         with ctx.timer("reward"):
             truths = [examples[int(i)].ground_truth for i in batch.group_ids]
             metrics.update(phases.score(batch, truths, reward, p.tokenizer, ctx))

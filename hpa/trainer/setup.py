@@ -16,6 +16,8 @@ from hpa.data.tokenizer import build_tokenizer
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine.optimizer import Trainable, make_trainable
 from hpa.models import build_policy, build_reference, build_value, unwrap
+from hpa.models.lora import BaseView, attach_lora
+from hpa.models.lora_io import load_adapters
 from hpa.models.weights import load_model_weights
 from hpa.reward import build_reward
 from hpa.rollout import build_rollout_engine
@@ -72,10 +74,11 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
                                   model_cfg=cfg.model, checkpoint_path=cfg.model.policy_path)
     model_reward = None  # the learned (hackable) part of the reward, watched by the monitor
     if cfg.reward.model_paths:  # the reward-model ensemble (hpa train-rm), next to the rule rewards
-        from hpa.reward.model import ModelReward
+        from hpa.reward.model import ModelReward, tokenizer_record
 
         model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups, pad_id=tokenizer.pad_id,
-                                               micro_batch_size=t.micro_batch_size, packed=t.sequence_packing)
+                                               micro_batch_size=t.micro_batch_size, packed=t.sequence_packing,
+                                               tokenizer=tokenizer_record(tokenizer))
     reward = build_reward(cfg.reward, model_reward)
     evaluator = Evaluator(cfg.data, cfg.rollout, cfg.reward, groups, tokenizer, rejects_dir=rejects, reward=reward,
                           model_reward=model_reward, micro_batch_size=t.micro_batch_size, packed=t.sequence_packing)
@@ -86,16 +89,25 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
 
 def build_models(cfg: Config, groups: ParallelGroups):
     """``(policy, reference, critic)``: the trained policy, the frozen reference and, with GAE, the critic
-    (which starts from ``model.critic_path``, else from the policy's backbone)."""
+    (which starts from ``model.critic_path``, else from the policy's backbone).
+
+    With ``model.lora`` on, the policy is the loaded base plus adapters (the base frozen) and the reference
+    is the same module with its adapters off (``BaseView``): no second copy. LoRA with a critic is refused
+    by the config check (``hpa.config.load``)."""
     policy = build_policy(cfg.model, cfg.parallel, groups)
     if cfg.model.policy_path:
         load_model_weights(policy, cfg.model.policy_path, groups)
+    total = cfg.trainer.total_steps
+    if cfg.model.lora.enabled:  # one frozen base: the policy trains adapters, the reference is the base
+        attach_lora(policy, cfg.model.lora, groups, seed=cfg.trainer.seed)
+        if cfg.model.lora.adapter_path:  # continue from trained (or imported PEFT) adapters
+            load_adapters(policy, cfg.model.lora.adapter_path, groups)
+        return make_trainable(policy, cfg.optim, cfg.parallel, groups, total), BaseView(policy), None
     reference = build_reference(cfg.model, cfg.parallel, groups)
     if cfg.model.reference_path:
         load_model_weights(reference, cfg.model.reference_path, groups)
     else:  # the frozen reference is the initial policy
         reference.load_state_dict(policy.state_dict())
-    total = cfg.trainer.total_steps
     trained = make_trainable(policy, cfg.optim, cfg.parallel, groups, total)
     critic = None
     if cfg.algorithm.advantage.estimator == "gae":

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Dict
 
 
-from hpa.config import write_resolved
+from hpa.config import ConfigError, write_resolved
 from hpa.config.schema import Config, OptimConfig
 from hpa.data.preferences import SFTDataset
 from hpa.data.sampler import DistributedBatchSampler
@@ -27,6 +27,9 @@ logger = logging.getLogger("hpa")
 
 def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     """Train the policy with token-mean NLL over response tokens; save to ``sft.output_dir``."""
+    if cfg.model.lora.enabled:  # sft saves full weights; adapters saved there would be dropped on load
+        raise ConfigError("model.lora.rank", f"hpa sft trains every weight (model.lora.rank is "
+                          f"{cfg.model.lora.rank}); LoRA is for hpa train: pass model.lora.rank=0 to sft")
     run_dir = Path(cfg.trainer.run_dir)
     out_dir = Path(cfg.sft.output_dir or run_dir / "sft")
     if groups.is_main:
@@ -43,7 +46,7 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     trainable = make_trainable(model, optim, cfg.parallel, groups, cfg.sft.total_steps)
     ddp, opt, sched = trainable.model, trainable.optimizer, trainable.scheduler
     writer = MetricsWriter(run_dir / "sft_logs", cfg.logging, is_main=groups.is_main,
-                           total_steps=cfg.sft.total_steps)
+                           total_steps=cfg.sft.total_steps, phase="sft")
     vocab = tokenizer.vocab_size  # rows beyond the tokenizer's vocabulary are never normalised over
     metrics: Dict[str, float] = {}
     for step in range(1, cfg.sft.total_steps + 1):

@@ -212,3 +212,9 @@ def test_start_rollouts_state_round_trips_mid_baseline_and_an_old_state_loads():
     fresh = start_gate()
     fresh.load_state_dict(state)
     assert fresh.headroom == 0.0 and fresh.baseline is None and fresh.baseline_count == 0
+
+
+def test_the_default_signal_is_the_configs_default():
+    from hpa.config.algorithm import TrustGateConfig
+
+    assert TrustGate().signal == TrustGateConfig().signal == "start_rollouts"

@@ -210,7 +210,7 @@ def e2e_worker(groups, root, out, port):
     save_model_weights(build_policy(cfg.model, cfg.parallel, groups), f"{out}/weak", groups)
     save_model_weights(build_reward(cfg.model, cfg.parallel, groups, num_heads=cfg.reward.num_heads), f"{out}/rm",
                        groups)
-    write_reward_model_info(f"{out}/rm", num_heads=cfg.reward.num_heads, hidden_size=cfg.model.hidden_size)
+    write_reward_model_info(f"{out}/rm", num_heads=cfg.reward.num_heads, model=cfg.model)
     sft = run_sft(cfg, groups)
     strong = f"{out}/run/sft"
     timings["sft"] = time.time() - start

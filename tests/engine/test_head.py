@@ -133,3 +133,33 @@ def test_only_the_read_positions_get_gradient():
     read = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
     read.scatter_(1, batch["response_index"], True)
     assert grad.abs().sum(-1)[read].min() > 0 and not grad[~read].any()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_heads_make_the_host_wait_for_nothing_forward_and_backward(packed):
+    """Both heads on a micro-batch on the (test) device, with the backward pass: no operation that would
+    synchronise with a CUDA device (``SyncOps``), and the same values and gradients as on the host."""
+    from hpa.distributed.device_mode import StrictDeviceMode, on_device, on_host
+    from hpa.distributed.sync_ops import SyncOps
+    from hpa.engine.head import label_log_probs, response_log_probs
+
+    device = torch.device("lazy", 0)
+    batch = _batch("rollout", packed)
+    logits, _ = _logits(batch, 0, 1)
+
+    def loss(b, x):
+        logp, ent = response_log_probs(b, x, None, vocab_size=VOCAB_SIZE, entropy=True, chunk_tokens=2)
+        labels = label_log_probs(b, x, None, vocab_size=VOCAB_SIZE, chunk_tokens=2)
+        return (logp * b["mask"]).sum() + (ent * b["mask"]).sum() + (labels * b["label_mask"]).sum()
+
+    want, want_grad = _grad(lambda x: loss(batch, x), logits)
+    with StrictDeviceMode(device):
+        x = on_device(logits.clone()).requires_grad_()
+        with SyncOps() as syncs:
+            on = batch.to(device)
+            got = loss(on, x)
+            got.backward()
+        assert syncs.count == 0, dict(syncs.by_site)
+        got, grad = on_host(got.detach()), on_host(x.grad)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-6)

@@ -2,8 +2,9 @@
 
 NEVER RUN YET: written on a machine without a GPU. The static-shape step it captures runs on CPU in
 ``tests/rollout/test_static_decode.py`` (equal to eager decode there); this file checks what only a GPU
-can: the capture, the replay, in-place weight updates seen by a captured graph, recapture after
-``sync_weights``, and the speed-up. Run with ``pytest -m gpu tests/gpu/test_graph_decode.py -s``.
+can: the capture, the replay, in-place weight updates seen by a captured graph (kept by ``sync_weights``
+and ``sleep``: one capture per bucket for the run), the speed-up, and bf16 (the dtype of the GPU check).
+Run with ``pytest -m gpu tests/gpu/test_graph_decode.py -s``.
 """
 
 import time
@@ -63,9 +64,12 @@ def worker(groups):
             p.mul_(1.05)
     out["inplace"] = {d: run(d, ps, greedy) for d in ("eager", "graph")}
     out["inplace_reused"] = graph_engine._steps[(4, 128)] is captured
+    captures = graph_engine.captures
     graph_engine.sync_weights()
+    graph_engine.sleep()
     out["after_sync"] = {"graph": run("graph", ps, greedy)}
-    out["recaptured"] = graph_engine._steps[(4, 128)] is not captured
+    out["kept_after_sync"] = graph_engine._steps[(4, 128)] is captured and graph_engine.captures == captures
+    out["decoded"] = graph_engine.decoded
 
     # per-token time at batch 64, 128 new tokens (the prefill included), after one warm call
     timing = SamplingParams(temperature=0.0, max_new_tokens=128, ignore_eos=True)
@@ -104,8 +108,8 @@ def test_auto_decode_is_graph_on_cuda(res):
     assert res["auto"] == "graph"
 
 
-def test_captured_graph_sees_in_place_weight_updates_and_sync_recaptures(res):
-    assert res["inplace_reused"] and res["recaptured"]
+def test_captured_graph_sees_in_place_weight_updates_and_sync_keeps_it(res):
+    assert res["inplace_reused"] and res["kept_after_sync"] and res["decoded"] == "graph"
     _same(res["inplace"]["graph"], res["inplace"]["eager"], atol=1e-4)
     _same(res["after_sync"]["graph"], res["inplace"]["eager"], atol=1e-4)
 
@@ -114,3 +118,36 @@ def test_graph_decode_is_faster(res):
     """The issue's target is 5x on the 0.5B shape at batch 64 (bench/rollout_vs_hf.py); this narrow
     24-layer model is launch-bound, so the graph should at least halve the step."""
     assert res["ms_per_token_step_graph"] * 2 < res["ms_per_token_step_eager"], res
+
+
+def bf16_worker(groups):
+    """bf16 weights (the GPU check's dtype): graph against static decode (the same kernels: equal) and against
+    eager decode (attention over the static slots rounds differently: log-probs close, in bf16's rounding)."""
+    from hpa.config.schema import ModelConfig, ParallelConfig
+    from hpa.models import build_policy
+    from hpa.rollout import SamplingParams, TokenizerInfo
+    from hpa.rollout.megatron_engine import MegatronRolloutEngine
+
+    torch.manual_seed(0)
+    model = build_policy(ModelConfig(**MODEL, params_dtype="bfloat16"), ParallelConfig(), groups)
+    info = TokenizerInfo(vocab_size=VOCAB, eos_token_id=2, pad_token_id=0)
+    engines = {d: MegatronRolloutEngine(model, groups, info, decode=d) for d in ("eager", "static", "graph")}
+    sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=7, ignore_eos=True)
+    out = {}
+    for d, engine in engines.items():
+        b = engine.generate(prompt_lists(17, 17), sampled)
+        out[d] = {"ids": b.response_ids, "mask": b.response_mask, "logp": b.log_probs, "finish": list(b.finish_reasons)}
+    out["decoded"], out["captures"] = engines["graph"].decoded, engines["graph"].captures
+    return out
+
+
+def test_bf16_graph_decode_equals_static_and_is_close_to_eager():
+    r = run_ranks(bf16_worker, parallel_kwargs={"backend": "nccl"})[0]
+    assert r["decoded"] == "graph" and r["captures"] == 1
+    _same(r["graph"], r["static"], atol=0.0)
+    # teacher-forced on graph's tokens the eager log-probs would compare exactly; sampled separately, rows whose
+    # tokens agree must have close log-probs
+    agree = (r["graph"]["ids"] == r["eager"]["ids"]).all(dim=1)
+    assert agree.float().mean() >= 0.5, agree
+    gap = (r["graph"]["logp"][agree] - r["eager"]["logp"][agree]).abs()
+    assert gap.mean() < 3e-2 and gap.max() < 0.3, gap

@@ -182,7 +182,11 @@ def test_a_micro_batch_enters_the_device_without_blocking_and_builds_its_inputs_
         assert copies.calls == [True, True, True]  # ids, labels, the mask
         positions = on.position_ids()
         params = on.packed_seq_params()
-        assert copies.calls == [True] * 8  # one copy each, built on the host (+ the attention's chunk layout: 3)
+        assert copies.calls == [True] * 5  # one copy each, built on the host; no chunk layout yet (varlen: none)
+        params.hpa_chunks.index, params.hpa_chunks.mask()
+        assert copies.calls == [True] * 8  # the attention's chunk layout without the varlen kernel: 3, once
+        params.hpa_chunks.moved(lambda x: x).inverse
+        assert copies.calls == [True] * 8
         assert on.position_ids() is positions and on.packed_seq_params() is params
         assert positions.device == DEVICE and params.cu_seqlens_q.device == DEVICE
     assert positions.as_subclass(torch.Tensor).tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
@@ -253,6 +257,10 @@ def test_host_cost_of_a_micro_batch_does_not_grow_with_its_rows():
         syncs = {r[phase][layout][rows]["syncs"] for r in (full, two) for layout in ("padded", "packed")
                  for rows in ("rows8", "rows32")}
         assert syncs == {0}, (phase, syncs)
+        # nor any operation that waits for a CUDA device, forward or backward, the heads included (SyncOps)
+        sync_ops = {r[phase][layout][rows]["sync_ops"] for r in (full, two) for layout in ("padded", "packed")
+                    for rows in ("rows8", "rows32")}
+        assert sync_ops == {0}, (phase, [r[phase] for r in (full, two)])
     assert two["syncs_per_step"]["packed"] == two["syncs_per_step"]["padded"], two["syncs_per_step"]
 
 
@@ -279,3 +287,93 @@ def test_gpu_check_phase_figures_and_sync_count_run_without_a_gpu():
         assert gpu_check._counting_syncs(lambda: 7) == (7, None)
         assert gpu_check._per_step(None, [{}]) is None
     assert gpu_check._per_step(12, [{}, {}, {}]) == 4.0
+
+
+def test_varlen_signature_is_read_once(monkeypatch):
+    """``inspect.signature`` of the kernel once per process, not on every attention call."""
+    import inspect
+
+    import torch.nn.attention.varlen as varlen
+
+    from hpa.models import specs
+
+    calls = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda fn: calls.append(fn) or real(fn))
+
+    def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+             enable_gqa=False):
+        return query
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    params = _packed([3, 1, 4]).packed_seq_params()
+    q = torch.randn(8, 2, 4)
+    for _ in range(3):
+        specs.varlen_causal_attention(q, q, q, params, scale=0.5)
+    assert [fn for fn in calls if fn is fake] == [fake]
+
+
+def _gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _probe_worker(groups):
+    """``bench/gpu_check.py``'s packing probe on CPU (fp32, the chunked attention): with hpa's attention, and with
+    one that lets every packed token see the whole pack (what a broken varlen call would do)."""
+    from hpa.config.schema import ModelConfig, ParallelConfig
+    from hpa.models import build_policy, specs
+
+    gpu_check = _gpu_check()
+    cfg = ModelConfig(num_layers=2, hidden_size=48, num_attention_heads=6, num_query_groups=2, ffn_hidden_size=64,
+                      vocab_size=64, max_sequence_length=32, make_vocab_size_divisible_by=16, add_qkv_bias=True)
+    torch.manual_seed(0)
+    model = build_policy(cfg, ParallelConfig(), groups)
+    out = {"good": gpu_check.packing_probe(model, groups, 64, lengths=[9, 5, 12, 7])}
+
+    def leaky(query, key, value, params, *, dropout, scale, gqa):  # [t, heads, d]: no mask at all
+        q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+
+    specs.chunked_causal_attention = leaky
+    out["leaky"] = gpu_check.packing_probe(model, groups, 64, lengths=[9, 5, 12, 7])
+    return out
+
+
+@pytest.mark.multirank
+def test_gpu_checks_packing_probe_sees_a_leak():
+    out = run_ranks(_probe_worker)[0]
+    good, leaky = out["good"], out["leaky"]
+    assert good["causality_leak_max"] == 0.0 and good["changed_after_max"] > 0, good
+    assert good["logprob_gap_mean"] < 1e-5 and good["varlen_calls"] == 0 and good["tokens"] == 33  # CPU: chunked
+    assert leaky["causality_leak_max"] > 1e-3 and leaky["logprob_gap_mean"] > 1e-3, leaky
+
+
+def test_gpu_check_fails_when_a_path_it_checks_did_not_run():
+    """``failed_checks``: passes only with the config packing, the padded run done, graph decode at every step
+    with one capture per bucket, and a probe that saw the varlen kernel, no leak and a small gap."""
+    gpu_check = _gpu_check()
+    probe = {"varlen_calls": 48, "causality_leak_max": 0.0, "changed_after_max": 0.3, "logprob_gap_mean": 0.01}
+    steps = [{"rollout/decode_graph": 1.0, "rollout/graph_captures": 1.0, "rollout/decode_buckets": 1.0}] * 4
+    good = {"device": "NVIDIA H100", "sequence_packing": True, "packing": {"padded_run_ok": True},
+            "decode": gpu_check.decode_figures(steps), "packing_probe": probe}
+    assert gpu_check.failed_checks(good) == []
+    fallback = [dict(steps[0], **{"rollout/decode_graph": 0.0})] + steps[1:]
+    recaptured = steps[:3] + [dict(steps[0], **{"rollout/graph_captures": 4.0})]
+    cases = {"does not pack": dict(good, sequence_packing=False),
+             "padded reference": dict(good, packing={"padded_run_ok": False}),
+             "did not run at every step": dict(good, decode=gpu_check.decode_figures(fallback)),
+             "captured again": dict(good, decode=gpu_check.decode_figures(recaptured)),
+             "varlen kernel": dict(good, packing_probe=dict(probe, varlen_calls=0)),
+             "causality probe": dict(good, packing_probe=dict(probe, causality_leak_max=0.2)),
+             "differ by": dict(good, packing_probe=dict(probe, logprob_gap_mean=0.4)),
+             "packing probe: initialise": dict(good, packing_probe={"error": "initialise: nccl"})}
+    eager = dict(good, decode=gpu_check.decode_figures([{}] * 4))
+    assert "did not run at every step" in gpu_check.failed_checks(eager)[0]
+    for expected, figures in cases.items():
+        failed = gpu_check.failed_checks(figures)
+        assert len(failed) == 1 and expected in failed[0], (expected, failed)

@@ -46,7 +46,7 @@ def make_config(root: str, run_dir: str, *, tp: int = 1, pp: int = 1, steps: int
         "model.num_query_groups=2", "model.make_vocab_size_divisible_by=16",
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
         "parallel.backend=gloo", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
-        "trainer.preference_batch_size=32", "trainer.micro_batch_size=16", "trainer.log_interval=1000",
+        "trainer.preference_batch_size=32", "trainer.micro_batch_size=16", "logging.log_interval=1000",
         "optim.lr=1e-2", "optim.lr_warmup_fraction=0", "checkpoint.save_interval=0",
         f"reward.num_heads={num_heads}", "reward.rules=[]", "reward.training.eval_fraction=0.1",
         *( [f"reward.training.init_path={init_path}"] if init_path else []), *extra]
@@ -137,7 +137,7 @@ def tp1_worker(groups, root, out, separable_root):
     cfg = make_config(root, f"{out}/tp1")
     set_seed(0)  # megatron's RNG tracker too: torch.manual_seed alone leaves the init run-dependent
     save_model_weights(build_reward_model(cfg.model, cfg.parallel, groups, num_heads=NUM_HEADS), f"{out}/init", groups)
-    write_reward_model_info(f"{out}/init", num_heads=NUM_HEADS, hidden_size=cfg.model.hidden_size)
+    write_reward_model_info(f"{out}/init", num_heads=NUM_HEADS, model=cfg.model)
     save_model_weights(build_reward_model(cfg.model, cfg.parallel, groups, num_heads=1), f"{out}/k1", groups)
 
     cfg = make_config(root, f"{out}/tp1", init_path=f"{out}/init")

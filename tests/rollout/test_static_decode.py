@@ -8,8 +8,9 @@ One TP1/PP1 spawn runs every generate call; the tests compare what it returned:
 - the decode loop reads the device (``.item``, ``.tolist``, tensor ``bool``, device-to-host copies,
   data-dependent shapes) about once per ``FINISHED_CHECK_EVERY`` steps, where eager decode reads it every step
   (counted in the test device mode, ``hpa/distributed/device_mode.py``);
-- a bucket's step is built once per weight version: reused across calls, rebuilt after ``sync_weights``
-  and after a parameter gets new storage, freed by ``sleep``.
+- a bucket's step is built once for the run: reused across calls, kept by ``sync_weights`` and ``sleep``;
+  with a stand-in of the CUDA-graph capture, one capture per bucket across rollouts and weight updates, and
+  one more only when a parameter gets new storage.
 
 The CUDA graph capture itself runs only on a GPU: ``tests/gpu/test_graph_decode.py``.
 """
@@ -101,16 +102,9 @@ def worker(groups):
     e.generate(prompt_lists(4), params)
     out["reused"] = e._steps[(4, 48)] is first
     e.sync_weights()
-    e.generate(ps, params)
-    out["new_after_sync"] = e._steps[(4, 48)] is not first
-    second = e._steps[(4, 48)]
-    with torch.no_grad():
-        p = next(model.parameters())
-        p.data = p.data.clone()  # same values, new storage: a captured graph would read the old one
-    e.generate(ps, params)
-    out["new_after_storage"] = e._steps[(4, 48)] is not second
     e.sleep()
-    out["empty_after_sleep"] = not e._steps
+    e.generate(ps, params)
+    out["kept_after_sync_and_sleep"] = e._steps[(4, 48)] is first
     try:
         me.MegatronRolloutEngine(model, groups, TokenizerInfo(vocab_size=VOCAB, eos_token_id=1, pad_token_id=PAD),
                                  decode="graph")
@@ -141,6 +135,54 @@ def sync_worker(groups):
 
     return {"device": groups.device.type, "check_every": me.FINISHED_CHECK_EVERY,
             "syncs": {(d, m): syncs(d, m) for d in ("eager", "static") for m in (8, 16, 32)}}
+
+
+def captures_worker(groups):
+    """Graph decode with a stand-in of the capture (``tests/rollout/test_cuda_graph.py``'s ``FakeGraphs``) over
+    several rollouts of two buckets, each followed by an in-place weight update, ``sync_weights`` and ``sleep``
+    as the trainer does; then a parameter given new storage."""
+    from test_cuda_graph import FakeGraphs
+
+    from hpa.config.schema import ParallelConfig
+    from hpa.models import build_policy
+    from hpa.rollout import SamplingParams, TokenizerInfo, cuda_graph
+    from hpa.rollout import megatron_engine as me
+
+    fake = cuda_graph.GRAPHS = FakeGraphs()
+    torch.manual_seed(0)
+    model = build_policy(tiny_model_config(), ParallelConfig(), groups)
+    info = TokenizerInfo(vocab_size=VOCAB, eos_token_id=1, pad_token_id=PAD)
+    graph, eager = (me.MegatronRolloutEngine(model, groups, info, decode=d) for d in ("graph", "eager"))
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+    out = {"same": [], "decoded": set()}
+    for rollout in range(3):
+        for n in (3, 6):  # buckets of 4 and 8 rows
+            got, want = graph.generate(prompt_lists(n), params), eager.generate(prompt_lists(n), params)
+            out["same"].append(torch.equal(got.response_ids, want.response_ids))
+            out["decoded"].add(graph.decoded)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))  # the optimizer's step: in place
+        graph.sync_weights()
+        graph.sleep()
+    out["captures"], out["engine_captures"] = fake.captures, graph.captures
+    out["metrics"], out["eager_metrics"] = graph.decode_metrics(), eager.decode_metrics()
+    with torch.no_grad():
+        p = next(model.parameters())
+        p.data = p.data.clone()  # same values, new storage: a captured graph would read the old one
+    graph.generate(prompt_lists(3), params)
+    out["after_storage"] = fake.captures
+    return out
+
+
+def test_graph_decode_captures_once_per_bucket_for_the_run():
+    out = run_ranks(captures_worker)[0]
+    assert all(out["same"]) and len(out["same"]) == 6 and out["decoded"] == {"graph"}
+    assert out["captures"] == 2 == out["engine_captures"]  # two buckets, three rollouts, three weight updates
+    assert out["after_storage"] == 3  # the bucket used again captures again
+    assert out["metrics"] == {"rollout/decode_graph": 1.0, "rollout/graph_captures": 2.0,
+                              "rollout/decode_buckets": 2.0}
+    assert out["eager_metrics"] == {}  # an engine that decodes eagerly from the start adds no keys
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +225,8 @@ def test_decode_loop_reads_the_device_once_per_check_interval(monkeypatch):
     assert syncs[("static", 32)] <= 32 // k + 9, syncs
 
 
-def test_a_bucket_step_is_built_once_per_weight_version(res):
-    assert res["reused"] and res["new_after_sync"] and res["new_after_storage"] and res["empty_after_sleep"]
+def test_a_bucket_step_is_built_once_for_the_run(res):
+    assert res["reused"] and res["kept_after_sync_and_sleep"]
 
 
 def test_graph_decode_is_off_on_cpu(res):

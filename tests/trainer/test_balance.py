@@ -114,7 +114,10 @@ def balance_worker(groups, ckpt_in):
     weights = objective.StepWeights(w_ppo=0.4, w_dpo=0.4, w_kl=0.2, lambda_token=0.7, lambda_semantic=0.5,
                                     entropy_coef=0.01, reward_kl_coef=0.0)
     counts = objective.global_counts(rollout, pairs, groups)
-    ctx = phases.StepContext(None, groups, micro_batch_size=2, vocab_size=VOCAB, temperature=1.0, pad_id=0)
+    from hpa.engine.batching import Batching
+
+    ctx = phases.StepContext(groups=groups, algorithm=algo, trainer=None, batching=Batching(micro_batch_size=2, pad_id=0),
+                             vocab_size=VOCAB, temperature=1.0, hidden_size=_model_config().hidden_size)
 
     def loss_fn(scale):
         return objective.make_policy_loss(algo, weights.with_factors(objective.StepFactors(pairs=scale)), counts,

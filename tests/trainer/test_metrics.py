@@ -37,18 +37,20 @@ def test_non_main_ranks_write_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_progress_bar_shows_steps_and_key_metrics(tmp_path, capsys):
-    w = MetricsWriter(tmp_path, cfg(), is_main=True, total_steps=5)
-    w.write(1, {"reward/raw_mean": 0.25, "kl/token": 0.0125, "actor/lr": 1e-5})
-    w.write(2, {"reward/raw_mean": 0.5, "kl/token": 0.02})
+def test_off_a_terminal_there_is_no_bar_and_a_console_line_every_log_interval_steps(tmp_path, caplog):
+    """capsys's stderr is no terminal: no bar; the console lines come at steps 2 and 4 and the last (5)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="hpa")
+    w = MetricsWriter(tmp_path, LoggingConfig(wandb=WandbConfig(mode="disabled"), log_interval=2), is_main=True,
+                      total_steps=5)
+    for step in range(1, 6):
+        w.write(step, {"dpo/loss": 0.5, "actor/lr": 1e-5})
     w.close()
-    err = capsys.readouterr().err
-    assert "2/5" in err and "reward/raw_mean=0.5" in err and "kl/token=0.02" in err
-    assert "actor/lr" not in err
-    none = MetricsWriter(tmp_path / "off", cfg(progress_bar=False), is_main=True, total_steps=5)
-    none.write(1, {"reward/raw_mean": 0.25})
-    none.close()
-    assert "0.25" not in capsys.readouterr().err
+    assert w._bar is None
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2", "4", "5"]
+    assert all("dpo/loss=0.5" in line and "actor/lr" not in line for line in lines)
 
 
 def test_tensorboard_event_file_holds_the_scalars(tmp_path):
@@ -76,6 +78,8 @@ def test_wandb_logs_against_hpa_step_so_rewritten_steps_are_kept(tmp_path, monke
     calls = []
 
     class Run:
+        dir = str(tmp_path / "wandb")
+
         def define_metric(self, name, step_metric=None):
             calls.append(("define", name, step_metric))
 
@@ -85,14 +89,15 @@ def test_wandb_logs_against_hpa_step_so_rewritten_steps_are_kept(tmp_path, monke
         def finish(self):
             calls.append(("finish",))
 
-    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw["mode"])) or Run())
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw["mode"], kw["settings"])) or Run(),
+                                 Settings=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     w = MetricsWriter(tmp_path, LoggingConfig(wandb=WandbConfig(mode="offline"), console=False, progress_bar=False),
                       is_main=True)
     for step in (1, 2, 3, 2, 3):  # a rollback to step 1 replays 2 and 3
         w.write(step, {"kl/token": 0.1 * step})
     w.close()
-    assert calls[0] == ("init", "offline")
+    assert calls[0] == ("init", "offline", {"quiet": True, "show_info": False})  # wandb's banner: DEBUG only
     assert ("define", "*", "trainer/step") in calls
     logs = [c for c in calls if c[0] == "log"]
     assert [c[1]["trainer/step"] for c in logs] == [1, 2, 3, 2, 3] and all(c[2] is None for c in logs)

@@ -8,7 +8,6 @@ import torch
 
 from hpa.config import load_config
 from hpa.rollout.base import RolloutBatch
-from hpa.reward import embeddings
 from hpa.trainer import phases
 
 # one process: no DP group, DP size 1
@@ -16,8 +15,8 @@ GROUPS = types.SimpleNamespace(dp_group=None, data_parallel_size=1)
 
 
 def _ctx(*overrides):
-    return phases.StepContext(load_config(None, list(overrides)), GROUPS, micro_batch_size=2, vocab_size=32,
-                              temperature=1.0, pad_id=0)
+    cfg = load_config(None, ["trainer.micro_batch_size=2", "rollout.temperature=1.0", *overrides])
+    return phases.StepContext.from_config(cfg, GROUPS, vocab_size=32, pad_id=0)
 
 
 def _batch(response_mask, group_ids):
@@ -76,7 +75,7 @@ def test_the_kl_controller_follows_the_masked_mean_k1_kl():
     weights = types.SimpleNamespace(reward_kl_coef=0.05)
     from hpa.trainer.objective.controllers import KLCoefficient, StepSignals
 
-    kl_ctrl = KLCoefficient(ctx.cfg.algorithm.kl, GROUPS)
+    kl_ctrl = KLCoefficient(ctx.algorithm.kl, GROUPS)
     kl_ctrl.controller = ctrl
     metrics = kl_ctrl.update(StepSignals(batch=batch, weights=weights))
     kl = (0.5 + -1.0 + 0.3) / 3  # masked mean of old - ref over the three tokens in the loss
@@ -99,7 +98,7 @@ def test_tokens_computed_counts_real_tokens_and_the_positions_the_update_compute
                                                   dp_group=None, packed=packed)
     pair = types.SimpleNamespace(chosen_input_ids=[5, 6, 4], chosen_response_mask=[0, 1, 1],
                                  rejected_input_ids=[7], rejected_response_mask=[0])
-    pairs = micro_batches.pair_micro_batches([pair], micro_batch_size=1, pad_id=ctx.pad_id, packed=packed)
+    pairs = micro_batches.pair_micro_batches([pair], micro_batch_size=1, pad_id=ctx.batching.pad_id, packed=packed)
     real = 4 + 3 + 3 + 1
     assert phases.tokens_computed(rollout + pairs) == (real, real if packed else 2 * 4 + 2 * 3)
 
@@ -145,31 +144,6 @@ def test_component_shares_follow_the_configured_reward_sources():
     assert shares("reward.rule_weight=4.0") == {"rule": 1.0, "learned": 0.0}
 
 
-def test_heldout_reward_ceiling_is_the_chosen_mean_and_the_margin_over_the_rejected():
-    """The trust gate's ceiling from a scripted reward ensemble (2 heads): each pair's chosen and rejected
-    response is scored with its prompt, the heads averaged, over micro-batches of 2 pairs."""
-    from hpa.data.preferences import PreferenceExample
-    from hpa.reward.shaping import BaseRewardOutput
-
-    pairs = [PreferenceExample(prompt_ids=[5] * (1 + i), chosen_ids=[7] * (2 + i), rejected_ids=[9]) for i in range(3)]
-    seen = []
-
-    def model_reward(inputs):  # heads: (number of response tokens, 0.1 x prompt tokens)
-        seen.append(inputs)
-        return BaseRewardOutput(rewards=torch.stack([inputs.response_mask.sum(1).float(),
-                                                     0.1 * inputs.prompt_mask.sum(1).float()], dim=1))
-
-    ceiling, margin = embeddings.heldout_reward_ceiling(model_reward, pairs, pad_id=0, micro_batch_size=2)
-    chosen = [((2 + i) + 0.1 * (1 + i)) / 2 for i in range(3)]
-    rejected = [(1 + 0.1 * (1 + i)) / 2 for i in range(3)]
-    assert ceiling == pytest.approx(sum(chosen) / 3)
-    assert margin == pytest.approx(sum(c - r for c, r in zip(chosen, rejected)) / 3)
-    assert len(seen) == 4  # chosen and rejected of two micro-batches
-    assert seen[0].response_ids[1].tolist() == [7, 7, 7] and seen[1].response_ids[:, 0].tolist() == [9, 9]
-    with pytest.raises(ValueError, match="heldout_preference_path"):
-        embeddings.heldout_reward_ceiling(model_reward, [], pad_id=0)
-
-
 class _ScriptedEmbedder:
     """A reward model's pooled embedding, scripted: the one-hot of the prompt's last token plus 0.05 x the
     response length on the last axis (prompts are left-padded, so the last token is real); a prompt alone
@@ -206,7 +180,7 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
                      for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
     run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
                            heldout_pairs=heldout_pairs)
-    coverage = CoverageTrust(ctx.cfg.algorithm.hpa.coverage, run)
+    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, run)
     assert 0 <= coverage.low < coverage.high
     rule, learned = [1.0, 0.0, 1.0, 0.0], [0.2, 0.9, 1.3, 0.1]
     batch = _component_batch(rule, learned, [0, 0, 1, 1])
@@ -231,7 +205,7 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     assert (plain.get("advantages")[2:] - rule_only.get("advantages")[2:]).abs().max() > 0
     # the calibration constants are the controller's state; a restore keeps the saved ones
     state = coverage.state_dict()
-    fresh = CoverageTrust(ctx.cfg.algorithm.hpa.coverage, ControllerInputs(
+    fresh = CoverageTrust(ctx.algorithm.hpa.coverage, ControllerInputs(
         groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout_pairs[:2]))
     assert (fresh.low, fresh.high) != (state["low"], state["high"])
     fresh.load_state_dict(state)
@@ -258,9 +232,9 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
 
     base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
             "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false")
-    ctx = _ctx(*base)
-    assert CONTROLLERS["coverage"].enabled(ctx.cfg) and CONTROLLERS["trust_gate"].enabled(ctx.cfg)
-    assert ctx.cfg.algorithm.hpa.gate.signal == "start_rollouts"
+    ctx, cfg = _ctx(*base), load_config(None, list(base))
+    assert CONTROLLERS["coverage"].enabled(cfg) and CONTROLLERS["trust_gate"].enabled(cfg)
+    assert cfg.algorithm.hpa.gate.signal == "start_rollouts"
     prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
     heldout_pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
@@ -276,7 +250,7 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
 
     embedder = _CountingEmbedder()
     run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=embedder, pairs=pairs, heldout_pairs=heldout_pairs)
-    coverage = CoverageTrust(ctx.cfg.algorithm.hpa.coverage, run)
+    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, run)
     start = embedder.prompts_embedded
     a = advantages([0.2, 0.9, 1.3, 0.1], ctx, coverage)
     assert embedder.prompts_embedded == start + 2  # prompts 1 and 3, once each
@@ -286,7 +260,7 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     assert a.get("advantages")[2:].abs().max() == 0 and a.get("advantages")[:2].abs().max() > 0
     # the KL boost: far rows' hierarchical KL counts 1 + kl_boost times, covered rows' 1 + kl_boost (1 - trust)
     boosted = _ctx(*base, "algorithm.hpa.coverage.kl_boost=4")
-    c = advantages([0.2, 0.9, 1.3, 0.1], boosted, CoverageTrust(boosted.cfg.algorithm.hpa.coverage, run))
+    c = advantages([0.2, 0.9, 1.3, 0.1], boosted, CoverageTrust(boosted.algorithm.hpa.coverage, run))
     trust = c.get("learned_trust")
     torch.testing.assert_close(c.get("kl_weights"), 1 + 4 * (1 - trust))
     assert c.get("kl_weights")[2:].tolist() == [5.0, 5.0]

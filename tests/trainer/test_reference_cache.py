@@ -6,8 +6,10 @@ the cache as without it."""
 import json
 import logging
 import re
+import types
 
 import pytest
+import torch
 
 from multirank import run_ranks
 from trainer_runs import launch, overrides, read_metrics
@@ -51,8 +53,11 @@ def _reference(cfg, groups, root):
 def _ctx(cfg, groups, tokenizer, micro_batch_size):
     from hpa.trainer import phases
 
-    return phases.StepContext(cfg, groups, micro_batch_size=micro_batch_size, vocab_size=tokenizer.vocab_size,
-                              temperature=1.0, pad_id=tokenizer.pad_id)
+    import dataclasses
+
+    ctx = phases.StepContext.from_config(cfg, groups, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+    return dataclasses.replace(ctx, temperature=1.0,
+                               batching=dataclasses.replace(ctx.batching, micro_batch_size=micro_batch_size))
 
 
 def _cache(cfg, groups, tokenizer, pairs, reference, directory, calls):
@@ -251,3 +256,22 @@ def test_hpa_train_tp1_pp1_dp2_with_the_cache_equals_without_and_a_resume_reuses
         a = {k: v for k, v in a.items() if not k.startswith(VOLATILE)}
         b = {k: v for k, v in b.items() if not k.startswith(VOLATILE)}
         assert a == b
+
+
+def test_a_key_with_a_tuple_is_reused_after_its_json_round_trip(tmp_path):
+    """One process: a key holding a tuple (the model section's lora.target_modules) is stored as JSON, which
+    reads it back as a list; the second load must still reuse the cache, not rebuild it."""
+    from hpa.trainer import reference_cache
+
+    groups = types.SimpleNamespace(is_main=True, data_parallel_size=1, dp_rank=0, tp_rank=0, pp_rank=0, cp_rank=0,
+                                   dp_group=None)
+    key = {"model": {"lora": {"target_modules": ("linear_qkv", "linear_proj")}}, "num_pairs": 3}
+    calls = []
+
+    def compute(examples):
+        calls.append(len(examples))
+        return torch.arange(2.0 * len(examples)).reshape(-1, 2)
+
+    first = reference_cache.load_or_build(tmp_path / "cache", key, [0, 1, 2], compute, groups)
+    again = reference_cache.load_or_build(tmp_path / "cache", key, [0, 1, 2], compute, groups)
+    assert calls == [3] and torch.equal(first, again)

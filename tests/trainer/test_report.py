@@ -132,3 +132,20 @@ def test_main_prints_the_summary(tmp_path, capsys):
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "steps logged: 8" in out and str(tmp_path / "report" / "summary.md") in out
+
+
+def test_figures_without_a_peak_read_n_a_on_cpu_not_non_finite(tmp_path):
+    """A CPU run logs perf/mfu as NaN every step (no peak FLOP/s is known): the summary says "n/a on CPU" for it
+    and has no non-finite row; a figure that is NaN only sometimes is still counted."""
+    records = [{"step": s, "perf/mfu": "nan", "perf/mfu_padded": "nan", "kl/token": 0.1 * s,
+                "perf/throughput": 10.0} for s in range(1, 4)]
+    _write(tmp_path, records)
+    text = run_report(tmp_path).read_text()
+    assert "n/a on CPU" in text and "`perf/mfu`, `perf/mfu_padded`" in text
+    assert "non-finite values" not in text
+    records[1]["kl/token"] = "nan"
+    records[2]["perf/mfu"] = 0.3  # a peak was known: a NaN is a real non-finite value again
+    _write(tmp_path, records)
+    text = run_report(tmp_path).read_text()
+    assert "non-finite values (left out of plots and of first/last/best): `kl/token` (1), `perf/mfu` (2)" in text
+    assert "n/a on CPU" in text and "`perf/mfu_padded`" in text.split("n/a on CPU")[1].splitlines()[0]

@@ -2,6 +2,7 @@
 rows train, the counts, DAPO's refill), and under DP2 the step with a filter against the step on the
 kept rows given directly (one rank keeping some rows, and one keeping none)."""
 
+import dataclasses
 import math
 import types
 
@@ -164,7 +165,8 @@ def _one_step(groups, batch, filter_name, policy_loss):
     cfg = load_config(None, ["algorithm.advantage.estimator=grpo", "algorithm.kl.use_kl_in_reward=false",
                              f"algorithm.ppo.policy_loss={policy_loss}", "trainer.micro_batch_size=4",
                              f"algorithm.rollout_filter.name={filter_name}", f"algorithm.rollout_filter.k={K}"])
-    ctx = phases.StepContext(cfg, groups, micro_batch_size=4, vocab_size=VOCAB, temperature=1.0, pad_id=0)
+    ctx = phases.StepContext.from_config(cfg, groups, vocab_size=VOCAB, pad_id=0)
+    ctx = dataclasses.replace(ctx, temperature=1.0)
     metrics = {}
     if filter_name != "none":
         batch, metrics = rollout_filter.apply(batch, cfg.algorithm.rollout_filter, groups, None)

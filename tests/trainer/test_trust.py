@@ -26,7 +26,7 @@ def save_random_reward_model(groups, path):
     torch.manual_seed(1)
     save_model_weights(build_reward(cfg.model, cfg.parallel, groups, num_heads=RM_HEADS), path, groups)
     if groups.rank == 0:
-        write_reward_model_info(path, num_heads=RM_HEADS, hidden_size=cfg.model.hidden_size)
+        write_reward_model_info(path, num_heads=RM_HEADS, model=cfg.model)
 
 TRUST = ["trainer.total_steps=4", "checkpoint.save_interval=1", "guard.kl_rollback_threshold=null",
          "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true", "algorithm.dpo.rpo_alpha=1.0",

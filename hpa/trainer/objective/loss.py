@@ -80,11 +80,7 @@ def step_metrics(records: Sequence[Dict], groups: ParallelGroups,
     the whole mini-batch; every other metric is a micro-batch mean, averaged over micro-batches and
     then over DP ranks.
     """
-    values: Dict[str, List[float]] = {}
-    for record in records:
-        for k, v in record.items():
-            values.setdefault(k, []).append(float(v))
-    local = {k: (sum(v) if k in share_keys else sum(v) / len(v)) for k, v in values.items()}
+    local = local_metrics(records, share_keys)
     last = groups.last_stage_global_rank()
     keys = sorted(local)
     if groups.pipeline_model_parallel_size > 1:
@@ -96,6 +92,27 @@ def step_metrics(records: Sequence[Dict], groups: ParallelGroups,
     summed = comm.all_reduce_sum(vec.clone(), groups.dp_group)
     out = torch.where(share, summed, summed / groups.data_parallel_size)
     return dict(zip(keys, out.tolist()))
+
+
+def local_metrics(records: Sequence[Dict], share_keys: frozenset) -> Dict[str, float]:
+    """This rank's sums (``share_keys``) and means of the micro-batches' metrics. Values on a device are summed
+    there and read to the host in one copy, not one read per metric per micro-batch."""
+    sums: Dict[str, float] = {}
+    counts: Dict[str, int] = {}
+    on_device: Dict[str, List[torch.Tensor]] = {}
+    for record in records:
+        for k, v in record.items():
+            counts[k] = counts.get(k, 0) + 1
+            if torch.is_tensor(v) and v.device.type != "cpu":
+                on_device.setdefault(k, []).append(v.detach().reshape(()))
+            else:
+                sums[k] = sums.get(k, 0.0) + float(v)
+    if on_device:
+        keys = sorted(on_device)
+        totals = torch.stack([torch.stack(on_device[k]).double().sum() for k in keys]).tolist()  # the one read
+        for k, total in zip(keys, totals):
+            sums[k] = sums.get(k, 0.0) + total
+    return {k: (total if k in share_keys else total / counts[k]) for k, total in sums.items()}
 
 
 def average(dicts: Sequence[Dict[str, float]]) -> Dict[str, float]:

@@ -91,11 +91,16 @@ def stream_of(batch: MicroBatch) -> Stream:
                          f"{sorted(STREAMS)}") from None
 
 
-def global_counts(rollout_mbs: Sequence[MicroBatch], pair_mbs: Sequence[MicroBatch],
+def global_counts(rollout_mbs: Sequence[MicroBatch], offline_mbs: Sequence[MicroBatch],
                   groups: ParallelGroups) -> GlobalCounts:
     """The ``GlobalCounts`` of one mini-batch: each stream's counts of its micro-batches, summed over DP
-    (at least 1, so an absent stream divides nothing by 0)."""
-    by_stream = {"rollout": [MicroBatch.of(mb) for mb in rollout_mbs], "pairs": [MicroBatch.of(mb) for mb in pair_mbs]}
+    (at least 1, so an absent stream divides nothing by 0). ``offline_mbs``: the micro-batches of every
+    stream but the rollouts (the pairs, ...), each counted by its own stream (its ``kind``)."""
+    by_stream = {name: [] for name in STREAMS}
+    by_stream["rollout"] = [MicroBatch.of(mb) for mb in rollout_mbs]
+    for mb in offline_mbs:
+        mb = MicroBatch.of(mb)
+        by_stream[stream_of(mb).name].append(mb)
     fields = [(name, count, by_stream[s.name]) for s in STREAMS.values() for name, count in s.counts.items()]
     local = torch.tensor([sum(count(mb) for mb in mbs) for _, count, mbs in fields], dtype=torch.float64)
     comm.all_reduce_sum(local, groups.dp_group)

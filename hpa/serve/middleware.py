@@ -9,7 +9,7 @@ import json
 from .errors import APIError, echo, endpoint_label, logger
 
 
-class Gate:
+class RequestMiddleware:
     """Wraps the FastAPI app. ``api_key`` None: no key needed; it guards the ``/v1`` routes (``/health``
     and ``/metrics`` stay open to probes, as in vLLM)."""
 

@@ -1,0 +1,340 @@
+"""LoRA on megatron-core's column- and row-parallel linears, over one frozen base (docs/lora.md).
+
+``attach_lora(gpt, cfg, groups, seed=...)`` gives each configured linear (``linear_qkv``, ``linear_proj``,
+``linear_fc1``, ``linear_fc2``) an adapter ``y = W x + scaling · B (A dropout(x))`` and freezes every base
+parameter. Base parameter names do not change: the adapter is a sibling module ``<target>_lora`` (parameters
+``A`` and ``B``) of the linear it adapts, and the linear's class is swapped for a subclass whose forward adds
+the adapter's output, so existing checkpoints and the HF conversion read the base as before.
+
+Shards follow the base's split (TP size t, rank r of the adapter, ``in``/``out`` the full sizes):
+
+    column-parallel base (linear_qkv, linear_fc1):  A [r, in] (full, replicated)   B [out/t, r] (rows split)
+    row-parallel base    (linear_proj, linear_fc2): A [r, in/t] (columns split)     B [out, r] (full, replicated)
+
+Every tensor that is replicated across TP is computed identically on every TP rank, so the gradients of the
+replicated ``A`` (column) and ``B`` (row) are already the full gradient on each rank: no extra reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpa.config.schema import LoRAConfig, ModelConfig
+from hpa.distributed.groups import ParallelGroups
+
+from .heads import unwrap
+
+SUFFIX = "_lora"  # a target's adapter is the sibling module "<target>_lora"
+_COLUMN = ("linear_qkv", "linear_fc1")
+_ROW = ("linear_proj", "linear_fc2")
+_PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
+
+
+def num_adapter_parameters(model: ModelConfig, lora: LoRAConfig) -> int:
+    """Adapter parameters of the whole model (every layer, unsharded) for this config: r·(in + out) per adapted
+    linear. The number ``attach_lora`` creates over all TP ranks and pipeline stages (replicated A or B counted
+    once); for memory plans."""
+    if not lora.enabled:
+        return 0
+    h, d = model.hidden_size, model.hidden_size // model.num_attention_heads
+    q, kv = model.num_attention_heads * d, model.kv_heads * d
+    f = model.ffn_hidden_size or 4 * h
+    sizes = {"linear_qkv": (h, q + 2 * kv), "linear_proj": (q, h),
+             "linear_fc1": (h, f * (2 if model.activation == "swiglu" else 1)), "linear_fc2": (f, h)}
+    per_layer = sum(lora.rank * sum(sizes[t]) for t in lora.target_modules)
+    return model.num_layers * per_layer
+
+
+class LoRAError(ValueError):
+    """A model, checkpoint or layer that LoRA cannot use as given; the message says what to do."""
+
+
+def is_adapter_key(key: str) -> bool:
+    """True for the state-dict keys of adapter parameters (``...<target>_lora.A`` / ``.B``)."""
+    parts = key.rsplit(".", 2)
+    return len(parts) == 3 and parts[1].endswith(SUFFIX) and parts[1][:-len(SUFFIX)] in _PARENT and parts[2] in "AB"
+
+
+class LoRAAdapter(nn.Module):
+    """The low-rank update of one parallel linear: ``scaling · B (A dropout(x))``.
+
+    Args:
+        base: the megatron ColumnParallelLinear / RowParallelLinear it adapts.
+        parallel_mode: "column" or "row" (how the base is split over TP).
+        rank, scaling, dropout: from ``model.lora``.
+        groups: the layout (TP rank and size pick this rank's shard of the full A).
+        generator: seeded; draws the FULL A, of which this rank keeps its shard (so TP1 = TP2 exactly).
+        gated: the base is a SwiGLU ``linear_fc1`` (its output rows are [gate; up] per TP shard).
+    """
+
+    def __init__(self, base: nn.Module, *, parallel_mode: str, rank: int, scaling: float, dropout: float,
+                 groups: ParallelGroups, generator: torch.Generator, gated: bool = False):
+        super().__init__()
+        self.parallel_mode, self.scaling, self.gated = parallel_mode, scaling, gated
+        self.tp_group, self.tp_size = base.tp_group, groups.tensor_model_parallel_size
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True
+        weight = base.weight
+        in_full = base.input_size
+        # PEFT's default init of A (kaiming_uniform with a = sqrt(5)): U(-1/sqrt(in), 1/sqrt(in)), drawn in full
+        bound = 1.0 / math.sqrt(in_full)
+        a_full = torch.empty(rank, in_full).uniform_(-bound, bound, generator=generator)  # [r, in]
+        if parallel_mode == "column":
+            a, b_shape = a_full, (base.output_size_per_partition, rank)
+        else:
+            step = in_full // self.tp_size
+            a, b_shape = a_full[:, groups.tp_rank * step:(groups.tp_rank + 1) * step], (base.output_size, rank)
+        self.A = nn.Parameter(a.to(device=weight.device, dtype=weight.dtype).contiguous())  # column [r, in]; row [r, in/t]
+        self.B = nn.Parameter(torch.zeros(b_shape, device=weight.device, dtype=weight.dtype))  # column [out/t, r]; row [out, r]
+        # megatron counts a parameter in the grad norm (and shards it in checkpoints) by these attributes;
+        # without them a split A or B would count on TP rank 0 only
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+        split, dim = (self.B, 0) if parallel_mode == "column" else (self.A, 1)
+        set_tensor_model_parallel_attributes(split, is_parallel=True, dim=dim, stride=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The update for the base's input ``x``, shaped like the base's output."""
+        from megatron.core import tensor_parallel as tpm
+
+        if self.parallel_mode == "column":
+            # x [s/t (SP) or s, b, in]. The base gathers x under SP; the adapter gathers it too, and since every
+            # TP rank then holds the same x and the same A, the gradient of x is whole on each rank: split, not
+            # reduce-scatter, on the way back (tensor_parallel_output_grad=False).
+            if self.sequence_parallel:
+                x = tpm.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
+                                                             group=self.tp_group)
+            u = F.linear(self.dropout(x), self.A)  # [s, b, r]
+            # B's rows are split: each rank's grad of u is partial; all-reduce it so A's grad and x's are whole
+            if self.tp_size > 1:
+                u = tpm.copy_to_tensor_model_parallel_region(u, group=self.tp_group)
+            return F.linear(u, self.B) * self.scaling  # [s, b, out/t]
+        # row: x [s, b, in/t]; the partial products x_t A_t^T are summed over TP (an r-wide all-reduce)
+        with _tp_rng(self.tp_size):  # x is a TP shard: each rank draws its own dropout mask, as megatron does
+            x = self.dropout(x)
+        u = F.linear(x, self.A)  # [s, b, r], partial over TP
+        if self.tp_size > 1:
+            u = tpm.reduce_from_tensor_model_parallel_region(u, group=self.tp_group)
+        out = F.linear(u, self.B) * self.scaling  # [s, b, out], the same on every TP rank
+        if self.sequence_parallel:  # the base reduce-scatters its output along the sequence: take this rank's part
+            out = tpm.scatter_to_sequence_parallel_region(out, group=self.tp_group)  # [s/t, b, out]
+        return out
+
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling · B A``, shaped like this rank's shard of the base weight."""
+        return (self.B @ self.A) * self.scaling
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """A and B as megatron sharded tensors: the split one along its TP axis, the other replicated; a
+        SwiGLU fc1's B is chunked [gate; up] like its weight, so any TP loads it."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        axis = {"B": 0} if self.parallel_mode == "column" else {"A": 1}
+        out = make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=self.tp_group,
+                                                  dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        if self.gated:
+            singleton = (metadata or {}).get("singleton_local_shards", False)
+            out[f"{prefix}B"] = apply_swiglu_sharded_factory(out[f"{prefix}B"], sharded_offsets, singleton)
+        return out
+
+
+@contextlib.contextmanager
+def _tp_rng(tp_size: int):
+    if tp_size == 1:
+        yield
+        return
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    with get_cuda_rng_tracker().fork():
+        yield
+
+
+class _LoRALinear:
+    """Mixed into the base linear's class: the base's forward plus its adapter's update (when enabled)."""
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        adapter = self.__dict__.get("_hpa_lora")  # not a registered child: its parameters belong to the parent
+        if adapter is not None and adapter.enabled:
+            output = output + adapter(input_)
+        return output, bias
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _lora_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"LoRA{cls.__name__}", (_LoRALinear, cls), {})
+    return _CLASSES[cls]
+
+
+def _parallel_mode(base: nn.Module, target: str) -> str:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    expected = ColumnParallelLinear if target in _COLUMN else RowParallelLinear
+    if not isinstance(base, expected):
+        raise LoRAError(f"model.lora.target_modules: {target} is a {type(base).__name__}, not megatron's "
+                        f"{expected.__name__}; LoRA runs on the local layer spec (model.transformer_impl: local), "
+                        f"Transformer Engine's fused layers are not supported yet")
+    if getattr(base, "gather_output", False) or getattr(base, "explicit_expert_comm", False):
+        raise LoRAError(f"model.lora.target_modules: {target} gathers its output or is an expert layer; "
+                        f"LoRA adapts the dense transformer linears only")
+    return "column" if target in _COLUMN else "row"
+
+
+def attach_lora(model: nn.Module, cfg: LoRAConfig, groups: ParallelGroups, *, seed: int) -> List[str]:
+    """Add adapters to ``model`` (a GPTModel of one pipeline stage, not yet DDP-wrapped) and freeze its base.
+
+    Each adapter's full A is drawn from ``seed``, the global layer number and the target's name, so every
+    layout (TP, PP) draws the same full matrices. Returns the adapted modules' names.
+    """
+    gpt = unwrap(model)
+    if has_lora(gpt):
+        raise LoRAError("the model already has LoRA adapters")
+    for p in gpt.parameters():  # the base, embeddings and output layer included
+        p.requires_grad_(False)
+    names = []
+    for index, layer in enumerate(gpt.decoder.layers):
+        for target in cfg.target_modules:
+            parent = getattr(layer, _PARENT[target])
+            base = getattr(parent, target)
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{layer.layer_number}:{target}".encode()))
+            adapter = LoRAAdapter(base, parallel_mode=_parallel_mode(base, target), rank=cfg.rank,
+                                  scaling=cfg.scaling, dropout=cfg.dropout, groups=groups, generator=gen,
+                                  gated=target == "linear_fc1" and gpt.config.gated_linear_unit)
+            parent.add_module(target + SUFFIX, adapter)
+            base.__dict__["_hpa_lora"] = adapter
+            base.__class__ = _lora_class(type(base))
+            names.append(f"decoder.layers.{index}.{_PARENT[target]}.{target}")
+    return names
+
+
+def adapters(model: nn.Module) -> Iterator[Tuple[str, LoRAAdapter]]:
+    """``(name, adapter)`` of every adapter of ``model`` (names as in its local state dict)."""
+    for name, module in unwrap(model).named_modules():
+        if isinstance(module, LoRAAdapter):
+            yield name, module
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(True for _ in adapters(model))
+
+
+def adapter_parameters(model: nn.Module) -> Dict[str, nn.Parameter]:
+    """The adapter parameters by their local state-dict names."""
+    return {n: p for n, p in unwrap(model).named_parameters() if is_adapter_key(n)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Run ``model`` as its frozen base: every adapter off inside the block (restored after, also on error)."""
+    found = [a for _, a in adapters(model)]
+    before = [a.enabled for a in found]
+    for a in found:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a, state in zip(found, before):
+            a.enabled = state
+
+
+class BaseView(nn.Module):
+    """The reference of a LoRA run: the policy's own module with its adapters off (no second copy).
+
+    ``unwrap(view)`` is the policy's GPTModel (so megatron's schedule, the hidden-state capture and the
+    config reads work on it); calling the view runs the policy with adapters disabled. ``train()``/``eval()``
+    on the view leave the policy's mode alone; ``state_dict()`` is the base's (adapter keys left out).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.module = unwrap(model)
+
+    def forward(self, *args, **kwargs):
+        with adapters_disabled(self.module):
+            return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        return self
+
+    def state_dict(self, *args, **kwargs):
+        return {k: v for k, v in self.module.state_dict(*args, **kwargs).items() if not is_adapter_key(k)}
+
+
+def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """This rank's local state dict with every adapted weight replaced by ``W + scaling · B A`` (its shard)
+    and the adapter keys left out: what a model without LoRA loads to compute the same forward."""
+    gpt = unwrap(model)
+    state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+             for k, v in gpt.state_dict().items() if not is_adapter_key(k)}
+    with torch.no_grad():
+        for name, adapter in adapters(gpt):
+            key = name[:-len(SUFFIX)] + ".weight"
+            state[key] = state[key] + adapter.delta_weight().to(state[key].dtype)
+    return state
+
+
+def merge_adapters_(model: nn.Module) -> None:
+    """Fold every adapter into its base weight in place and zero its B (the forward is unchanged). For
+    export and weight sync; the base is no longer the reference afterwards."""
+    gpt = unwrap(model)
+    modules = dict(gpt.named_modules())
+    with torch.no_grad():
+        for name, adapter in adapters(gpt):
+            base = modules[name[:-len(SUFFIX)]]
+            base.weight.add_(adapter.delta_weight().to(base.weight.dtype))
+            adapter.B.zero_()
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints: with LoRA a model's checkpoint holds its adapters only (the base is frozen and comes from
+# model.policy_path), marked by MARKER beside megatron's files
+
+MARKER = "lora.json"
+
+
+def checkpoint_state_dict(model: nn.Module, sharded: Dict) -> Dict:
+    """What a run checkpoint saves of ``model`` from its full sharded state dict: everything without LoRA,
+    the adapter tensors only with it."""
+    if not has_lora(model):
+        return sharded
+    return {k: v for k, v in sharded.items() if is_adapter_key(k)}
+
+
+def write_marker(directory, model: nn.Module) -> None:
+    """Mark a checkpoint directory as adapter-only (main rank, after the shards are written)."""
+    import json
+    from pathlib import Path
+
+    gpt = unwrap(model)
+    found = [a for _, a in adapters(gpt)]
+    info = {"adapters_only": True, "rank": int(found[0].A.shape[0]), "scaling": found[0].scaling,
+            "num_adapters": len(found)}
+    (Path(directory) / MARKER).write_text(json.dumps(info, indent=1))
+
+
+def check_checkpoint_kind(directory, model: nn.Module) -> None:
+    """Refuse an adapter-only checkpoint for a model without LoRA, and a full one for a model with it."""
+    from pathlib import Path
+
+    adapter_only, wanted = (Path(directory) / MARKER).is_file(), has_lora(model)
+    if adapter_only and not wanted:
+        raise LoRAError(f"{directory} is a LoRA checkpoint (adapters only, {MARKER}); it cannot be loaded as a "
+                        f"full model: load it with model.lora.rank > 0 over its base (model.policy_path), or "
+                        f"export the merged model first")
+    if wanted and not adapter_only:
+        raise LoRAError(f"{directory} is a full-model checkpoint, but this run trains LoRA adapters "
+                        f"(model.lora.rank > 0): start a LoRA run from it with model.policy_path, or resume it "
+                        f"with model.lora.rank: 0")

@@ -1,0 +1,158 @@
+"""LoRA interop against the real ``peft`` library on a tiny model (one in-process gloo rank):
+
+* a LoRA model's adapters exported as a PEFT directory load with ``PeftModel.from_pretrained`` on the exported
+  HF base and give megatron's logits (fp32, 1e-5); the merged export gives them too;
+* a PEFT adapter imports back: our own export at its rank (A shared by q/k/v and by gate/up), one trained by
+  PEFT (its own A per projection) exactly in block form at 3·r, and at a wrong rank a clear error giving it.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from multirank import free_port
+
+peft = pytest.importorskip("peft")
+
+VOCAB = 70
+ATOL = 1e-5
+
+
+def model_config():
+    from hpa.config.schema import LoRAConfig, ModelConfig
+
+    return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                       vocab_size=VOCAB, max_sequence_length=32, make_vocab_size_divisible_by=16,
+                       lora=LoRAConfig(rank=4, alpha=8.0))
+
+
+@pytest.fixture(scope="module")
+def groups():
+    import torch.distributed as dist
+
+    from hpa.config.schema import ParallelConfig
+    from hpa.distributed import LaunchEnv, destroy, initialize
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    g = initialize(ParallelConfig(backend="gloo"), launch=LaunchEnv(
+        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=free_port(), launcher="single"))
+    yield g
+    destroy()
+
+
+def ids():
+    return torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+
+
+def megatron_logits(model, groups):
+    from hpa.engine.step import forward_backward
+
+    x = ids()
+    mbs = [{"input_ids": x, "position_ids": torch.arange(x.shape[1]).expand_as(x)}]
+
+    def grab(batch, logits, hidden):  # [b, s, v_pad]
+        return logits.sum() * 0, {"logits": logits[..., :VOCAB].detach()}
+
+    with torch.no_grad():
+        return forward_backward(model, mbs, grab, groups, forward_only=True)[0]["logits"]
+
+
+def hf_logits(model):
+    with torch.no_grad():
+        return model(ids()).logits.float()
+
+
+def lora_model(groups, base_dir, cfg=None):
+    from hpa.config.schema import ParallelConfig
+    from hpa.models.lora_io import build_lora_model
+
+    return build_lora_model(cfg or model_config(), ParallelConfig(), groups, str(base_dir)).eval()
+
+
+@pytest.fixture(scope="module")
+def exported(groups, tmp_path_factory):
+    """A random base (megatron and HF), a LoRA model over it with random A and B, its PEFT and merged exports."""
+    from hpa.config.schema import ParallelConfig
+    from hpa.models import build_policy
+    from hpa.models.convert import export_hf_checkpoint
+    from hpa.models.lora import adapters
+    from hpa.models.lora_io import export_peft_adapter, merged_model
+    from hpa.models.weights import save_model_weights
+
+    root = tmp_path_factory.mktemp("lora_peft")
+    cfg = model_config()
+    torch.manual_seed(0)
+    base = build_policy(cfg, ParallelConfig(), groups)
+    with torch.no_grad():  # norms at 1 would hide a wrong norm mapping
+        for p in base.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    save_model_weights(base, root / "base_megatron", groups)
+    export_hf_checkpoint(base, cfg, groups, root / "base_hf")
+    model = lora_model(groups, root / "base_megatron")
+    torch.manual_seed(1)
+    with torch.no_grad():  # B = 0 at the start would make any mapping of B pass
+        for _, a in adapters(model):
+            a.B.normal_(0, 0.2)
+    export_peft_adapter(model, cfg, cfg.lora, groups, root / "peft")
+    export_hf_checkpoint(merged_model(model, cfg, ParallelConfig(), groups), cfg, groups, root / "merged_hf")
+    return root, model, megatron_logits(model, groups)
+
+
+def test_peft_loads_the_export_on_the_hf_base_with_the_same_logits(exported):
+    import transformers
+
+    root, _, expected = exported
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "base_hf", torch_dtype=torch.float32)
+    without = hf_logits(base)
+    model = peft.PeftModel.from_pretrained(base, str(root / "peft")).eval()
+    torch.testing.assert_close(hf_logits(model), expected, atol=ATOL, rtol=0)
+    assert (without - expected).abs().max() > 1e-2  # the adapters matter: the bare base is far off
+    modules = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n.endswith("_proj")}
+    assert modules == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_merged_export_has_the_same_logits(exported):
+    import transformers
+
+    root, _, expected = exported
+    merged = transformers.AutoModelForCausalLM.from_pretrained(root / "merged_hf", torch_dtype=torch.float32)
+    torch.testing.assert_close(hf_logits(merged), expected, atol=ATOL, rtol=0)
+
+
+def test_our_export_imports_back_at_its_rank(exported, groups):
+    from hpa.models.lora import adapters
+    from hpa.models.lora_io import import_peft_adapter
+
+    root, model, expected = exported
+    fresh = lora_model(groups, root / "base_megatron")
+    import_peft_adapter(fresh, root / "peft", model_config(), model_config().lora, groups)
+    for (name, a), (_, b) in zip(adapters(model), adapters(fresh)):
+        assert torch.equal(a.A, b.A), name
+        torch.testing.assert_close(a.B, b.B, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(megatron_logits(fresh, groups), expected, atol=ATOL, rtol=0)
+
+
+def test_a_peft_trained_adapter_imports_exactly_in_block_form(exported, groups, tmp_path):
+    import transformers
+
+    from hpa.config.schema import LoRAConfig
+    from hpa.models.lora_io import AdapterImportError, import_peft_adapter
+
+    root, _, _ = exported
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "base_hf", torch_dtype=torch.float32)
+    torch.manual_seed(2)
+    config = peft.LoraConfig(r=2, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config).eval()  # random A and B: every projection its own A
+    model.save_pretrained(tmp_path / "trained")
+    expected = hf_logits(model)
+
+    cfg = model_config()
+    with pytest.raises(AdapterImportError, match="set model.lora.rank: 6"):
+        import_peft_adapter(lora_model(groups, root / "base_megatron"), tmp_path / "trained", cfg, cfg.lora, groups)
+    block = dataclasses.replace(cfg, lora=LoRAConfig(rank=6, alpha=6.0))
+    imported = lora_model(groups, root / "base_megatron", block)
+    import_peft_adapter(imported, tmp_path / "trained", block, block.lora, groups)
+    torch.testing.assert_close(megatron_logits(imported, groups), expected, atol=ATOL, rtol=0)
