@@ -14,8 +14,8 @@ read on held-out preference pairs (never trained on). Four signals (``algorithm.
 
       e_t = (R_t - ceiling) / margin - slack      (R_t: the learned reward's EMA over the steps)
 
-- ``sampled_ceiling`` (default, ``algorithm.hpa.gate.signal``): the same constraint with the ceiling moved onto the rollouts' scale. The ceiling
-  is a score of chosen responses, the kind a policy gives greedily; the rollouts are sampled (temperature,
+- ``sampled_ceiling`` (the default of 2026-11-26): the same constraint with the ceiling moved onto the
+  rollouts' scale. The ceiling is a score of chosen responses, the kind a policy gives greedily; the rollouts are sampled (temperature,
   top-p), and sampled responses score lower than greedy ones of the same policy, so a policy whose greedy
   answers are already above the ceiling can keep its sampled rollouts below it for a whole run (measured
   on re-drawn hackable tasks: the gate never closed). At start-up the reward models score the start

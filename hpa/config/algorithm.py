@@ -30,8 +30,9 @@ DPO_LOSS_NAMES = ("hinge", "ipo", "robust", "sigmoid")
 SCHEDULE_NAMES = ("constant", "cosine", "linear", "piecewise", "warmup_constant")
 SEMANTIC_DISTANCE_NAMES = ("cosine", "mse")
 ROLLOUT_FILTER_NAMES = ("dapo_groups", "none", "reward_above_mean_std")
-GATE_SIGNALS = ("heldout_nll", "reward_ceiling", "sampled_ceiling", "start_rollouts")  # hpa.algorithms.gate.GATE_SIGNALS
-GATE_SIGNALS_ON_REWARD_MODELS = ("reward_ceiling", "sampled_ceiling", "start_rollouts")  # the signals the reward models compute
+# hpa.algorithms.gate.GATE_SIGNALS, and the signals the reward models compute
+GATE_SIGNALS = ("heldout_nll", "reward_ceiling", "sampled_ceiling", "start_rollouts")
+GATE_SIGNALS_ON_REWARD_MODELS = ("reward_ceiling", "sampled_ceiling", "start_rollouts")
 ROLLOUT_FILTER_SCOPES = ("batch", "group")
 ROLLOUT_FILTER_METRICS = ("raw", "shaped")
 # estimators that whiten advantages over a rank's own rows: a rank whose rows are all filtered out has none
@@ -265,8 +266,8 @@ class TrustGateConfig:
             update's batch: the same prompts, sampled the same way) plus the headroom the held-out
             preferences support (chosen - the start's greedy responses on the held-out prompts, at least 0),
             in units of the held-out chosen - rejected margin (docs/objective.md);
-            sampled_ceiling (the default of 2026-11-26): λ rises while the learned reward of the rollouts (EMA) is above
-            the reward models' mean score of the held-out chosen responses lowered by the start policy's
+            sampled_ceiling (the default of 2026-11-26): λ rises while the learned reward of the rollouts (EMA)
+            is above the reward models' mean score of the held-out chosen responses lowered by the start policy's
             greedy - sampled learned reward on the held-out prompts (the rollouts are sampled, the chosen
             responses are not; ``hpa.algorithms.gate``), in units of their mean chosen - rejected margin;
             reward_ceiling: the same without the offset (the default until 2026-11-26: on re-drawn
