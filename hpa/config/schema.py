@@ -694,7 +694,7 @@ def _check_trust(cfg: Config) -> None:
         if algo.hpa.gate.signal in GATE_SIGNALS_ON_REWARD_MODELS and not cfg.reward.model_paths:
             raise ConfigError("algorithm.hpa.gate.signal", f"{algo.hpa.gate.signal!r} scores the held-out chosen "
                               "responses with the reward models; set reward.model_paths or signal: heldout_nll")
-    if algo.hpa.coverage.enabled:
+    if algo.hpa.coverage.enabled is True:
         missing = [(not component_advantages(cfg), "per-component advantages (algorithm.advantage.estimator: grpo "
                     "with per_component true)"),
                    (not cfg.reward.model_paths, "reward models (reward.model_paths), whose embeddings it reads"),
@@ -784,9 +784,18 @@ def trust_gate_enabled(cfg: Config) -> bool:
         and (cfg.algorithm.hpa.gate.signal not in GATE_SIGNALS_ON_REWARD_MODELS or bool(cfg.reward.model_paths))
 
 
+def coverage_enabled(cfg: Config) -> bool:
+    """Whether the coverage trust runs: ``algorithm.hpa.coverage.enabled``, or by default whenever
+    per-component advantages are in effect and reward models and held-out preference pairs are given."""
+    enabled = cfg.algorithm.hpa.coverage.enabled
+    if enabled is not None:
+        return enabled
+    return component_advantages(cfg) and bool(cfg.reward.model_paths) and cfg.data.heldout_preference_path is not None
+
+
 def heldout_pairs_needed(cfg: Config) -> bool:
     """Whether a run reads the held-out preference pairs: the trust gate or the coverage calibration."""
-    return trust_gate_enabled(cfg) or cfg.algorithm.hpa.coverage.enabled
+    return trust_gate_enabled(cfg) or coverage_enabled(cfg)
 
 
 def to_dict(cfg) -> dict:

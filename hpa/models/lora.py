@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpa.config.errors import UserError
 from hpa.config.schema import LoRAConfig, ModelConfig
 from hpa.distributed.groups import ParallelGroups
 
@@ -52,7 +53,7 @@ def num_adapter_parameters(model: ModelConfig, lora: LoRAConfig) -> int:
     return model.num_layers * per_layer
 
 
-class LoRAError(ValueError):
+class LoRAError(UserError):
     """A model, checkpoint or layer that LoRA cannot use as given; the message says what to do."""
 
 
