@@ -89,8 +89,9 @@ class LoRAConfig:
     """Low-rank adapters over one frozen base (docs/lora.md).
 
     With ``rank`` > 0 the base weights are frozen and shared: the policy trains its adapters and the reference is
-    the same weights with the adapters off (no second copy). A critic over the same base is not built yet: LoRA
-    with ``algorithm.advantage.estimator: gae`` is a config error. ``rank: 0`` trains every weight as before.
+    the same weights with the adapters off (no second copy); with ``algorithm.advantage.estimator: gae`` the critic
+    is its own adapters (same rank and targets) plus a value head over the same base. ``rank: 0`` trains every
+    weight as before.
 
     Attributes:
         rank: the adapters' rank r; 0: LoRA off (full fine-tuning).
@@ -735,15 +736,24 @@ def _check_data_parallel(cfg: Config, world_size: int) -> None:
 
 
 def check_lora(cfg: Config) -> None:
-    """What LoRA over one frozen base cannot combine with (docs/lora.md): a critic (its own adapter set over
-    the shared base is not built yet), a reference other than the base, Transformer Engine's fused layers."""
+    """What LoRA over one frozen base cannot combine with (docs/lora.md): a critic that does not start from the
+    base (``model.critic_path``), tied embeddings or full recomputation with a critic, a reference other than
+    the base, Transformer Engine's fused layers."""
     m = cfg.model
     if not m.lora.enabled:
         return
-    if cfg.algorithm.advantage.estimator == "gae":
-        raise ConfigError("model.lora.rank", f"LoRA (rank {m.lora.rank}) has no critic yet: "
-                          "algorithm.advantage.estimator gae needs one; use grpo, rloo or reinforce_plus_plus, "
-                          "or model.lora.rank: 0")
+    if cfg.algorithm.advantage.estimator == "gae":  # the critic: its own adapters + value head on the base
+        if m.critic_path:
+            raise ConfigError("model.critic_path", "with LoRA the critic is its own adapters and a fresh value head "
+                              "over the policy's base (model.policy_path); unset model.critic_path or set "
+                              "model.lora.rank: 0")
+        if not m.untie_embeddings_and_output_weights:
+            raise ConfigError("model.untie_embeddings_and_output_weights", "a critic needs untied embeddings "
+                              "(its value head is not the embedding); set it true")
+        if m.recompute_granularity == "full":
+            raise ConfigError("model.recompute_granularity", "full recomputation re-runs the critic's layers in "
+                              "backward, outside the block that switches the critic's adapters on; with LoRA "
+                              "and a critic use selective or null")
     if m.reference_path and m.reference_path != m.policy_path:
         raise ConfigError("model.reference_path", "with LoRA the reference is the frozen base (model.policy_path) "
                           "with the adapters off; unset model.reference_path or set model.lora.rank: 0")
