@@ -18,7 +18,7 @@ import warnings
 from typing import List, Optional
 
 import hpa
-from hpa.config import ConfigError, load_config
+from hpa.config import ConfigError, UserError, load_config
 from hpa.config.presets import PRESETS, with_preset
 from hpa.config.schema import to_dict
 
@@ -195,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     run = getattr(importlib.import_module(module), function)
     try:
         return run(argv[1:])
-    except ConfigError as exc:
+    except UserError as exc:  # ConfigError and every other mistake a user can fix
         print(f"hpa {name}: {exc}", file=sys.stderr)
         return 2
 

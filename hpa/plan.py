@@ -15,7 +15,7 @@ The estimate is analytic (no GPU, no megatron import). Per GPU, the worst pipeli
 * **LoRA** (``model.lora.rank > 0``, ``hpa.models.lora``): the base weights are frozen and held once per
   stage; the policy adds ``A [r, in]`` and ``B [out, r]`` per adapted linear and layer (the side that follows
   the base weight's TP split divided by TP, ``lora_parameters``), the reference is the same base with the
-  adapters off (no weights of its own) and a critic would add its own adapters and value head only.
+  adapters off (no weights of its own) and a critic adds its own adapters and value head only (``CriticView``).
   Gradients and optimizer state are the adapters'.
 * **gradients**: megatron DDP keeps fp32 main grads (``grad_reduce_in_fp32=True``): 4 bytes per
   trainable parameter, not sharded by the distributed optimizer (it shards optimizer state only).

@@ -202,3 +202,28 @@ def test_convert_bad_directories(tmp_path, capsys):
                          (["hf-to-megatron", "--hf-dir", str(tmp_path), "--out", str(tmp_path / "full")], "--out"),
                          (["megatron-to-hf", "--megatron-dir", none, "--out", out], "--megatron-dir")]:
         _one_line_error(capsys, main(["convert", *argv]), needle, "command line")
+
+
+def test_convert_peft_import_without_a_base_is_one_line(tmp_path, capsys):
+    """An adapter-import mistake (here: no base to import onto) is one line, like every other user error."""
+    (tmp_path / "notpeft").mkdir()
+    (tmp_path / "notpeft" / "adapter_config.json").write_text('{"peft_type": "PREFIX_TUNING"}')
+    (tmp_path / "notpeft" / "adapter_model.safetensors").write_bytes(b"")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, vocab_size: 128, "
+                   "max_sequence_length: 64, lora: {rank: 4}}\ntrainer: {total_steps: 1}\n"
+                   "algorithm: {advantage: {estimator: grpo}}\nreward: {shaping: {diversity_source: policy}}\n"
+                   "data: {tokenizer_path: t, tokenizer_kind: sentencepiece, prompt_path: p, preference_path: q}\n")
+    _one_line_error(capsys, main(["convert", "peft-to-megatron", "--peft-dir", str(tmp_path / "notpeft"),
+                                  "--config", str(cfg), "--out", str(tmp_path / "o"), "--backend", "gloo"]),
+                    "model.policy_path")
+
+
+def test_a_launcher_variable_that_is_not_a_number_is_one_line(monkeypatch, capsys):
+    from hpa.config import UserError
+    from hpa.distributed.init import read_launch_env
+
+    with pytest.raises(UserError, match="WORLD_SIZE"):
+        read_launch_env({"RANK": "0", "WORLD_SIZE": "eight"})
+    with pytest.raises(UserError, match="MASTER_PORT"):
+        read_launch_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "x"})

@@ -1,12 +1,13 @@
 """Coverage of the reward models' preference data: how far a prompt (or a sequence) lies from the pairs the
-reward models were trained on, and how far to trust their score there (``algorithm.hpa.coverage``, an option;
-measured in docs/results.md).
+reward models were trained on, and how far to trust their score there (``algorithm.hpa.coverage``, on by
+default since 2026-11-27; measured in docs/results.md).
 
 A reward model is validated only near its training data; far from it the learned reward extrapolates and a
 policy can exploit it. The distance is the k-nearest-neighbour cosine distance in the reward model's own
 pooled embedding space, centred on the bank's mean (OOD detection by kNN distance on normalised features,
-Sun et al., ICML 2022), gold free. It is calibrated on held-out preference pairs, which come from the same distribution as the training
-pairs but were never trained on, so their distances say what "in distribution" looks like:
+Sun et al., ICML 2022), gold free. It is calibrated on held-out preference pairs, which come from the same
+distribution as the training pairs but were never trained on, so their distances say what "in
+distribution" looks like:
 
     trust(d) = 1                                  for d <= low  (the held-out distances' low quantile)
              = (high - d) / (high - low)          in between
@@ -20,7 +21,7 @@ the margin keeps the in-distribution tail above 0). Why these values: docs/objec
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -112,3 +113,37 @@ def trust_metrics(trust: torch.Tensor) -> Dict[str, float]:
     t = trust.double()
     return {"coverage/trust_mean": float(t.mean()), "coverage/trust_p10": float(torch.quantile(t, 0.1)),
             "coverage/trust_p90": float(torch.quantile(t, 0.9)), "coverage/far_share": float((t <= 0).double().mean())}
+
+
+def abstention_kl_weights(trust: torch.Tensor, boost: float) -> torch.Tensor:
+    """Each row's weight of the KL to the reference, ``1 + boost·(1 - trust)``: where the learned reward has
+    no support its advantage is 0 (the trust) and nothing else says what to do there, so the policy is held
+    closer to the start, which is what the start did well. # [b] -> [b]"""
+    if boost < 0:
+        raise ValueError(f"the abstention KL boost must be >= 0, got {boost}")
+    return 1.0 + boost * (1.0 - trust.float().clamp(0.0, 1.0))
+
+
+class EmbeddingCache:
+    """Embeddings of token sequences under a frozen model, each computed once per run: the coverage trust
+    reads the same training prompts again each epoch, and the reward model does not change. At most
+    ``limit`` rows are kept (``[limit, h]`` floats); beyond it the new ones are computed every time."""
+
+    def __init__(self, limit: int = 65_536):
+        self.rows: Dict[Tuple[int, ...], torch.Tensor] = {}
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def embed(self, sequences: Sequence[Sequence[int]],
+              compute: Callable[[List[List[int]]], torch.Tensor]) -> torch.Tensor:
+        """The embeddings of ``sequences`` (``[n, h]``), ``compute`` called once on those not seen yet."""
+        keys = [tuple(q) for q in sequences]
+        new = list(dict.fromkeys(k for k in keys if k not in self.rows))
+        fresh: Dict[Tuple[int, ...], torch.Tensor] = {}
+        if new:
+            fresh = dict(zip(new, compute([list(k) for k in new]).detach()))  # len(new) rows of [h]
+            for key in new[:max(0, self.limit - len(self.rows))]:
+                self.rows[key] = fresh[key]
+        return torch.stack([fresh[k] if k in fresh else self.rows[k] for k in keys]) if keys else torch.zeros(0, 0)

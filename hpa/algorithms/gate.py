@@ -2,7 +2,7 @@
 
 A learned reward can be exploited (reward hacking) while the verifiable (rule) reward cannot. The gate
 decides how far to trust the learned part of the advantage from a signal that needs no gold labels,
-read on held-out preference pairs (never trained on). Three signals (``algorithm.hpa.gate.signal``):
+read on held-out preference pairs (never trained on). Four signals (``algorithm.hpa.gate.signal``):
 
 - ``reward_ceiling``: the reward models are validated only up to the responses people
   preferred. The ceiling is the learned reward of the held-out pairs' chosen responses (their mean),
@@ -14,8 +14,8 @@ read on held-out preference pairs (never trained on). Three signals (``algorithm
 
       e_t = (R_t - ceiling) / margin - slack      (R_t: the learned reward's EMA over the steps)
 
-- ``sampled_ceiling`` (default, ``algorithm.hpa.gate.signal``): the same constraint with the ceiling moved onto the rollouts' scale. The ceiling
-  is a score of chosen responses, the kind a policy gives greedily; the rollouts are sampled (temperature,
+- ``sampled_ceiling`` (the default of 2026-11-26): the same constraint with the ceiling moved onto the
+  rollouts' scale. The ceiling is a score of chosen responses, the kind a policy gives greedily; the rollouts are sampled (temperature,
   top-p), and sampled responses score lower than greedy ones of the same policy, so a policy whose greedy
   answers are already above the ceiling can keep its sampled rollouts below it for a whole run (measured
   on re-drawn hackable tasks: the gate never closed). At start-up the reward models score the start
@@ -23,6 +23,21 @@ read on held-out preference pairs (never trained on). Three signals (``algorithm
   pairs' prompts, and the ceiling is lowered by the difference (the offset, ``gate/offset``):
 
       e_t = (R_t - (ceiling - offset)) / margin - slack
+
+- ``start_rollouts`` (default): like with like. Both ceilings above compare a level measured on the
+  held-out pairs' prompts with the rollouts' learned reward on the training prompts, two distributions
+  whose scores differ by more than the whole margin (measured on re-drawn hackable tasks: the held-out
+  chosen responses 0.92, the first step's rollouts 0.03; the gate stayed open while the policy was
+  hacked). Here the baseline is the learned reward of the start policy's own rollouts on the training
+  prompts, sampled as every step's are: the mean over the first updates' rollout batches
+  (``baseline_steps``, 5: the policy has barely moved under the learning rate's warm-up; the gate is open
+  until then), no extra forward. The headroom above it is what the held-out preferences support, measured on
+  one set of prompts: the chosen responses' learned reward minus the start policy's greedy responses'
+  to the same held-out prompts, never below 0 (a start whose answers already out-score the chosen ones
+  may not raise the learned reward at all)::
+
+      ceiling = baseline + max(0, chosen - greedy)
+      e_t = (R_t - ceiling) / margin - slack
 
 - ``heldout_nll``: the policy's per-token NLL of the held-out chosen responses against its best value
   so far, counted only while the learned reward rises:
@@ -57,24 +72,32 @@ class TrustGate:
     """The state and update of the gate (plain floats; every DP rank updates it with the same inputs).
 
     Args:
-        signal: sampled_ceiling | reward_ceiling | heldout_nll (see the module docstring).
+        signal: a name of ``GATE_SIGNALS`` (see the module docstring).
         slack: violation that costs nothing (margins above the ceiling; relative NLL regression).
         kp: proportional gain.
         ki: integral gain.
         reward_ema: smoothing factor of the learned reward (EMA).
+        baseline_steps: start_rollouts: the first updates whose rollouts' mean learned reward is the baseline
+            (one batch's mean moves by about half a margin from step to step on the demo tasks).
     """
 
-    def __init__(self, *, signal: str = "sampled_ceiling", slack: float = 0.02, kp: float = 10.0, ki: float = 1.0,
-                 reward_ema: float = 0.9):
+    def __init__(self, *, signal: str = "start_rollouts", slack: float = 0.02, kp: float = 10.0, ki: float = 1.0,
+                 reward_ema: float = 0.9, baseline_steps: int = 5):
         if signal not in GATE_SIGNALS:
             raise ValueError(f"TrustGate signal must be one of {GATE_SIGNALS}, got {signal!r}")
         if slack < 0 or kp < 0 or ki < 0 or not 0 <= reward_ema < 1:
             raise ValueError(f"TrustGate needs slack, kp, ki >= 0 and 0 <= reward_ema < 1; got slack={slack}, "
                              f"kp={kp}, ki={ki}, reward_ema={reward_ema}")
+        if baseline_steps < 1:
+            raise ValueError(f"TrustGate needs baseline_steps >= 1, got {baseline_steps}")
         self.signal, self.slack, self.kp, self.ki, self.reward_ema = signal, slack, kp, ki, reward_ema
+        self.baseline_steps = baseline_steps
+        self.baseline_sum, self.baseline_count = 0.0, 0  # start_rollouts: the first updates' learned reward
         self.ceiling: Optional[float] = None  # reward_ceiling: the held-out chosen responses' learned reward
         self.margin: Optional[float] = None  # and the mean chosen - rejected margin there (the unit)
         self.offset = 0.0  # sampled_ceiling: the start policy's greedy - sampled learned reward (lowers the ceiling)
+        self.headroom: Optional[float] = None  # start_rollouts: max(0, chosen - greedy) on the held-out prompts
+        self.baseline: Optional[float] = None  # start_rollouts: the first update's rollouts' learned reward
         self.best: Optional[float] = None  # the lowest held-out NLL seen
         self.reward_at_best: Optional[float] = None  # the learned-reward EMA when it was seen
         self.reward: Optional[float] = None  # the learned-reward EMA
@@ -95,6 +118,15 @@ class TrustGate:
             raise ValueError(f"the held-out ceiling must be finite, got reward {chosen_reward}, margin {margin}, "
                              f"offset {offset}")
         self.ceiling, self.margin, self.offset = float(chosen_reward) - float(offset), float(margin), float(offset)
+
+    def set_headroom(self, chosen_reward: float, greedy_reward: float, margin: float) -> None:
+        """start_rollouts: the headroom ``max(0, chosen - greedy)``, both scored on the held-out pairs'
+        prompts, and the unit (the mean chosen - rejected margin there). The ceiling is set by the first
+        update, from the start policy's rollouts (``baseline``)."""
+        if not all(math.isfinite(x) for x in (chosen_reward, greedy_reward, margin)):
+            raise ValueError(f"the start_rollouts headroom must be finite, got chosen {chosen_reward}, greedy "
+                             f"{greedy_reward}, margin {margin}")
+        self.headroom, self.margin = max(0.0, float(chosen_reward) - float(greedy_reward)), float(margin)
 
     def update(self, nll: Optional[float], learned_reward: float) -> Dict[str, float]:
         """One step: the held-out NLL of the current policy (heldout_nll; None for reward_ceiling) and the
@@ -130,6 +162,25 @@ class TrustGate:
         self.integral = max(0.0, self.integral + error)
         self.lam = max(0.0, self.kp * error + self.ki * self.integral)
 
+    def _update_start(self, learned_reward: float) -> Dict[str, float]:
+        if self.headroom is None:
+            raise RuntimeError("the start_rollouts gate needs set_headroom() before its first update")
+        if self.ceiling is None:
+            # the first updates' rollouts: the start policy's (the learning rate is still warming up), on
+            # the signal's own prompts; their mean is the baseline, the gate stays open until it is known
+            if math.isfinite(learned_reward):
+                self.baseline_sum += float(learned_reward)
+                self.baseline_count += 1
+                self._smooth(learned_reward)
+            if self.baseline_count < self.baseline_steps:
+                return {"gate/gate": self.gate, "gate/lambda": self.lam, "gate/headroom": self.headroom,
+                        "gate/reward_ema": self.reward if self.reward is not None else float("nan")}
+            self.baseline = self.baseline_sum / self.baseline_count
+            self.ceiling = self.baseline + self.headroom
+            self.reward = self.baseline  # the EMA restarts at the baseline: the comparison starts at 0 excess
+            learned_reward = self.baseline
+        return {**self._update_ceiling(learned_reward), "gate/baseline": self.baseline, "gate/headroom": self.headroom}
+
     def _update_ceiling(self, learned_reward: float) -> Dict[str, float]:
         if self.ceiling is None:
             raise RuntimeError("the reward_ceiling gate needs set_ceiling() before its first update")
@@ -153,17 +204,24 @@ class TrustGate:
     def state_dict(self) -> Dict[str, Optional[float]]:
         return {"best": self.best, "reward_at_best": self.reward_at_best, "reward": self.reward,
                 "integral": self.integral, "lam": self.lam, "ceiling": self.ceiling, "margin": self.margin,
-                "offset": self.offset}
+                "offset": self.offset, "headroom": self.headroom, "baseline": self.baseline,
+                "baseline_sum": self.baseline_sum, "baseline_count": self.baseline_count}
 
     def load_state_dict(self, state: Dict[str, Optional[float]]) -> None:
         self.best, self.reward_at_best, self.reward = state["best"], state["reward_at_best"], state["reward"]
         self.integral, self.lam = state["integral"], state["lam"]
         self.ceiling, self.margin = state.get("ceiling", self.ceiling), state.get("margin", self.margin)
         self.offset = state.get("offset", self.offset)
+        # start_rollouts (2026-11-27): a checkpoint from before keeps the headroom measured at this start
+        self.headroom = state.get("headroom", self.headroom)
+        self.baseline = state.get("baseline", self.baseline)
+        self.baseline_sum = state.get("baseline_sum", self.baseline_sum)
+        self.baseline_count = int(state.get("baseline_count", self.baseline_count))
 
 
 # each signal's update (the names are ``algorithm.hpa.gate.signal``'s)
 _UPDATES = {"heldout_nll": lambda gate, nll, reward: gate._update_nll(nll, reward),
             "reward_ceiling": lambda gate, nll, reward: gate._update_ceiling(reward),
-            "sampled_ceiling": lambda gate, nll, reward: gate._update_ceiling(reward)}
+            "sampled_ceiling": lambda gate, nll, reward: gate._update_ceiling(reward),
+            "start_rollouts": lambda gate, nll, reward: gate._update_start(reward)}
 GATE_SIGNALS = tuple(sorted(_UPDATES))

@@ -239,6 +239,7 @@ def hierarchical_kl(
     kind: str = "low_var_kl",
     distance: str = "mse",
     aggregation: Aggregation = TOKEN_MEAN,
+    row_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Metrics]:
     """HPA's hierarchical regulariser ``λ_token · token_kl + λ_semantic · semantic_distance``.
 
@@ -258,14 +259,21 @@ def hierarchical_kl(
         kind: a name in ``KL_ESTIMATORS``.
         distance: a name in ``SEMANTIC_DISTANCES``.
         aggregation: token aggregation (and sequence counts for the semantic term).
+        row_weights: ``[b]`` a weight on each row's token KL and semantic distance (the coverage trust's
+            abstention, ``coverage.abstention_kl_weights``), inside the aggregation so the counts it
+            normalises by are unchanged; None: 1.
 
     Returns:
         ``(loss, metrics)`` with ``hier_kl``, ``token_kl``, ``semantic_distance``, ``lambda_token``
         and ``lambda_semantic``.
     """
-    token_kl = aggregation(kl_penalty(log_prob, ref_log_prob, kind), mask)
-    seq_valid = mask.sum(dim=-1) > 0  # [b]
+    per_token = kl_penalty(log_prob, ref_log_prob, kind)  # [b, r]
     per_seq = SEMANTIC_DISTANCES.get(distance)(policy_pooled, ref_pooled)  # [b]
+    if row_weights is not None:
+        w = row_weights.to(per_token.device, per_token.dtype)  # [b]
+        per_token, per_seq = per_token * w[:, None], per_seq * w.to(per_seq.dtype)
+    token_kl = aggregation(per_token, mask)
+    seq_valid = mask.sum(dim=-1) > 0  # [b]
     semantic = aggregation.seq_mean(per_seq, seq_valid)
     loss = lambda_token * token_kl + lambda_semantic * semantic
     dtype = loss.dtype

@@ -30,8 +30,9 @@ DPO_LOSS_NAMES = ("hinge", "ipo", "robust", "sigmoid")
 SCHEDULE_NAMES = ("constant", "cosine", "linear", "piecewise", "warmup_constant")
 SEMANTIC_DISTANCE_NAMES = ("cosine", "mse")
 ROLLOUT_FILTER_NAMES = ("dapo_groups", "none", "reward_above_mean_std")
-GATE_SIGNALS = ("heldout_nll", "reward_ceiling", "sampled_ceiling")  # hpa.algorithms.gate.GATE_SIGNALS
-GATE_SIGNALS_ON_REWARD_MODELS = ("reward_ceiling", "sampled_ceiling")  # the signals the reward models compute
+# hpa.algorithms.gate.GATE_SIGNALS, and the signals the reward models compute
+GATE_SIGNALS = ("heldout_nll", "reward_ceiling", "sampled_ceiling", "start_rollouts")
+GATE_SIGNALS_ON_REWARD_MODELS = ("reward_ceiling", "sampled_ceiling", "start_rollouts")
 ROLLOUT_FILTER_SCOPES = ("batch", "group")
 ROLLOUT_FILTER_METRICS = ("raw", "shaped")
 # estimators that whiten advantages over a rank's own rows: a rank whose rows are all filtered out has none
@@ -260,8 +261,13 @@ class TrustGateConfig:
     Attributes:
         enabled: None (default): on whenever per-component advantages are in effect and
             ``data.heldout_preference_path`` is set; true requires both; false is off.
-        signal: sampled_ceiling (default): λ rises while the learned reward of the rollouts (EMA) is above
-            the reward models' mean score of the held-out chosen responses lowered by the start policy's
+        signal: start_rollouts (default since 2026-11-27): λ rises while the learned reward of the rollouts
+            (EMA) is above the start policy's own rollouts' learned reward on the training prompts (the first
+            update's batch: the same prompts, sampled the same way) plus the headroom the held-out
+            preferences support (chosen - the start's greedy responses on the held-out prompts, at least 0),
+            in units of the held-out chosen - rejected margin (docs/objective.md);
+            sampled_ceiling (the default of 2026-11-26): λ rises while the learned reward of the rollouts (EMA)
+            is above the reward models' mean score of the held-out chosen responses lowered by the start policy's
             greedy - sampled learned reward on the held-out prompts (the rollouts are sampled, the chosen
             responses are not; ``hpa.algorithms.gate``), in units of their mean chosen - rejected margin;
             reward_ceiling: the same without the offset (the default until 2026-11-26: on re-drawn
@@ -272,14 +278,17 @@ class TrustGateConfig:
         kp: proportional gain (λ per unit of violation beyond the slack).
         ki: integral gain (λ per unit of accumulated violation, one unit per step).
         reward_ema: smoothing of the learned reward (EMA factor).
+        baseline_steps: start_rollouts: the first updates whose rollouts' mean learned reward is the baseline
+            (the gate is open until then).
     """
 
     enabled: Optional[bool] = None
-    signal: str = "sampled_ceiling"
+    signal: str = "start_rollouts"
     slack: float = 0.02
     kp: float = 10.0
     ki: float = 1.0
     reward_ema: float = 0.9
+    baseline_steps: int = 5
 
     def __post_init__(self):
         check_choice("signal", self.signal, GATE_SIGNALS)
@@ -287,6 +296,7 @@ class TrustGateConfig:
         check_range("kp", self.kp, low=0.0)
         check_range("ki", self.ki, low=0.0)
         check_range("reward_ema", self.reward_ema, low=0.0, high=1.0, high_open=True)
+        check_range("baseline_steps", self.baseline_steps, low=1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -322,7 +332,9 @@ class CoverageConfig:
     held-out pairs.
 
     Attributes:
-        enabled: weight the learned component per row by its coverage trust.
+        enabled: weight the learned component per row by its coverage trust. None (default since
+            2026-11-27): on whenever per-component advantages are in effect and reward models and held-out
+            pairs are given; true requires all three; false is off.
         space: ``prompt`` (each prompt alone against every pair's prompt: one trust per prompt, the same
             for every response to it, as a rule abstains per prompt; it separates the uncovered kind of the
             hackable demo tasks best, docs/objective.md) or ``sequence`` (prompt + response against the
@@ -333,17 +345,23 @@ class CoverageConfig:
         high_quantile: with ``margin``, where trust reaches 0.
         margin: trust is 0 from ``high_quantile`` of the held-out distances times this (>= 1; 2.0: twice
             as far as all but 5 % of the held-out prompts; measured, docs/objective.md).
+        kl_boost: where the learned reward has no support, keep what the start did: each rollout row's
+            hierarchical-KL term to the reference is weighted ``1 + kl_boost·(1 - trust)`` (a far prompt's
+            KL counts ``1 + kl_boost`` times; a covered one's is unchanged). 0: the trust only zeroes the
+            learned advantage.
     """
 
-    enabled: bool = False
+    enabled: Optional[bool] = None
     space: str = "prompt"
     k: int = 5
     low_quantile: float = 0.5
     high_quantile: float = 0.95
     margin: float = 2.0
+    kl_boost: float = 0.0
 
     def __post_init__(self):
         check_choice("space", self.space, COVERAGE_SPACES)
+        check_range("kl_boost", self.kl_boost, low=0.0)
         check_range("k", self.k, low=1)
         check_range("low_quantile", self.low_quantile, low=0.0, high=1.0)
         check_range("high_quantile", self.high_quantile, low=0.0, high=1.0)

@@ -9,7 +9,12 @@ from typing import Iterable, Optional
 SEED_MAX = 2 ** 32 - 1  # numpy's and torch's seeds: [0, 2^32 - 1]
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """A mistake a user made and can fix (a config value, a file, a checkpoint of the wrong kind, a launcher
+    variable). Its message says what is wrong and what to do; the command line prints it as one line."""
+
+
+class ConfigError(UserError):
     """A bad config value. The message names the dotted key, where it came from and the fix.
 
     Args:

@@ -89,8 +89,9 @@ class LoRAConfig:
     """Low-rank adapters over one frozen base (docs/lora.md).
 
     With ``rank`` > 0 the base weights are frozen and shared: the policy trains its adapters and the reference is
-    the same weights with the adapters off (no second copy). A critic over the same base is not built yet: LoRA
-    with ``algorithm.advantage.estimator: gae`` is a config error. ``rank: 0`` trains every weight as before.
+    the same weights with the adapters off (no second copy); with ``algorithm.advantage.estimator: gae`` the critic
+    is its own adapters (same rank and targets) plus a value head over the same base. ``rank: 0`` trains every
+    weight as before.
 
     Attributes:
         rank: the adapters' rank r; 0: LoRA off (full fine-tuning).
@@ -693,7 +694,7 @@ def _check_trust(cfg: Config) -> None:
         if algo.hpa.gate.signal in GATE_SIGNALS_ON_REWARD_MODELS and not cfg.reward.model_paths:
             raise ConfigError("algorithm.hpa.gate.signal", f"{algo.hpa.gate.signal!r} scores the held-out chosen "
                               "responses with the reward models; set reward.model_paths or signal: heldout_nll")
-    if algo.hpa.coverage.enabled:
+    if algo.hpa.coverage.enabled is True:
         missing = [(not component_advantages(cfg), "per-component advantages (algorithm.advantage.estimator: grpo "
                     "with per_component true)"),
                    (not cfg.reward.model_paths, "reward models (reward.model_paths), whose embeddings it reads"),
@@ -735,15 +736,24 @@ def _check_data_parallel(cfg: Config, world_size: int) -> None:
 
 
 def check_lora(cfg: Config) -> None:
-    """What LoRA over one frozen base cannot combine with (docs/lora.md): a critic (its own adapter set over
-    the shared base is not built yet), a reference other than the base, Transformer Engine's fused layers."""
+    """What LoRA over one frozen base cannot combine with (docs/lora.md): a critic that does not start from the
+    base (``model.critic_path``), tied embeddings or full recomputation with a critic, a reference other than
+    the base, Transformer Engine's fused layers."""
     m = cfg.model
     if not m.lora.enabled:
         return
-    if cfg.algorithm.advantage.estimator == "gae":
-        raise ConfigError("model.lora.rank", f"LoRA (rank {m.lora.rank}) has no critic yet: "
-                          "algorithm.advantage.estimator gae needs one; use grpo, rloo or reinforce_plus_plus, "
-                          "or model.lora.rank: 0")
+    if cfg.algorithm.advantage.estimator == "gae":  # the critic: its own adapters + value head on the base
+        if m.critic_path:
+            raise ConfigError("model.critic_path", "with LoRA the critic is its own adapters and a fresh value head "
+                              "over the policy's base (model.policy_path); unset model.critic_path or set "
+                              "model.lora.rank: 0")
+        if not m.untie_embeddings_and_output_weights:
+            raise ConfigError("model.untie_embeddings_and_output_weights", "a critic needs untied embeddings "
+                              "(its value head is not the embedding); set it true")
+        if m.recompute_granularity == "full":
+            raise ConfigError("model.recompute_granularity", "full recomputation re-runs the critic's layers in "
+                              "backward, outside the block that switches the critic's adapters on; with LoRA "
+                              "and a critic use selective or null")
     if m.reference_path and m.reference_path != m.policy_path:
         raise ConfigError("model.reference_path", "with LoRA the reference is the frozen base (model.policy_path) "
                           "with the adapters off; unset model.reference_path or set model.lora.rank: 0")
@@ -774,9 +784,18 @@ def trust_gate_enabled(cfg: Config) -> bool:
         and (cfg.algorithm.hpa.gate.signal not in GATE_SIGNALS_ON_REWARD_MODELS or bool(cfg.reward.model_paths))
 
 
+def coverage_enabled(cfg: Config) -> bool:
+    """Whether the coverage trust runs: ``algorithm.hpa.coverage.enabled``, or by default whenever
+    per-component advantages are in effect and reward models and held-out preference pairs are given."""
+    enabled = cfg.algorithm.hpa.coverage.enabled
+    if enabled is not None:
+        return enabled
+    return component_advantages(cfg) and bool(cfg.reward.model_paths) and cfg.data.heldout_preference_path is not None
+
+
 def heldout_pairs_needed(cfg: Config) -> bool:
     """Whether a run reads the held-out preference pairs: the trust gate or the coverage calibration."""
-    return trust_gate_enabled(cfg) or cfg.algorithm.hpa.coverage.enabled
+    return trust_gate_enabled(cfg) or coverage_enabled(cfg)
 
 
 def to_dict(cfg) -> dict:

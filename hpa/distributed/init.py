@@ -19,6 +19,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from hpa.config.errors import UserError
 from hpa.config.schema import ParallelConfig, data_parallel_size
 
 from .console import configure_logging
@@ -45,7 +46,7 @@ def first_slurm_host(nodelist: str) -> str:
     """The first host of a Slurm node list: ``"gpu[003-005,9],cpu1"`` -> ``"gpu003"``."""
     nodelist = nodelist.strip()
     if not nodelist:
-        raise ValueError("SLURM_JOB_NODELIST is empty")
+        raise UserError("SLURM_JOB_NODELIST is empty")
     depth, end = 0, len(nodelist)
     for i, ch in enumerate(nodelist):
         depth += ch == "["
@@ -66,7 +67,7 @@ def _int_env(env: Mapping[str, str], key: str) -> int:
     try:
         return int(env[key])
     except ValueError:
-        raise ValueError(f"environment variable {key}={env[key]!r} is not an integer") from None
+        raise UserError(f"environment variable {key}={env[key]!r} is not an integer") from None
 
 
 def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
@@ -76,18 +77,18 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
         return LaunchEnv(rank=_int_env(env, "RANK"), world_size=_int_env(env, "WORLD_SIZE"),
                          local_rank=_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
                          master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                         master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)), launcher="torchrun")
+                         master_port=_int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT, launcher="torchrun")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         if "SLURM_JOB_NODELIST" not in env and "MASTER_ADDR" not in env:
-            raise ValueError("launched by srun but neither SLURM_JOB_NODELIST nor MASTER_ADDR is set")
+            raise UserError("launched by srun but neither SLURM_JOB_NODELIST nor MASTER_ADDR is set")
         addr = env.get("MASTER_ADDR") or first_slurm_host(env["SLURM_JOB_NODELIST"])
-        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else \
-            20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        port = _int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else \
+            20000 + (_int_env(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0) % 20000
         return LaunchEnv(rank=_int_env(env, "SLURM_PROCID"), world_size=_int_env(env, "SLURM_NTASKS"),
                          local_rank=_int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
                          master_addr=addr, master_port=port, launcher="slurm")
     # one process: any free local port will do, so several single-process jobs can share a machine
-    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else _free_port()
+    port = _int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else _free_port()
     return LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=port,
                      launcher="single")
 

@@ -125,13 +125,18 @@ def build_reference(model: ModelConfig, parallel: ParallelConfig, groups: Parall
     return ref.eval()
 
 
+def value_head(model: ModelConfig, groups: ParallelGroups, num_heads: int = 1, *,
+               sequence_parallel: bool = False) -> ScalarHead:
+    """A fresh scalar head (the last stage's output layer of a critic or reward model)."""
+    return ScalarHead(model.hidden_size, num_heads, init_std=model.init_method_std,
+                      sequence_parallel=sequence_parallel, tp_group=groups.tp_group).to(
+        device=compute_device(groups), dtype=_DTYPES[model.params_dtype])
+
+
 def _with_scalar_head(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, num_heads: int):
     gpt = _gpt(model, parallel, groups)
     if groups.is_last_stage:
-        gpt.output_layer = ScalarHead(model.hidden_size, num_heads, init_std=model.init_method_std,
-                                      sequence_parallel=gpt.config.sequence_parallel,
-                                      tp_group=groups.tp_group).to(
-            device=compute_device(groups), dtype=_DTYPES[model.params_dtype])
+        gpt.output_layer = value_head(model, groups, num_heads, sequence_parallel=gpt.config.sequence_parallel)
     return _edges(gpt, groups)
 
 

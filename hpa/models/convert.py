@@ -774,16 +774,20 @@ def _check_arguments(args) -> None:
     """The directories named on the command line, before any process group starts (a ConfigError: one line)."""
     from hpa.config import ConfigError
 
-    flag, source = ("--hf-dir", args.hf_dir) if args.direction == "hf-to-megatron" else \
-        ("--megatron-dir", args.megatron_dir)
+    flag = {"hf-to-megatron": "--hf-dir", "megatron-to-hf": "--megatron-dir", "peft-to-megatron": "--peft-dir"}[
+        args.direction]
+    source = getattr(args, flag[2:].replace("-", "_"))
     if not os.path.isdir(source):
         raise ConfigError(flag, f"{source!r} is not a directory", source="command line")
-    for flag in ("--tokenizer-dir",):
+    config = getattr(args, "config", None)
+    if config is not None and not os.path.isfile(config):
+        raise ConfigError("--config", f"{config!r} is not a file", source="command line")
+    for flag in ("--tokenizer-dir", "--base-dir"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None and not os.path.isdir(value):
             raise ConfigError(flag, f"{value!r} is not a directory", source="command line")
     out = Path(args.out)
-    if args.direction == "hf-to-megatron" and out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if args.direction != "megatron-to-hf" and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("--out", f"{out} exists and is not an empty directory; choose a new directory",
                           source="command line")
 

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpa.config.schema import LoRAConfig
+from hpa.config.errors import UserError
+from hpa.config.schema import LoRAConfig, ModelConfig
 from hpa.distributed.groups import ParallelGroups
 
 from .heads import unwrap
@@ -37,7 +38,22 @@ _ROW = ("linear_proj", "linear_fc2")
 _PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 
 
-class LoRAError(ValueError):
+def num_adapter_parameters(model: ModelConfig, lora: LoRAConfig) -> int:
+    """Adapter parameters of the whole model (every layer, unsharded) for this config: r·(in + out) per adapted
+    linear. The number ``attach_lora`` creates over all TP ranks and pipeline stages (replicated A or B counted
+    once); for memory plans."""
+    if not lora.enabled:
+        return 0
+    h, d = model.hidden_size, model.hidden_size // model.num_attention_heads
+    q, kv = model.num_attention_heads * d, model.kv_heads * d
+    f = model.ffn_hidden_size or 4 * h
+    sizes = {"linear_qkv": (h, q + 2 * kv), "linear_proj": (q, h),
+             "linear_fc1": (h, f * (2 if model.activation == "swiglu" else 1)), "linear_fc2": (f, h)}
+    per_layer = sum(lora.rank * sum(sizes[t]) for t in lora.target_modules)
+    return model.num_layers * per_layer
+
+
+class LoRAError(UserError):
     """A model, checkpoint or layer that LoRA cannot use as given; the message says what to do."""
 
 
@@ -149,9 +165,11 @@ class _LoRALinear:
 
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
-        adapter = self.__dict__.get("_hpa_lora")  # not a registered child: its parameters belong to the parent
-        if adapter is not None and adapter.enabled:
-            output = output + adapter(input_)
+        # not registered children: the policy's adapter belongs to the parent module, the critic's to CriticView
+        for key in ("_hpa_lora", "_hpa_lora_critic"):
+            adapter = self.__dict__.get(key)
+            if adapter is not None and adapter.enabled:
+                output = output + adapter(input_)
         return output, bias
 
 
@@ -258,6 +276,96 @@ class BaseView(nn.Module):
         return {k: v for k, v in self.module.state_dict(*args, **kwargs).items() if not is_adapter_key(k)}
 
 
+@contextlib.contextmanager
+def _critic_mode(gpt: nn.Module, critic_adapters: List[LoRAAdapter], head):
+    """The policy's adapters off, the critic's on and the value head in place of the LM head, inside the block."""
+    with adapters_disabled(gpt):
+        for a in critic_adapters:
+            a.enabled = True
+        lm_head = gpt._modules.get("output_layer")
+        if head is not None:
+            gpt._modules["output_layer"] = head
+        try:
+            yield
+        finally:
+            for a in critic_adapters:
+                a.enabled = False
+            if head is not None:
+                gpt._modules["output_layer"] = lm_head
+
+
+class CriticView(nn.Module):
+    """The critic of a LoRA run: its own adapter set on the policy's adapted linears plus a value head, over the
+    policy's frozen base (no second copy of the base).
+
+    The policy's GPTModel is held outside the module tree, so ``parameters()`` (what megatron's DDP and the
+    optimizer see) are the critic's adapters and value head only, and no parameter has two DDP owners. Each
+    critic adapter is hooked on its base linear next to the policy's and is off except inside ``forward``,
+    which runs the base with the policy's adapters off and the value head in place of the LM head. So the
+    policy's forward never sees the critic's adapters, and the critic's gradients reach only its own.
+    ``config`` is a copy of the policy's: megatron's DDP and optimizer set their callbacks on it.
+
+    Args:
+        policy: the policy (a GPTModel of one stage, LoRA attached, not yet DDP-wrapped).
+        cfg: ``model.lora`` (the critic's adapters have the policy's rank, targets, scaling, dropout).
+        head: the value head (``ScalarHead``) on the last pipeline stage, None elsewhere.
+        seed: draws the critic's A (another stream than the policy's).
+    """
+
+    def __init__(self, policy: nn.Module, cfg: LoRAConfig, groups: ParallelGroups, *, head, seed: int):
+        super().__init__()
+        import copy
+
+        gpt = unwrap(policy)
+        if not has_lora(gpt):
+            raise LoRAError("the critic's adapters go on a policy with LoRA attached (attach_lora first)")
+        self.__dict__["_gpt"] = gpt  # not a child: the base is the policy's
+        self.config = copy.copy(gpt.config)
+        # what megatron's schedule and grad finalisation read off the model they are given
+        self.pre_process, self.post_process, self.model_type = gpt.pre_process, gpt.post_process, gpt.model_type
+        self.share_embeddings_and_output_weights = False
+        self.adapters = nn.ModuleDict()  # keys "<global layer index>_<target>": the same under every PP layout
+        for layer in gpt.decoder.layers:
+            for target in cfg.target_modules:
+                base = getattr(getattr(layer, _PARENT[target]), target)
+                gen = torch.Generator().manual_seed(
+                    zlib.crc32(f"critic:{seed}:{layer.layer_number}:{target}".encode()))
+                adapter = LoRAAdapter(base, parallel_mode=_parallel_mode(base, target), rank=cfg.rank,
+                                      scaling=cfg.scaling, dropout=cfg.dropout, groups=groups, generator=gen,
+                                      gated=target == "linear_fc1" and gpt.config.gated_linear_unit)
+                adapter.enabled = False
+                self.adapters[f"{layer.layer_number - 1}_{target}"] = adapter
+                base.__dict__["_hpa_lora_critic"] = adapter
+        self.value_head = head
+        self.tp_group = groups.tp_group
+
+    @property
+    def base(self) -> nn.Module:
+        """The policy's GPTModel this critic runs on."""
+        return self.__dict__["_gpt"]
+
+    def forward(self, *args, **kwargs):
+        with _critic_mode(self.base, list(self.adapters.values()), self.value_head):
+            return self.base(*args, **kwargs)
+
+    def set_input_tensor(self, input_tensor) -> None:  # pipeline stages after the first
+        self.base.set_input_tensor(input_tensor)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """The critic's adapters and value head (the value head replicated over TP) as megatron sharded tensors."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        out = {}
+        for key, adapter in self.adapters.items():
+            out.update(adapter.sharded_state_dict(f"{prefix}adapters.{key}.", (), metadata))
+        if self.value_head is not None:
+            state = self.value_head.state_dict(prefix="", keep_vars=True)
+            out.update(make_sharded_tensors_for_checkpoint(state, f"{prefix}value_head.", {}, (),
+                                                           tp_group=self.tp_group,
+                                                           dp_cp_group=(metadata or {}).get("dp_cp_group")))
+        return out
+
+
 def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """This rank's local state dict with every adapted weight replaced by ``W + scaling · B A`` (its shard)
     and the adapter keys left out: what a model without LoRA loads to compute the same forward."""
@@ -293,7 +401,7 @@ MARKER = "lora.json"
 def checkpoint_state_dict(model: nn.Module, sharded: Dict) -> Dict:
     """What a run checkpoint saves of ``model`` from its full sharded state dict: everything without LoRA,
     the adapter tensors only with it."""
-    if not has_lora(model):
+    if not has_lora(model) or isinstance(unwrap(model), CriticView):  # a critic's state is all trained
         return sharded
     return {k: v for k, v in sharded.items() if is_adapter_key(k)}
 

@@ -30,6 +30,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from hpa.config.errors import UserError
 from hpa.config.schema import LoRAConfig, ModelConfig
 from hpa.distributed.comm import all_gather_objects
 from hpa.distributed.groups import ParallelGroups
@@ -50,7 +51,7 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 
 
-class AdapterImportError(ValueError):
+class AdapterImportError(UserError):
     """A PEFT adapter or adapter checkpoint that cannot be used as given; the message says what to do."""
 
 

@@ -20,10 +20,11 @@ from hpa.engine.micro_batch import MicroBatch
 from hpa.rollout.base import RolloutBatch
 
 # per-row tensors of a RolloutBatch that the losses read; "values" (GAE critic) and "is_weights"
-# (truncated importance sampling) are present only when configured
+# (truncated importance sampling) and "kl_weights" (the coverage trust's abstention) are present only when
+# configured
 ROLLOUT_ROW_KEYS = ("mask", "old_log_probs", "ref_log_probs", "ref_pooled", "advantages", "returns", "values",
-                    "is_weights")
-OPTIONAL_ROW_KEYS = frozenset({"values", "is_weights"})
+                    "is_weights", "kl_weights")
+OPTIONAL_ROW_KEYS = frozenset({"values", "is_weights", "kl_weights"})
 
 
 def mini_batches(num_rows: int, num_mini_batches: int) -> List[List[int]]:

@@ -16,7 +16,7 @@ from hpa.data.tokenizer import build_tokenizer
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine.optimizer import Trainable, make_trainable
 from hpa.models import build_policy, build_reference, build_value, unwrap
-from hpa.models.lora import BaseView, attach_lora
+from hpa.models.lora import BaseView, CriticView, attach_lora
 from hpa.models.lora_io import load_adapters
 from hpa.models.weights import load_model_weights
 from hpa.reward import build_reward
@@ -92,8 +92,8 @@ def build_models(cfg: Config, groups: ParallelGroups):
     (which starts from ``model.critic_path``, else from the policy's backbone).
 
     With ``model.lora`` on, the policy is the loaded base plus adapters (the base frozen) and the reference
-    is the same module with its adapters off (``BaseView``): no second copy. LoRA with a critic is refused
-    by the config check (``hpa.config.load``)."""
+    is the same module with its adapters off (``BaseView``): no second copy. With GAE the critic is its own
+    adapter set and value head over the same base (``CriticView``), with its own DDP and optimizer."""
     policy = build_policy(cfg.model, cfg.parallel, groups)
     if cfg.model.policy_path:
         load_model_weights(policy, cfg.model.policy_path, groups)
@@ -102,7 +102,11 @@ def build_models(cfg: Config, groups: ParallelGroups):
         attach_lora(policy, cfg.model.lora, groups, seed=cfg.trainer.seed)
         if cfg.model.lora.adapter_path:  # continue from trained (or imported PEFT) adapters
             load_adapters(policy, cfg.model.lora.adapter_path, groups)
-        return make_trainable(policy, cfg.optim, cfg.parallel, groups, total), BaseView(policy), None
+        critic = None
+        if cfg.algorithm.advantage.estimator == "gae":
+            critic = make_trainable(lora_critic(policy, cfg, groups), cfg.optim, cfg.parallel, groups, total,
+                                    lr=cfg.optim.critic_lr or cfg.optim.lr)
+        return make_trainable(policy, cfg.optim, cfg.parallel, groups, total), BaseView(policy), critic
     reference = build_reference(cfg.model, cfg.parallel, groups)
     if cfg.model.reference_path:
         load_model_weights(reference, cfg.model.reference_path, groups)
@@ -117,3 +121,11 @@ def build_models(cfg: Config, groups: ParallelGroups):
             load_model_weights(model, start, groups, exclude_prefixes=("output_layer.",))
         critic = make_trainable(model, cfg.optim, cfg.parallel, groups, total, lr=cfg.optim.critic_lr or cfg.optim.lr)
     return trained, reference, critic
+
+
+def lora_critic(policy, cfg: Config, groups: ParallelGroups) -> CriticView:
+    """The critic over the policy's frozen base: its own adapters and a fresh value head (as ``build_value``'s)."""
+    from hpa.models.builders import value_head
+
+    head = value_head(cfg.model, groups, sequence_parallel=unwrap(policy).config.sequence_parallel) if groups.is_last_stage else None
+    return CriticView(policy, cfg.model.lora, groups, head=head, seed=cfg.trainer.seed)

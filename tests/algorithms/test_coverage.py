@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from hpa.algorithms.coverage import bank_center, calibrate, coverage_trust, knn_distance, trust_metrics, unique_rows
+from hpa.algorithms.coverage import (EmbeddingCache, abstention_kl_weights, bank_center, calibrate, coverage_trust,
+                                     knn_distance, trust_metrics, unique_rows)
 
 
 def _unit(*rows):
@@ -107,3 +108,28 @@ def test_unique_rows_keeps_first_seen_order_and_maps_every_row_back():
     assert distinct == [[3, 4], [1], [], [3, 5]]
     assert where.tolist() == [0, 1, 0, 2, 1, 3]
     assert [distinct[i] for i in where.tolist()] == rows
+
+
+def test_abstention_kl_weights_grow_where_trust_falls():
+    trust = torch.tensor([1.0, 0.5, 0.0, 1.5, -0.5])
+    assert abstention_kl_weights(trust, 4.0).tolist() == [1.0, 3.0, 5.0, 1.0, 5.0]  # clamped to [0, 1] first
+    assert abstention_kl_weights(trust, 0.0).tolist() == [1.0] * 5
+    with pytest.raises(ValueError, match="boost"):
+        abstention_kl_weights(trust, -1.0)
+
+
+def test_embedding_cache_computes_each_sequence_once_and_keeps_at_most_its_limit():
+    calls = []
+
+    def embed(rows):  # [n, 2]: (length, first token)
+        calls.append(rows)
+        return torch.tensor([[float(len(r)), float(r[0])] for r in rows])
+
+    cache = EmbeddingCache(limit=2)
+    out = cache.embed([[1], [2, 2], [1]], embed)
+    assert out.tolist() == [[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]] and calls == [[[1], [2, 2]]]
+    out = cache.embed([[2, 2], [3, 3, 3], [1]], embed)  # only [3, 3, 3] is new; the cache is full
+    assert out.tolist() == [[2.0, 2.0], [3.0, 3.0], [1.0, 1.0]] and calls[1:] == [[[3, 3, 3]]]
+    assert len(cache) == 2
+    cache.embed([[3, 3, 3]], embed)  # not kept: computed again
+    assert calls[2:] == [[[3, 3, 3]]]

@@ -144,7 +144,77 @@ def test_sampled_ceiling_lowers_the_ceiling_by_the_offset_and_closes_where_the_p
         sampled.set_ceiling(0.5, 0.25, offset=float("nan"))
 
 
+def start_gate(chosen=0.921, greedy=1.138, margin=0.5, steps=1, ema=0.9):
+    gate = TrustGate(signal="start_rollouts", slack=0.02, kp=10.0, ki=1.0, reward_ema=ema, baseline_steps=steps)
+    gate.set_headroom(chosen, greedy, margin)
+    return gate
+
+
+def test_start_rollouts_compares_the_rollouts_with_the_start_policys_own_rollouts_not_the_heldout_level():
+    """Task A of issue 38, by its numbers: the held-out chosen responses score 0.921, the start's greedy ones
+    1.138 and sampled ones 0.972 on the held-out prompts, but the start's rollouts on the training prompts
+    score 0.033 and climb to 0.63. The sampled ceiling (0.755, on the held-out scale) stays open through the
+    climb; the start_rollouts ceiling is the rollouts' own start (both sides on the training prompts) and
+    closes by the PI law as soon as the EMA rises beyond the slack."""
+    climb = [0.033, 0.10, 0.20, 0.31, 0.45, 0.63]
+    sampled = TrustGate(signal="sampled_ceiling", slack=0.02, kp=10.0, ki=1.0, reward_ema=0.9)
+    sampled.set_ceiling(0.921, 0.5, offset=1.138 - 0.972)
+    assert all(sampled.update(None, r)["gate/gate"] == 1.0 for r in climb)
+    gate = start_gate()
+    m = gate.update(None, climb[0])
+    assert m["gate/baseline"] == pytest.approx(0.033) and m["gate/headroom"] == 0.0  # chosen < greedy: no room
+    assert m["gate/ceiling"] == pytest.approx(0.033) and m["gate/gate"] == 1.0
+    m = gate.update(None, climb[1])
+    ema = 0.9 * 0.033 + 0.1 * 0.10
+    error = (ema - 0.033) / 0.5 - 0.02  # 0.0134 - 0.02 < 0: inside the slack
+    assert m["gate/error"] == pytest.approx(error) and m["gate/gate"] == 1.0
+    closed = [gate.update(None, r)["gate/gate"] for r in climb[2:]]
+    assert closed[-1] < 0.5 and closed == sorted(closed, reverse=True)
+    # the held-out level enters only through chosen - greedy on the same prompts: moving both by 0.9
+    # (another distribution's scale) changes nothing
+    a, b = start_gate(), start_gate(chosen=0.021, greedy=0.238)
+    assert [a.update(None, r) for r in climb] == [b.update(None, r) for r in climb]
+
+
+def test_start_rollouts_headroom_and_baseline_over_the_first_steps():
+    """The headroom is chosen - greedy when the chosen responses score higher (never below 0); the baseline
+    is the mean of the first ``baseline_steps`` finite rollout rewards, the gate open until it is known."""
+    gate = start_gate(chosen=1.2, greedy=1.0, margin=0.25, steps=3, ema=0.0)
+    assert gate.headroom == pytest.approx(0.2)
+    for r in (0.1, float("nan"), 0.3):
+        m = gate.update(None, r)
+        assert m["gate/gate"] == 1.0 and "gate/ceiling" not in m
+    m = gate.update(None, 0.5)
+    assert m["gate/baseline"] == pytest.approx(0.3) and m["gate/ceiling"] == pytest.approx(0.5)
+    m = gate.update(None, 0.6)  # 0.1 above the ceiling: 0.4 margins, 0.38 beyond the slack
+    assert m["gate/excess"] == pytest.approx(0.4) and m["gate/lambda"] == pytest.approx(10 * 0.38 + 0.38)
+    with pytest.raises(RuntimeError, match="set_headroom"):
+        TrustGate(signal="start_rollouts").update(None, 0.1)
+    with pytest.raises(ValueError, match="finite"):
+        gate.set_headroom(float("nan"), 1.0, 0.2)
+    with pytest.raises(ValueError, match="baseline_steps"):
+        TrustGate(signal="start_rollouts", baseline_steps=0)
+
+
+def test_start_rollouts_state_round_trips_mid_baseline_and_an_old_state_loads():
+    gate = start_gate(steps=3)
+    [gate.update(None, r) for r in (0.1, 0.2)]
+    other = start_gate(chosen=5.0, greedy=0.0, steps=3)  # another start-up measurement: the saved one wins
+    other.load_state_dict(gate.state_dict())
+    assert [other.update(None, r) for r in (0.3, 0.5, 0.7)] == [gate.update(None, r) for r in (0.3, 0.5, 0.7)]
+    assert other.baseline == pytest.approx(0.2)
+    # a checkpoint of 2026-11-26 (no headroom/baseline keys) keeps what this start measured
+    old = TrustGate(signal="sampled_ceiling")
+    old.set_ceiling(0.5, 0.25, offset=0.1)
+    state = old.state_dict()
+    for key in ("headroom", "baseline", "baseline_sum", "baseline_count"):
+        state.pop(key)
+    fresh = start_gate()
+    fresh.load_state_dict(state)
+    assert fresh.headroom == 0.0 and fresh.baseline is None and fresh.baseline_count == 0
+
+
 def test_the_default_signal_is_the_configs_default():
     from hpa.config.algorithm import TrustGateConfig
 
-    assert TrustGate().signal == TrustGateConfig().signal == "sampled_ceiling"
+    assert TrustGate().signal == TrustGateConfig().signal == "start_rollouts"

@@ -166,12 +166,31 @@ def test_trust_options_name_their_keys(cfg_file):
         load_config(cfg_file, ["algorithm.hpa.balance.measure_steps=0"])
     with pytest.raises(ConfigError, match="algorithm.hpa.gate.reward_ema"):
         load_config(cfg_file, ["algorithm.hpa.gate.reward_ema=1.0"])
-    for bad in ("k=0", "low_quantile=-0.1", "high_quantile=1.5", "margin=0.9"):
+    for bad in ("k=0", "low_quantile=-0.1", "high_quantile=1.5", "margin=0.9", "kl_boost=-1"):
         with pytest.raises(ConfigError, match=f"algorithm.hpa.coverage.{bad.split('=')[0]}"):
             load_config(cfg_file, [f"algorithm.hpa.coverage.{bad}"])
     with pytest.raises(ConfigError, match="algorithm.hpa.coverage.high_quantile.*above low_quantile"):
         load_config(cfg_file, ["algorithm.hpa.coverage.low_quantile=0.9", "algorithm.hpa.coverage.high_quantile=0.8"])
-    assert load_config(cfg_file, []).algorithm.hpa.coverage.enabled is False  # off until an ablation measures it
+    with pytest.raises(ConfigError, match="algorithm.hpa.gate.baseline_steps"):
+        load_config(cfg_file, ["algorithm.hpa.gate.baseline_steps=0"])
+
+
+def test_trust_defaults_of_2026_11_27(cfg_file):
+    """The coverage trust is on by default wherever it can run (per-component advantages, reward models,
+    held-out pairs) and off elsewhere without an error; the gate's default signal is start_rollouts."""
+    from hpa.config.schema import coverage_enabled, heldout_pairs_needed
+
+    plain = load_config(cfg_file, [])
+    assert plain.algorithm.hpa.coverage.enabled is None and not coverage_enabled(plain)
+    assert plain.algorithm.hpa.gate.signal == "start_rollouts"
+    full = load_config(cfg_file, ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]",
+                                  "data.heldout_preference_path=h.jsonl"])
+    assert coverage_enabled(full) and heldout_pairs_needed(full)
+    off = load_config(cfg_file, ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]",
+                                 "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.enabled=false"])
+    assert not coverage_enabled(off)
+    no_heldout = load_config(cfg_file, ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]"])
+    assert not coverage_enabled(no_heldout)  # the default does not ask for what the run lacks
 
 
 def test_cross_checks_pass_for_valid_layout(cfg_file):

@@ -206,6 +206,33 @@ def test_cycle_check_sees_a_function_level_import(tmp_path):
     assert _import_cycle(tmp_path) is None
 
 
+MAX_FUNCTION_LINES = 80  # docs/design.md, rule 16: a function fits a screen
+
+
+def _long_functions(root: pathlib.Path, limit: int = MAX_FUNCTION_LINES):
+    import ast
+
+    found = []
+    for path in sorted((root / "hpa").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_function_in_the_package_is_longer_than_a_screen():
+    assert _long_functions(ROOT) == []
+
+
+def test_long_function_check_counts_decorators_out_and_the_body_in(tmp_path):
+    (tmp_path / "hpa").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "hpa" / "m.py").write_text("def short():\n    pass\n\n\ndef long():\n" + body)
+    assert _long_functions(tmp_path) == [f"hpa/m.py:5 long ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
 def test_readme_layout_lists_the_layers_in_order():
     text = (ROOT / "README.md").read_text()
     block = text.split("## Layout", 1)[1].split("```", 2)[1]

@@ -19,12 +19,14 @@ def test_lora_config_loads_with_grpo():
 
 
 @pytest.mark.parametrize("overrides,key,words", [
-    (ON + ["algorithm.advantage.estimator=gae"], "model.lora.rank", "no critic"),
+    (ON + ["algorithm.advantage.estimator=gae", "model.critic_path=/some/critic"], "model.critic_path", "value head"),
+    (ON + ["algorithm.advantage.estimator=gae", "model.recompute_granularity=full"], "model.recompute_granularity",
+     "selective"),
     (ON + ["model.reference_path=/some/other/ckpt"], "model.reference_path", "frozen base"),
     (ON + ["model.transformer_impl=transformer_engine"], "model.transformer_impl", "local"),
     (["model.lora.rank=-1"], "model.lora.rank", "out of range [0"),
     (["model.lora.rank=4", "model.lora.target_modules=[linear_qkv, q_proj]"], "target_modules", "linear_fc2"),
-], ids=["critic", "reference_path", "transformer_engine", "negative_rank", "unknown_target"])
+], ids=["critic_path", "critic_full_recompute", "reference_path", "transformer_engine", "negative_rank", "unknown_target"])
 def test_lora_bad_config_is_a_clear_error(overrides, key, words):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=overrides, world_size=1)
@@ -32,8 +34,13 @@ def test_lora_bad_config_is_a_clear_error(overrides, key, words):
 
 
 def test_gae_without_lora_is_still_accepted():
-    """Guards the critic case above: the error comes from LoRA, not from gae."""
+    """Guards the critic cases above: the error comes from LoRA, not from gae."""
     assert load_config(overrides=["algorithm.advantage.estimator=gae"], world_size=1).model.lora.rank == 0
+
+
+def test_lora_with_gae_is_accepted():
+    """The critic is its own adapters + value head over the policy's base (hpa.models.lora.CriticView)."""
+    assert load_config(overrides=ON + ["algorithm.advantage.estimator=gae"], world_size=1).model.lora.enabled
 
 
 @pytest.mark.parametrize("key,expected", [
@@ -73,3 +80,13 @@ def test_sft_refuses_lora():
 
     with pytest.raises(ConfigError, match="model.lora.rank.*pass model.lora.rank=0 to sft"):
         run_sft(load_config(overrides=ON), groups=None)
+
+
+def test_num_adapter_parameters_matches_the_tiny_model_by_hand():
+    """configs/tiny_cpu.yaml (h 64, 4 heads of 16, 2 groups, ffn 128, SwiGLU, 2 layers), rank 8: qkv 8·(64+128),
+    proj 8·(64+64), fc1 8·(64+256), fc2 8·(128+64) = 6,656 a layer (bench/lora_memory.py measures 13,312)."""
+    cfg = load_config(overrides=["model.lora.rank=8"])
+    assert lora.num_adapter_parameters(cfg.model, cfg.model.lora) == 2 * 6656
+    only_qkv = load_config(overrides=["model.lora.rank=8", "model.lora.target_modules=[linear_qkv]"])
+    assert lora.num_adapter_parameters(only_qkv.model, only_qkv.model.lora) == 2 * 8 * (64 + 128)
+    assert lora.num_adapter_parameters(cfg.model, load_config().model.lora) == 0

@@ -78,7 +78,7 @@ def exported(groups, tmp_path_factory):
     from hpa.models import build_policy
     from hpa.models.convert import export_hf_checkpoint
     from hpa.models.lora import adapters
-    from hpa.models.lora_io import export_peft_adapter, merged_model
+    from hpa.models.lora_io import export_peft_adapter, merged_model, save_adapters
     from hpa.models.weights import save_model_weights
 
     root = tmp_path_factory.mktemp("lora_peft")
@@ -96,6 +96,7 @@ def exported(groups, tmp_path_factory):
         for _, a in adapters(model):
             a.B.normal_(0, 0.2)
     export_peft_adapter(model, cfg, cfg.lora, groups, root / "peft")
+    save_adapters(model, root / "adapters", groups)
     export_hf_checkpoint(merged_model(model, cfg, ParallelConfig(), groups), cfg, groups, root / "merged_hf")
     return root, model, megatron_logits(model, groups)
 
@@ -156,3 +157,31 @@ def test_a_peft_trained_adapter_imports_exactly_in_block_form(exported, groups, 
     imported = lora_model(groups, root / "base_megatron", block)
     import_peft_adapter(imported, tmp_path / "trained", block, block.lora, groups)
     torch.testing.assert_close(megatron_logits(imported, groups), expected, atol=ATOL, rtol=0)
+
+
+def _tp2_pp2_export(groups, root):
+    from hpa.config.schema import ParallelConfig
+    from hpa.models.lora_io import build_lora_model, export_peft_adapter, load_adapters
+
+    cfg = model_config()
+    parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    model = build_lora_model(cfg, parallel, groups, f"{root}/base_megatron")
+    load_adapters(model, f"{root}/adapters", groups)  # saved at TP1: megatron reshards
+    export_peft_adapter(model, cfg, cfg.lora, groups, f"{root}/peft_tp2_pp2")
+
+
+@pytest.mark.multirank
+def test_tp2_pp2_exports_the_same_peft_adapter(exported):
+    """The adapters saved at TP1, loaded under TP2×PP2 (q/k/v groups and [gate_r; up_r] split over TP, layers over
+    PP) and exported again: the same PEFT tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    from multirank import run_ranks
+
+    root = exported[0]
+    run_ranks(_tp2_pp2_export, tp=2, pp=2, args=(str(root),))
+    ours, theirs = load_file(str(root / "peft" / "adapter_model.safetensors")), \
+        load_file(str(root / "peft_tp2_pp2" / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(theirs) and len(ours) == 2 * 2 * 7  # layers x projections x (A, B)
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name

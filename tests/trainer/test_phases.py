@@ -210,3 +210,57 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     assert (fresh.low, fresh.high) != (state["low"], state["high"])
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+
+
+class _CountingEmbedder(_ScriptedEmbedder):
+    def __init__(self):
+        self.prompts_embedded = 0
+
+    def sequence_embeddings(self, response_ids, response_mask, prompt_ids=None, prompt_mask=None):
+        if prompt_ids is None:
+            self.prompts_embedded += response_ids.shape[0]
+        return super().sequence_embeddings(response_ids, response_mask, prompt_ids, prompt_mask)
+
+
+def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
+    """Defaults (2026-11-27) on a hackable-like run (reward models alone, held-out pairs): the coverage
+    trust is on without being asked for; a prompt no pair covers gets no learned advantage whatever its
+    learned rewards are (they move nothing), and with ``kl_boost`` its rows' KL to the reference weighs
+    ``1 + kl_boost``; a prompt seen before is not embedded again."""
+    from hpa.data.preferences import PreferenceExample
+    from hpa.trainer.objective.controllers import CONTROLLERS, ControllerInputs, CoverageTrust, StepSignals
+
+    base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
+            "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false")
+    ctx, cfg = _ctx(*base), load_config(None, list(base))
+    assert CONTROLLERS["coverage"].enabled(cfg) and CONTROLLERS["trust_gate"].enabled(cfg)
+    assert cfg.algorithm.hpa.gate.signal == "start_rollouts"
+    prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
+    pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
+    heldout_pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
+                     for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
+
+    def advantages(learned, boost_ctx, coverage):
+        batch = _component_batch([0.0] * 4, learned, [0, 0, 1, 1])
+        batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])  # prompt 1 covered, prompt 3 far
+        batch.set("raw_rewards", torch.tensor(learned))
+        coverage.update(StepSignals(batch=batch))
+        phases.compute_advantages(batch, boost_ctx, reward_kl_coef=0.0)
+        return batch
+
+    embedder = _CountingEmbedder()
+    run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=embedder, pairs=pairs, heldout_pairs=heldout_pairs)
+    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, run)
+    start = embedder.prompts_embedded
+    a = advantages([0.2, 0.9, 1.3, 0.1], ctx, coverage)
+    assert embedder.prompts_embedded == start + 2  # prompts 1 and 3, once each
+    b = advantages([0.2, 0.9, -7.0, 5.0], ctx, coverage)  # the far prompt's learned rewards changed
+    assert embedder.prompts_embedded == start + 2  # both seen: no forward
+    torch.testing.assert_close(a.get("advantages"), b.get("advantages"), atol=0, rtol=0)
+    assert a.get("advantages")[2:].abs().max() == 0 and a.get("advantages")[:2].abs().max() > 0
+    # the KL boost: far rows' hierarchical KL counts 1 + kl_boost times, covered rows' 1 + kl_boost (1 - trust)
+    boosted = _ctx(*base, "algorithm.hpa.coverage.kl_boost=4")
+    c = advantages([0.2, 0.9, 1.3, 0.1], boosted, CoverageTrust(boosted.algorithm.hpa.coverage, run))
+    trust = c.get("learned_trust")
+    torch.testing.assert_close(c.get("kl_weights"), 1 + 4 * (1 - trust))
+    assert c.get("kl_weights")[2:].tolist() == [5.0, 5.0]

@@ -132,10 +132,12 @@ def test_the_coverage_trust_runs_and_logs_its_distribution_every_step(demo, ceil
 
 def test_the_sampled_ceiling_gate_moves_the_ceiling_by_the_start_policys_greedy_minus_sampled_reward(
         demo, ceiling_extra, ceiling_run):
-    """The default signal (``gate.signal=sampled_ceiling``) under DP2: the same held-out ceiling as ``reward_ceiling`` lowered by
-    the offset measured once at start-up (every rank the same: one gate), the offset in the checkpoint."""
+    """``gate.signal=sampled_ceiling`` (the default of 2026-11-26) under DP2: the same held-out ceiling as
+    ``reward_ceiling`` lowered by the offset measured once at start-up (every rank the same: one gate), the offset
+    in the checkpoint."""
     run_dir = demo / "trust_sampled_ceiling"
-    sampled = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.gate.signal")]  # the default signal
+    sampled = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.gate.signal")] + [
+        "algorithm.hpa.gate.signal=sampled_ceiling"]
     steps = [r for r in launch(demo, run_dir, 2, sampled + ["trainer.total_steps=2"]) if r["step"] > 0]
     offset, plain = steps[0]["gate/offset"], ceiling_run[1]["gate/ceiling"]
     assert math.isfinite(offset) and offset != 0
@@ -145,3 +147,25 @@ def test_the_sampled_ceiling_gate_moves_the_ceiling_by_the_start_policys_greedy_
         assert r["gate/excess"] == pytest.approx((r["gate/reward_ema"] - r["gate/ceiling"]) / max(r["gate/margin"], 1e-3))
     state = torch.load(run_dir / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=False)
     assert state["trust_gate"]["offset"] == pytest.approx(offset, rel=1e-12)
+
+
+def test_the_start_rollouts_gate_compares_the_rollouts_with_the_start_policys_own(demo, ceiling_extra):
+    """The default signal (``gate.signal=start_rollouts``, 2026-11-27) under DP2: the baseline is the mean of
+    the first ``baseline_steps`` steps' rollouts' learned reward (every rank the same: one gate), the ceiling
+    that plus the held-out headroom (>= 0), the gate open until then; both in the checkpoint."""
+    run_dir = demo / "trust_start_rollouts"
+    default = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.gate.signal")]  # the default signal
+    steps = [r for r in launch(demo, run_dir, 2, default + ["trainer.total_steps=3",
+                                                           "algorithm.hpa.gate.baseline_steps=2"]) if r["step"] > 0]
+    baseline = (steps[0]["reward/learned_mean"] + steps[1]["reward/learned_mean"]) / 2
+    assert steps[0]["gate/gate"] == 1.0 and "gate/baseline" not in steps[0]
+    headroom = steps[0]["gate/headroom"]
+    assert headroom >= 0 and math.isfinite(headroom)
+    for r in steps[1:]:
+        assert r["gate/baseline"] == pytest.approx(baseline, rel=1e-9)
+        assert r["gate/ceiling"] == pytest.approx(baseline + headroom, rel=1e-9)
+    assert steps[1]["gate/reward_ema"] == pytest.approx(baseline, rel=1e-9)  # the EMA restarts at the baseline
+    assert "coverage/trust_mean" in steps[0]  # the coverage trust is on by default here
+    state = torch.load(run_dir / "checkpoints" / "step_00000003" / "trainer_state.pt", weights_only=False)
+    assert state["trust_gate"]["baseline"] == pytest.approx(baseline, rel=1e-12)
+    assert state["trust_gate"]["headroom"] == pytest.approx(headroom, rel=1e-12)

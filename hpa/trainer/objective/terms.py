@@ -49,7 +49,7 @@ def hier_kl_term(batch: MicroBatch, out, inputs: LossInputs):
     hier, m = hierarchical_kl(out["log_probs"], batch["ref_log_probs"], batch["mask"], out["pooled"],
                               batch["ref_pooled"], lambda_token=w.lambda_token, lambda_semantic=w.lambda_semantic,
                               kind=algo.kl.estimator, distance=algo.hpa.semantic_distance,
-                              aggregation=inputs.aggregation)
+                              aggregation=inputs.aggregation, row_weights=batch.get("kl_weights"))
     if not algo.kl.use_kl_loss:
         hier = hier * 0.0
     # actor/kl_loss: the KL term as it enters the loss (before w_kl): kl/hier, or 0 without the KL loss

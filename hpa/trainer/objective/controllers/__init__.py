@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, Iterator, List
 
-from hpa.config.schema import Config, trust_gate_enabled
+from hpa.config.schema import Config, coverage_enabled, trust_gate_enabled
 from hpa.trainer.objective.controllers.balance import GradientBalance
 from hpa.trainer.objective.controllers.base import Controller, ControllerInputs, StepSignals
 from hpa.trainer.objective.controllers.coverage import CoverageTrust
@@ -39,7 +39,7 @@ CONTROLLERS: Dict[str, ControllerEntry] = {
     "balance": ControllerEntry(lambda cfg, run: GradientBalance(cfg.algorithm.hpa.balance.measure_steps),
                                lambda cfg: cfg.algorithm.hpa.balance.enabled),
     "coverage": ControllerEntry(lambda cfg, run: CoverageTrust(cfg.algorithm.hpa.coverage, run),
-                                lambda cfg: cfg.algorithm.hpa.coverage.enabled),
+                                coverage_enabled),
 }
 
 

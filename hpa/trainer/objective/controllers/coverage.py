@@ -8,7 +8,8 @@ from typing import Dict
 
 import torch
 
-from hpa.algorithms.coverage import bank_center, calibrate, coverage_trust, knn_distance, trust_metrics, unique_rows
+from hpa.algorithms.coverage import (EmbeddingCache, abstention_kl_weights, bank_center, calibrate, coverage_trust,
+                                     knn_distance, trust_metrics, unique_rows)
 from hpa.config.algorithm import CoverageConfig
 from hpa.distributed import comm
 from hpa.reward.embeddings import chosen_embeddings, prompt_embeddings
@@ -40,8 +41,11 @@ class CoverageTrust(Controller):
     ramp's ``low`` and ``high``. The bank is recomputed at every start (frozen reward model, fixed file:
     the same rows; too large for the run state); the two constants are saved, and a restore keeps the
     saved ones, so a resumed run is the uninterrupted one even where a new layout rounds the start-up
-    forwards differently. Costs one forward of the first reward model per step over the step's distinct
-    prompts (or its rollouts) and, once, over both pair files.
+    forwards differently. Costs, once, a forward of the first reward model over both pair files and, in
+    prompt space, one over each prompt the first time a step (or an evaluation) draws it (the reward model
+    is frozen: a prompt's embedding is kept, ``EmbeddingCache``); in sequence space one over the rollouts.
+    With ``kl_boost`` > 0 it also writes ``kl_weights`` ``[b]``, each row's weight of the hierarchical KL
+    (``abstention_kl_weights``).
     """
 
     name, observes = "coverage", "rollouts"
@@ -49,6 +53,7 @@ class CoverageTrust(Controller):
     def __init__(self, c: CoverageConfig, run: ControllerInputs):
         self.k, self.space, self.model_reward, self.pad_id = c.k, c.space, run.model_reward, run.pad_id
         self.dp_group, self.timer = run.groups.dp_group, run.timer
+        self.kl_boost, self.cache = c.kl_boost, EmbeddingCache()
         self.bank = self._embed_pairs(run.pairs)  # [m, h]
         self.center = bank_center(self.bank)  # [h]
         held = knn_distance(self._embed_pairs(run.heldout_pairs), self.bank, self.k, center=self.center)  # [n]
@@ -69,7 +74,8 @@ class CoverageTrust(Controller):
         if self.space == "prompt":
             rows = [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids.cpu(), batch.prompt_mask.cpu())]
             prompts, where = unique_rows(rows)
-            embeddings = prompt_embeddings(self.model_reward, prompts, pad_id=self.pad_id)  # [u, h]
+            embeddings = self.cache.embed(prompts, lambda new: prompt_embeddings(
+                self.model_reward, new, pad_id=self.pad_id))  # [u, h]
         else:
             embeddings = self.model_reward.sequence_embeddings(batch.response_ids, batch.response_mask,
                                                                batch.prompt_ids, batch.prompt_mask)  # [b, h]
@@ -82,12 +88,15 @@ class CoverageTrust(Controller):
         with self.timer("coverage"):
             trust = self.trust(batch)  # [b]
         batch.set("learned_trust", trust)
+        if self.kl_boost > 0:
+            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost))
         valid = batch.get("mask").sum(dim=1) > 0  # the rows that train (not dropped by the filter)
         trust = comm.all_gather_cat(trust.float(), self.dp_group)[comm.all_gather_cat(valid.float(), self.dp_group) > 0]
         nan = float("nan")
         metrics = trust_metrics(trust) if trust.numel() else {
             f"coverage/{k}": nan for k in ("trust_mean", "trust_p10", "trust_p90", "far_share")}
         return {**metrics, "coverage/low": self.low, "coverage/high": self.high,
+                "coverage/cached": float(len(self.cache)),
                 "coverage/learned_reward": covered_learned_reward(batch, self.dp_group)}
 
     def act(self, factors: StepFactors) -> StepFactors:

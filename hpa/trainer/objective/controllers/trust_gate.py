@@ -43,6 +43,17 @@ def _set_sampled_ceiling(gate: TrustGate, run: ControllerInputs, rollout: Rollou
                 "is %.4f", chosen, margin, greedy, sampled, gate.ceiling)
 
 
+def _set_headroom(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig) -> None:
+    chosen, margin = heldout_reward_ceiling(run.model_reward, run.heldout_pairs, pad_id=run.pad_id)
+    greedy, sampled = greedy_and_sampled_reward(run.model_reward, run.tokenizer, run.heldout_pairs, run.generate,
+                                                rollout, run.groups)
+    gate.set_headroom(chosen, greedy, margin)
+    logger.info("trust gate: on the held-out prompts the chosen responses' learned reward is %.4f (margin %.4f), "
+                "the start policy's greedy responses' %.4f (sampled %.4f): headroom %.4f above the start's own "
+                "rollouts on the training prompts (the first updates' batches)", chosen, margin, greedy, sampled,
+                gate.headroom)
+
+
 def _heldout_nll(run: ControllerInputs) -> float:
     with run.timer("gate"):
         return run.policy_nll(run.heldout_pairs)
@@ -51,6 +62,7 @@ def _heldout_nll(run: ControllerInputs) -> float:
 GATE_SIGNAL_INPUTS: Dict[str, GateSignal] = {
     "reward_ceiling": GateSignal(start=_set_ceiling, measure=lambda run: None),
     "sampled_ceiling": GateSignal(start=_set_sampled_ceiling, measure=lambda run: None),
+    "start_rollouts": GateSignal(start=_set_headroom, measure=lambda run: None),
     "heldout_nll": GateSignal(start=lambda gate, run, rollout: None, measure=_heldout_nll),
 }
 
@@ -62,7 +74,8 @@ class TrustGateController(Controller):
     name, observes = "trust_gate", "rollouts"
 
     def __init__(self, g: TrustGateConfig, rollout: RolloutConfig, run: ControllerInputs):
-        self.gate = TrustGate(signal=g.signal, slack=g.slack, kp=g.kp, ki=g.ki, reward_ema=g.reward_ema)
+        self.gate = TrustGate(signal=g.signal, slack=g.slack, kp=g.kp, ki=g.ki, reward_ema=g.reward_ema,
+                              baseline_steps=g.baseline_steps)
         signal = GATE_SIGNAL_INPUTS[g.signal]
         signal.start(self.gate, run, rollout)
         self.measure = functools.partial(signal.measure, run)  # what it reads each step, nothing else of the run
