@@ -14,6 +14,7 @@ import hashlib
 import os
 from typing import Dict, List, Optional, Sequence
 
+from hpa.config.errors import UserError
 from hpa.registry import Registry
 
 TOKENIZERS = Registry("tokenizer")
@@ -89,13 +90,13 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece as spm
 
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"sentencepiece model {path!r} does not exist; train one with "
+            raise UserError(f"sentencepiece model {path!r} does not exist; train one with "
                                     f"'python -m data_tools.train_tokenizer' or fix data.tokenizer_path")
         self.path = path
         self._sp = spm.SentencePieceProcessor(model_file=path)
         self.vocab_size = self._sp.get_piece_size()
         if self._sp.eos_id() < 0:
-            raise ValueError(f"sentencepiece model {path!r} has no EOS piece; retrain it with eos_id >= 0")
+            raise UserError(f"sentencepiece model {path!r} has no EOS piece; retrain it with eos_id >= 0")
         self.eos_id = self._sp.eos_id()
         self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
         self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
@@ -120,8 +121,8 @@ class HFTokenizer(Tokenizer):
         from transformers import AutoTokenizer
 
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"HF tokenizer directory {path!r} does not exist; nothing is downloaded, "
-                                    f"save the tokenizer there first or fix data.tokenizer_path")
+            raise UserError(f"HF tokenizer directory {path!r} does not exist; nothing is downloaded, "
+                        f"save the tokenizer there first or fix data.tokenizer_path")
         self.path = path
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.vocab_size = len(self._tok)
@@ -169,7 +170,15 @@ def check_model_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
 def build_tokenizer(kind: str, path: str, *, model_vocab_size: Optional[int] = None) -> Tokenizer:
     """Build the tokenizer ``kind`` (a name in ``TOKENIZERS``) from ``path``; with ``model_vocab_size``,
     check that the model can embed every id (``check_model_vocab``)."""
-    tokenizer = TOKENIZERS.get(kind)(path)
+    backend = TOKENIZERS.get(kind)
+    try:
+        tokenizer = backend(path)
+    except (OSError, RuntimeError, ValueError) as exc:  # the backend's own parse errors: a user's file, not a bug
+        if isinstance(exc, UserError):
+            raise
+        reason = " ".join(str(exc).split())[:200]
+        raise UserError(f"{path} cannot be read as a {kind} tokenizer ({type(exc).__name__}: {reason}); check "
+                        f"data.tokenizer_path and data.tokenizer_kind") from None
     if model_vocab_size is not None:
         check_model_vocab(tokenizer, model_vocab_size)
     return tokenizer

@@ -68,7 +68,9 @@ def test_read_corpus_names_a_line_that_is_not_utf8(tmp_path, name):
 
 
 def test_missing_tokenizer_file_says_what_to_do(tmp_path):
-    with pytest.raises(FileNotFoundError, match="train_tokenizer"):
+    from hpa.config import UserError
+
+    with pytest.raises(UserError, match="train_tokenizer"):
         build_tokenizer("sentencepiece", str(tmp_path / "nope.model"))
 
 
@@ -118,3 +120,19 @@ def test_model_vocab_smaller_than_the_tokenizer_names_the_key(tmp_path):
     assert build_tokenizer("sentencepiece", path, model_vocab_size=n).vocab_size == n
     with pytest.raises(ConfigError, match=rf"model\.vocab_size.*{n - 1} is smaller than the tokenizer's {n} ids"):
         build_tokenizer("sentencepiece", path, model_vocab_size=n - 1)
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
+def test_a_file_that_is_not_a_tokenizer_is_a_user_error_naming_it(tmp_path, kind):
+    """A corrupt or wrong tokenizer file ended in the backend's traceback (sentencepiece: 'could not parse
+    ModelProto'); it is a user's mistake with a message naming the file and the keys to fix."""
+    from hpa.config import UserError
+
+    bad = tmp_path / ("bad.model" if kind == "sentencepiece" else "badtok")
+    if kind == "sentencepiece":
+        bad.write_text("junk")
+    else:
+        bad.mkdir()
+        (bad / "tokenizer.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"(?s)bad.*data.tokenizer_path.*data.tokenizer_kind"):
+        build_tokenizer(kind, str(bad))
