@@ -96,7 +96,7 @@ class CoverageTrust(Controller):
         metrics = trust_metrics(trust) if trust.numel() else {
             f"coverage/{k}": nan for k in ("trust_mean", "trust_p10", "trust_p90", "far_share")}
         return {**metrics, "coverage/low": self.low, "coverage/high": self.high,
-                "coverage/cached": float(len(self.cache)),
+                "perf/coverage_cached_prompts": float(len(self.cache)),  # a cache, not state: not resumed
                 "coverage/learned_reward": covered_learned_reward(batch, self.dp_group)}
 
     def act(self, factors: StepFactors) -> StepFactors:
