@@ -587,6 +587,7 @@ class ServeConfig:
 
     def __post_init__(self):
         check_range("port", self.port, low=0, high=65535)
+        check_range("kl_threshold", self.kl_threshold, low=0.0)
         check_range("guard_temperature", self.guard_temperature, low=0.0)
         check_range("guard_max_retries", self.guard_max_retries, low=0)
         _positive(self, "max_batch_size")

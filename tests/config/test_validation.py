@@ -262,3 +262,11 @@ def test_a_key_that_documents_infinity_accepts_plus_infinity_and_the_reference_s
     assert rows[0].infinity == "wait forever" and rows[1].infinity == ""
     assert "`x.timeout_s`: wait forever" in " ".join(_checks(rows))
     assert "no key accepts infinity" in " ".join(_checks(list(entries())))  # none in the schema today
+
+
+def test_a_negative_guard_threshold_is_refused():
+    """A mean k1 KL can be slightly negative per response, but a threshold below 0 regenerates (almost) every
+    response; it was accepted silently."""
+    with pytest.raises(ConfigError, match="serve.kl_threshold"):
+        load_config(None, ["serve.kl_threshold=-0.5"])
+    assert load_config(None, ["serve.kl_threshold=0"]).serve.kl_threshold == 0
