@@ -57,13 +57,13 @@ asks what each side does with a real preference set's lengths when it runs as fa
 - Reference log-probs once, before the timed steps, on both sides. hpa: as its trainer's reference
   cache (``hpa.trainer.reference_cache``, the default ``data.cache_reference_log_probs=true``)
   computes them, with ``phases.reference_pair_log_probs`` (one pair a reference micro-batch) over all
-  pairs; a timed step attaches its pairs' cached values (``micro_batches.attach_ref_pair_logps`` of
-  ``micro_batches.pair_rows``) and runs the policy forward/backward, the optimizer step and the step
+  pairs; a timed step attaches its pairs' cached values (``ref_seq_logp`` rows of its micro-batches)
+  and runs the policy forward/backward, the optimizer step and the step
   metrics. TRL: ``precompute_ref_log_probs=True`` and no ``ref_model`` (TRL then computes them with
   the initial policy in ``DPOTrainer.__init__`` and keeps no reference model), so its timed step
   has no reference forward either.
 - hpa's layout (``--hpa-layout``, JSON ``hpa_layout``): ``auto`` (the default) collates with
-  ``micro_batches.pair_micro_batches(..., packed=True)`` when that function takes a ``packed``
+  ``hpa.engine.collate.pair_micro_batches(..., packed=True)`` when that function takes a ``packed``
   keyword (sequence packing; checked with ``inspect.signature``), else right-padded as today;
   ``padded`` / ``packed`` force one (``packed`` fails where it does not exist).
 - TRL's configuration (``--trl-config``, JSON ``trl_config``): TRL 1.16 offers, for a CPU run, the
@@ -247,17 +247,31 @@ def hpa_pair_micro_batches(examples, *, micro_batch_size: int, pad_id: int, layo
                            ) -> Tuple[List[dict], str]:
     """hpa's pair micro-batches of ``examples`` and their layout, ``"packed"`` or ``"padded"``.
 
-    ``layout="auto"`` packs where ``micro_batches.pair_micro_batches`` takes a ``packed`` keyword
+    ``layout="auto"`` packs where ``pair_micro_batches`` takes a ``packed`` keyword
     (hpa's sequence packing) and right-pads where it does not; ``"packed"`` / ``"padded"`` force one."""
-    from hpa.trainer import micro_batches
-
-    fn = micro_batches.pair_micro_batches
+    fn = _hpa_pair_micro_batches()
     can_pack = "packed" in inspect.signature(fn).parameters
     if layout == "packed" and not can_pack:
-        raise RuntimeError("--hpa-layout packed: this hpa's micro_batches.pair_micro_batches has no `packed` keyword")
+        raise RuntimeError("--hpa-layout packed: this hpa's pair_micro_batches has no `packed` keyword")
     if layout == "packed" or (layout == "auto" and can_pack):
         return fn(examples, micro_batch_size=micro_batch_size, pad_id=pad_id, packed=True), "packed"
     return fn(examples, micro_batch_size=micro_batch_size, pad_id=pad_id), "padded"
+
+
+def _hpa_pair_micro_batches():
+    """hpa's pair collation: ``hpa.engine.collate`` since 2026-11-27, ``hpa.trainer.micro_batches`` before."""
+    try:
+        from hpa.engine.collate import pair_micro_batches
+    except ImportError:
+        from hpa.trainer.micro_batches import pair_micro_batches
+    return pair_micro_batches
+
+
+def _attach_ref(mbs, per_pair, size: int) -> None:
+    """Each pair micro-batch's rows of the reference's values: ``per_pair`` ``[B, 2]`` (chosen, rejected),
+    ``size`` pairs a micro-batch (its chosen rows, then its rejected rows)."""
+    for i, mb in enumerate(mbs):
+        mb["ref_seq_logp"] = per_pair[i * size:(i + 1) * size].T.reshape(-1)
 
 
 def run_hpa(args, turn: "Turn") -> Dict:
@@ -272,7 +286,7 @@ def run_hpa(args, turn: "Turn") -> Dict:
     from hpa.distributed import LaunchEnv, destroy, initialize
     from hpa.models import build_policy, build_reference
     from hpa.engine import forward
-    from hpa.trainer import micro_batches, objective, phases
+    from hpa.trainer import objective, phases
     from hpa.engine.optimizer import build_lr_scheduler, build_optimizer, wrap_ddp
     from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
@@ -310,17 +324,18 @@ def run_hpa(args, turn: "Turn") -> Dict:
             turn.begin()
             batch = examples[step * args.batch:(step + 1) * args.batch]
             if ref_table is None:
-                mbs = micro_batches.pair_micro_batches(batch, micro_batch_size=args.batch, pad_id=PAD)  # collation
+                mbs = _hpa_pair_micro_batches()(batch, micro_batch_size=args.batch, pad_id=PAD)  # collation
             else:
                 mbs, layout = hpa_pair_micro_batches(batch, micro_batch_size=args.batch, pad_id=PAD,
                                                      layout=args.hpa_layout)
             start = time.perf_counter()
             if ref_table is None:
                 ref = forward.pair_sequence_log_probs(reference, mbs, groups, vocab_size=model_cfg.vocab_size)
-                micro_batches.attach_ref_pair_logps(mbs, ref)
+                for mb, values in zip(mbs, ref.split([mb.num_rows for mb in mbs])):  # in the micro-batches' rows
+                    mb["ref_seq_logp"] = values
             else:
                 cached = ref_table[step * args.batch:(step + 1) * args.batch]  # [B, 2]
-                micro_batches.attach_ref_pair_logps(mbs, micro_batches.pair_rows(cached, args.batch))
+                _attach_ref(mbs, cached, args.batch)
             counts = objective.global_counts([], mbs, groups)
             loss_fn = objective.make_policy_loss(algo, weights, counts, groups, vocab_size=model_cfg.vocab_size,
                                               temperature=1.0)

@@ -134,7 +134,7 @@ def synthesize(strong_engine, weak_engine, reward_fn: BatchRewardFn, prompts: Se
     import torch
 
     from hpa.distributed import comm
-    from hpa.engine.forward import chunks
+    from hpa.engine.collate import chunks
     from hpa.rollout.base import decode_responses
 
     if not prompts:

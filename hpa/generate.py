@@ -35,6 +35,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
+from hpa.engine.batching import Batching
 from hpa.rollout.base import SamplingParams, decode_responses
 from hpa.trainer.inference import KLGuard, check_guard_args, load_policy
 
@@ -69,7 +70,8 @@ def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_thresho
     g = groups
     loaded = load_policy(cfg, g, command="hpa generate")
     tokenizer, reference_is_policy = loaded.tokenizer, loaded.reference_is_policy
-    guard = KLGuard(loaded.engine, loaded.policy, loaded.reference, g, micro_batch_size=cfg.trainer.micro_batch_size,
+    guard = KLGuard(loaded.engine, loaded.policy, loaded.reference, g,
+                    batching=Batching(micro_batch_size=cfg.trainer.micro_batch_size, pad_id=tokenizer.pad_id),
                     vocab_size=tokenizer.vocab_size, kl_threshold=kl_threshold,
                     guard_temperature=guard_temperature, max_retries=max_retries)
 

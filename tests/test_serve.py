@@ -411,6 +411,7 @@ def top_logprobs_worker(groups):
     import torch
 
     from hpa.config.schema import ModelConfig, ParallelConfig
+    from hpa.engine.batching import Batching
     from hpa.engine.forward import response_top_log_probs
     from hpa.models import build_policy
     from hpa.rollout.base import RolloutBatch
@@ -428,7 +429,8 @@ def top_logprobs_worker(groups):
                          response_ids=(torch.randint(1, vocab, (b, r), generator=g) * response_mask).long(),
                          response_mask=response_mask, log_probs=torch.zeros(b, r), finish_reasons=["stop"] * b,
                          group_ids=torch.arange(b))
-    got = response_top_log_probs(policy, batch, groups, micro_batch_size=2, vocab_size=vocab, k=k)
+    got = response_top_log_probs(policy, batch, groups, batching=Batching(micro_batch_size=2, pad_id=0),
+                                 vocab_size=vocab, k=k)
     ts = batch.sequences
     with torch.no_grad():
         logp = torch.log_softmax(policy(ts.input_ids, ts.position_ids, None)[..., :vocab].float(), dim=-1)

@@ -1,4 +1,4 @@
-"""Padding, batch collation and micro-batch planning.
+"""Padding and micro-batch planning (``hpa.engine.collate`` builds the micro-batches from them).
 
 Prompts are padded on the left (generation appends on the right, so every row's last prompt token
 sits in the same column); training sequences are padded on the right. Masks are 1 on real tokens.
@@ -8,7 +8,6 @@ Micro-batch planners work on sequence lengths and return lists of indices into t
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from typing import List, Optional, Sequence, Tuple
 
@@ -46,42 +45,6 @@ def pad_right(seqs: Sequence[Sequence[int]], pad_value: int, *, length: Optional
               pad_to_multiple_of: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
     """Right-pad ``seqs``; returns ``values [b, s]`` (int64) and ``attention_mask [b, s]`` (int64, 1 = token)."""
     return _pad(seqs, pad_value, left=False, length=length, pad_to_multiple_of=pad_to_multiple_of)
-
-
-@dataclasses.dataclass
-class PreferenceBatch:
-    """Right-padded preference pairs; chosen and rejected share one length ``s`` so they can be
-    concatenated into one ``[2b, s]`` forward.
-
-    Attributes:
-        chosen_input_ids, rejected_input_ids: ``[b, s]`` prompt + response, pad id on the right.
-        chosen_attention_mask, rejected_attention_mask: ``[b, s]``, 1 on real tokens.
-        chosen_response_mask, rejected_response_mask: ``[b, s]``, 1 on response tokens only (the loss mask).
-        ref_chosen_logps, ref_rejected_logps: ``[b]`` reference sequence log-probs, filled in later.
-    """
-
-    chosen_input_ids: torch.Tensor
-    chosen_attention_mask: torch.Tensor
-    chosen_response_mask: torch.Tensor
-    rejected_input_ids: torch.Tensor
-    rejected_attention_mask: torch.Tensor
-    rejected_response_mask: torch.Tensor
-    ref_chosen_logps: Optional[torch.Tensor] = None
-    ref_rejected_logps: Optional[torch.Tensor] = None
-
-
-def collate_preferences(examples: Sequence, pad_id: int, *, pad_to_multiple_of: int = 1) -> PreferenceBatch:
-    """Collate ``PreferenceExample``s."""
-    chosen = [e.chosen_input_ids for e in examples]
-    rejected = [e.rejected_input_ids for e in examples]
-    s = _target_length(chosen + rejected, None, pad_to_multiple_of)
-    chosen_ids, chosen_mask = pad_right(chosen, pad_id, length=s)
-    rejected_ids, rejected_mask = pad_right(rejected, pad_id, length=s)
-    chosen_resp, _ = pad_right([e.chosen_response_mask for e in examples], 0, length=s)
-    rejected_resp, _ = pad_right([e.rejected_response_mask for e in examples], 0, length=s)
-    return PreferenceBatch(chosen_input_ids=chosen_ids, chosen_attention_mask=chosen_mask,
-                           chosen_response_mask=chosen_resp, rejected_input_ids=rejected_ids,
-                           rejected_attention_mask=rejected_mask, rejected_response_mask=rejected_resp)
 
 
 def token_budget_micro_batches(lengths: Sequence[int], max_token_len: int, *, packed: bool = False) -> List[List[int]]:

@@ -17,12 +17,9 @@ from hpa.engine.head import label_log_probs, response_log_probs
 from hpa.engine.micro_batch import MicroBatch
 from hpa.engine.step import forward_backward
 from hpa.algorithms.masked import mean_pool
-from hpa.data.collate import token_budget_micro_batches
+from hpa.engine.batching import Batching
+from hpa.engine.collate import TokenRows, collate, row_groups
 from hpa.engine.sequences import TrainingSequences
-
-
-def chunks(n: int, size: int) -> List[List[int]]:
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
 def response_token_mask(ts: TrainingSequences, response_mask: torch.Tensor) -> torch.Tensor:
@@ -61,32 +58,20 @@ def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
     return out
 
 
-def sequence_micro_batches(ts: TrainingSequences, rows: Sequence[Sequence[int]], lengths: Optional[torch.Tensor],
-                           *, packed: bool = False, **per_row: torch.Tensor) -> List[MicroBatch]:
-    """Micro-batches of the rows ``rows[j]`` of ``ts``, each cut to its longest sequence (``lengths``, the
-    positions of every row; None: the whole width), padded or ``packed``; ``per_row`` tensors ``[b, ...]``
-    go with their rows, position-aligned ones cut to the same width."""
+def sequence_rows(ts: TrainingSequences, lengths: Optional[torch.Tensor], **positional: torch.Tensor) -> TokenRows:
+    """The rows of ``ts`` for ``collate``: ``lengths`` the positions of every row (None: the whole width),
+    ``positional`` tensors ``[b, s, ...]`` cut with them."""
     s = ts.input_ids.shape[1]
     lengths = torch.full((ts.input_ids.shape[0],), s, dtype=torch.long) if lengths is None else lengths.long()
-    out = []
-    for r in rows:
-        idx = torch.as_tensor(list(r), dtype=torch.long)
-        width = int(lengths[idx].max())
-        extra = {k: (v[idx][:, :width] if v.dim() > 1 and v.shape[1] == s else v[idx]) for k, v in per_row.items()}
-        out.append(MicroBatch.from_padded("rollout", ts.input_ids[idx, :width], ts.labels[idx, :width],
-                                          lengths[idx], packed=packed,
-                                          response_index=ts.response_index[idx].clamp(max=width - 1), **extra))
-    return out
+    return TokenRows(input_ids=ts.input_ids, labels=ts.labels, lengths=lengths, response_index=ts.response_index,
+                     positional=positional)
 
 
-def row_groups(num_rows: int, micro_batch_size: int, lengths: Optional[torch.Tensor],
-               token_budget: Optional[int], packed: bool) -> List[List[int]]:
-    """The rows of each forward-only micro-batch: ``micro_batch_size`` consecutive rows, or, with a
-    ``token_budget`` (and ``lengths``), rows of similar lengths grouped up to that many tokens (real tokens
-    ``packed``, padded ones otherwise; ``hpa.data.collate.token_budget_micro_batches``)."""
-    if token_budget is None or lengths is None:
-        return chunks(num_rows, micro_batch_size)
-    return token_budget_micro_batches(lengths.tolist(), token_budget, packed=packed)
+def _forward_groups(ts: TrainingSequences, lengths: Optional[torch.Tensor], batching: Batching) -> List[List[int]]:
+    """The rows of each forward-only micro-batch (``batching.forward_token_budget``)."""
+    return row_groups(ts.input_ids.shape[0], micro_batch_size=batching.micro_batch_size,
+                      lengths=None if lengths is None else lengths.tolist(),
+                      token_budget=batching.forward_token_budget, packed=batching.packed)
 
 
 def in_row_order(out: Dict[str, torch.Tensor], rows: List[List[int]]) -> Dict[str, torch.Tensor]:
@@ -99,19 +84,19 @@ def in_row_order(out: Dict[str, torch.Tensor], rows: List[List[int]]) -> Dict[st
 
 
 def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor, groups: ParallelGroups, *,
-                       micro_batch_size: int, vocab_size: int, temperature: float,
-                       hidden_size: Optional[int] = None, lengths: Optional[torch.Tensor] = None,
-                       packed: bool = False, token_budget: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                       batching: Batching, vocab_size: int, temperature: float,
+                       hidden_size: Optional[int] = None, lengths: Optional[torch.Tensor] = None
+                       ) -> Dict[str, torch.Tensor]:
     """Per-response-token log-probs ``[b, r]`` (and the pooled response hidden state ``[b, h]``).
 
     Args:
+        batching: micro-batches of ``micro_batch_size`` rows or ``forward_token_budget`` tokens, ``packed``
+            (which needs ``lengths`` to save anything).
         lengths: ``[b]`` positions of each row (prompt + response); None: every row is the whole width.
-        packed: pack each micro-batch's rows (needs ``lengths`` to save anything).
-        token_budget: group rows by tokens (``row_groups``) instead of ``micro_batch_size`` rows.
     """
-    pool_mask = response_token_mask(ts, response_mask)
-    rows = row_groups(ts.input_ids.shape[0], micro_batch_size, lengths, token_budget, packed)
-    mbs = sequence_micro_batches(ts, rows, lengths, packed=packed, pool_mask=pool_mask)
+    rows = _forward_groups(ts, lengths, batching)
+    mbs = collate("rollout", sequence_rows(ts, lengths, pool_mask=response_token_mask(ts, response_mask)), rows,
+                  packed=batching.packed)
     r = ts.response_index.shape[1]
 
     def fn(batch, logits, hidden):
@@ -127,12 +112,11 @@ def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor
     return in_row_order(forward_only(model, mbs, groups, fn, shapes, capture_hidden=hidden_size is not None), rows)
 
 
-def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, micro_batch_size: int,
-                    lengths: Optional[torch.Tensor] = None, packed: bool = False,
-                    token_budget: Optional[int] = None) -> torch.Tensor:
+def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, batching: Batching,
+                    lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Critic values ``[b, r]``: the value of the state before each response token (as verl)."""
-    rows = row_groups(ts.input_ids.shape[0], micro_batch_size, lengths, token_budget, packed)
-    mbs = sequence_micro_batches(ts, rows, lengths, packed=packed)
+    rows = _forward_groups(ts, lengths, batching)
+    mbs = collate("rollout", sequence_rows(ts, lengths), rows, packed=batching.packed)
 
     def fn(batch, values, hidden):
         return {"values": batch.response(batch.unpack(values[..., 0]))}
@@ -152,17 +136,16 @@ def pair_sequence_log_probs(model, micro_batches: List[MicroBatch], groups: Para
     return forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)}, capture_hidden=False)["seq_logp"][:, 0]
 
 
-def response_kl(policy, reference, batch, groups: ParallelGroups, *, micro_batch_size: int,
-                vocab_size: int, packed: bool = False) -> torch.Tensor:
+def response_kl(policy, reference, batch, groups: ParallelGroups, *, batching: Batching,
+                vocab_size: int) -> torch.Tensor:
     """The k1 KL to the reference of every sampled response token ``[b, r]`` (temperature 1; 0 on padding).
 
     ``batch`` is a ``RolloutBatch``; with ``reference is policy`` the KL is 0 without a second forward.
-    Each micro-batch is cut to its longest row, or ``packed``.
+    Each micro-batch is cut to its longest row, or packed (``batching``).
     """
     from hpa.algorithms.kl import kl_penalty
 
-    kw = dict(micro_batch_size=micro_batch_size, vocab_size=vocab_size, temperature=1.0,
-              lengths=batch.sequence_lengths, packed=packed)
+    kw = dict(batching=batching, vocab_size=vocab_size, temperature=1.0, lengths=batch.sequence_lengths)
     ts = batch.sequences
     logp = sequence_log_probs(policy, ts, batch.response_mask, groups, **kw)["log_probs"].cpu()  # [b, r]
     ref = logp if reference is policy else \
@@ -171,7 +154,7 @@ def response_kl(policy, reference, batch, groups: ParallelGroups, *, micro_batch
     return torch.where(mask.bool(), kl_penalty(logp, ref, kind="k1"), 0.0)
 
 
-def response_top_log_probs(model, batch, groups: ParallelGroups, *, micro_batch_size: int, vocab_size: int,
+def response_top_log_probs(model, batch, groups: ParallelGroups, *, batching: Batching, vocab_size: int,
                            k: int) -> Dict[str, torch.Tensor]:
     """Log-probs at temperature 1 at the response positions only (never the whole ``[b, s, v]``): the
     sampled tokens' ``log_probs`` ``[b, r]`` and the ``k`` most likely tokens, ``top_values`` ``[b, r, k]``
@@ -180,7 +163,7 @@ def response_top_log_probs(model, batch, groups: ParallelGroups, *, micro_batch_
     if groups.tensor_model_parallel_size != 1:
         raise NotImplementedError("the top-k log-probs need the whole vocabulary on one rank (TP 1)")
     ts = batch.sequences
-    mbs = sequence_micro_batches(ts, chunks(ts.input_ids.shape[0], micro_batch_size), batch.sequence_lengths)
+    mbs = collate("rollout", sequence_rows(ts, batch.sequence_lengths), _forward_groups(ts, None, batching))
     r = ts.response_index.shape[1]
 
     def fn(mb, logits, hidden):

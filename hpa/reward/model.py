@@ -38,10 +38,12 @@ from hpa.algorithms.masked import mean_pool
 from hpa.reward.shaping import BaseRewardOutput, RewardInputs
 from hpa.models.weights import load_model_weights
 from hpa.engine.forward import forward_only
-from hpa.engine.micro_batch import MicroBatch
+from hpa.engine.batching import Batching
+from hpa.engine.collate import TokenRows, chunks, collate
 
 # Written next to megatron's files in a saved reward model directory.
 REWARD_MODEL_INFO = "hpa_reward_model.json"
+DEFAULT_BATCHING = Batching(micro_batch_size=8, pad_id=0)  # a ModelReward built without one: 8 sequences a micro-batch
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,9 +113,8 @@ def join_prompt_response(response_ids: torch.Tensor, response_mask: torch.Tensor
 
 
 def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: ParallelGroups, *,
-                    num_heads: int, micro_batch_size: int, pool_mask: Optional[torch.Tensor] = None,
-                    hidden_size: Optional[int] = None, packed: bool = False
-                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    num_heads: int, batching: Batching, pool_mask: Optional[torch.Tensor] = None,
+                    hidden_size: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Forward-only scores of right-padded sequences, the same on every rank of the model replica.
 
     Every rank of a model replica (all TP and PP ranks) must call this with the same tensors.
@@ -122,8 +123,8 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         model: a reward model (``build_reward``), possibly DDP-wrapped.
         input_ids, attention_mask: ``[b, s]`` right-padded.
         num_heads: K of the model.
-        packed: pack each micro-batch's rows (``trainer.sequence_packing``).
-        micro_batch_size: sequences per pipeline micro-batch (the last one is padded with empty rows).
+        batching: ``micro_batch_size`` sequences per pipeline micro-batch (the last one is padded with empty
+            rows), ``packed`` or padded to the whole width ``s``; no token budget (whole rows are scored).
         pool_mask: ``[b, s]`` positions to mean-pool the final hidden state over; None: no embeddings.
         hidden_size: h; required with ``pool_mask``.
 
@@ -136,6 +137,7 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     want_hidden = pool_mask is not None
     if want_hidden and hidden_size is None:
         raise ValueError("embeddings (pool_mask) need hidden_size")
+    micro_batch_size = batching.micro_batch_size
     num_micro = -(-b // micro_batch_size)
     padded = num_micro * micro_batch_size
     pad_rows = padded - b
@@ -147,12 +149,10 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
     ids, mask, pool = extend(input_ids), extend(attention_mask), extend(pool_mask)
     lengths = mask.sum(dim=1).clamp(min=1)  # the filler rows score one pad token
-    micro_batches = []  # on the inputs' device; forward_backward moves them to the model's
-    for j in range(num_micro):
-        rows = slice(j * micro_batch_size, (j + 1) * micro_batch_size)
-        extra = {"pool_mask": pool[rows]} if want_hidden else {}
-        micro_batches.append(MicroBatch.from_padded("rows", ids[rows], torch.zeros_like(ids[rows]), lengths[rows],
-                                                    packed=packed, attention_mask=mask[rows], **extra))
+    rows = TokenRows(input_ids=ids, lengths=lengths,
+                     positional={"attention_mask": mask, **({"pool_mask": pool} if want_hidden else {})})
+    # on the inputs' device; forward_backward moves them to the model's
+    micro_batches = collate("rows", rows, chunks(padded, micro_batch_size), packed=batching.packed, cut=False)
 
     def read_scores(batch, output, hidden):
         out = {"rewards": gather_last_token(batch.unpack(output), batch["attention_mask"]).float()}  # [mb, K]
@@ -317,33 +317,26 @@ class ModelReward:
         groups: the layout they were built under.
         num_heads: heads per model.
         hidden_size: h of the first model (its embeddings are the ones returned).
-        pad_id: any valid token id; padding is masked.
-        micro_batch_size: sequences per pipeline micro-batch.
-        packed: pack each micro-batch's sequences (``trainer.sequence_packing``).
+        batching: ``micro_batch_size`` sequences per pipeline micro-batch, ``packed`` or not; its ``pad_id``
+            (any valid token id: padding is masked) pads the sequences.
         with_embeddings: also compute the embeddings (needed for the diversity term).
     """
 
     def __init__(self, models: Sequence[torch.nn.Module], groups: ParallelGroups, *, num_heads: int,
-                 hidden_size: int, pad_id: int = 0, micro_batch_size: int = 8, with_embeddings: bool = True,
-                 packed: bool = False):
+                 hidden_size: int, batching: Batching = DEFAULT_BATCHING, with_embeddings: bool = True):
         if not models:
             raise ValueError("ModelReward needs at least one reward model")
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
         self.models = list(models)
         self.groups = groups
         self.num_heads = num_heads
         self.hidden_size = hidden_size
-        self.pad_id = pad_id
-        self.micro_batch_size = micro_batch_size
+        self.batching = batching
         self.with_embeddings = with_embeddings
-        self.packed = packed
 
     @classmethod
     def from_config(cls, reward: RewardConfig, model: ModelConfig, parallel: ParallelConfig,
-                    groups: ParallelGroups, *, pad_id: int = 0, micro_batch_size: int = 8,
-                    with_embeddings: Optional[bool] = None, packed: bool = False,
-                    tokenizer: Optional[Dict[str, object]] = None) -> "ModelReward":
+                    groups: ParallelGroups, *, batching: Batching = DEFAULT_BATCHING,
+                    with_embeddings: Optional[bool] = None, tokenizer: Optional[Dict[str, object]] = None) -> "ModelReward":
         """Load every checkpoint of ``reward.model_paths`` (each with ``reward.num_heads`` heads), each built
         from the architecture it records (``model`` is the policy's: see ``reward_model_config``).
 
@@ -359,8 +352,8 @@ class ModelReward:
         if with_embeddings is None:
             with_embeddings = reward.shaping.beta > 0 and reward.shaping.diversity_source == "reward_model"
         hidden_size = unwrap(models[0]).config.hidden_size  # the embeddings are the first model's
-        return cls(models, groups, num_heads=reward.num_heads, hidden_size=hidden_size, pad_id=pad_id,
-                   micro_batch_size=micro_batch_size, with_embeddings=with_embeddings, packed=packed)
+        return cls(models, groups, num_heads=reward.num_heads, hidden_size=hidden_size, batching=batching,
+                   with_embeddings=with_embeddings)
 
     @property
     def num_outputs(self) -> int:
@@ -374,25 +367,24 @@ class ModelReward:
         (the coverage trust's space: where a sequence lies against the preference data), ``[b, h]`` float32.
         ``response_*`` ``[b, r]``, ``prompt_*`` ``[b, p]``, as ``__call__``'s inputs."""
         input_ids, attention_mask, _ = join_prompt_response(
-            response_ids.cpu(), response_mask.cpu(), self.pad_id, None if prompt_ids is None else prompt_ids.cpu(),
+            response_ids.cpu(), response_mask.cpu(), self.batching.pad_id, None if prompt_ids is None else prompt_ids.cpu(),
             None if prompt_mask is None else prompt_mask.cpu())
         _, embeddings = score_sequences(self.models[0], input_ids, attention_mask, self.groups,
-                                        num_heads=self.num_heads, micro_batch_size=self.micro_batch_size,
-                                        pool_mask=attention_mask, hidden_size=self.hidden_size, packed=self.packed)
+                                        num_heads=self.num_heads, batching=self.batching,
+                                        pool_mask=attention_mask, hidden_size=self.hidden_size)
         return embeddings.to(response_ids.device)
 
     def __call__(self, inputs: RewardInputs) -> BaseRewardOutput:
         input_ids, attention_mask, response_mask = join_prompt_response(
-            inputs.response_ids.cpu(), inputs.response_mask.cpu(), self.pad_id,
+            inputs.response_ids.cpu(), inputs.response_mask.cpu(), self.batching.pad_id,
             None if inputs.prompt_ids is None else inputs.prompt_ids.cpu(),
             None if inputs.prompt_mask is None else inputs.prompt_mask.cpu())
         rewards, embeddings = [], None
         for i, rm in enumerate(self.models):
             want = self.with_embeddings and i == 0
             r, e = score_sequences(rm, input_ids, attention_mask, self.groups, num_heads=self.num_heads,
-                                   micro_batch_size=self.micro_batch_size,
-                                   pool_mask=response_mask if want else None, hidden_size=self.hidden_size,
-                                   packed=self.packed)
+                                   batching=self.batching, pool_mask=response_mask if want else None,
+                                   hidden_size=self.hidden_size)
             rewards.append(r)
             if want:
                 embeddings = e

@@ -45,7 +45,9 @@ from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.reward import RewardInputs, build_reward, ensemble_mean_std
 from hpa.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutBatch, decode_responses
-from hpa.engine.forward import chunks, sequence_log_probs
+from hpa.engine.batching import Batching
+from hpa.engine.collate import chunks
+from hpa.engine.forward import sequence_log_probs
 
 SCORE_NAMES = ("reward", "reward_std", "log_prob")
 
@@ -123,7 +125,8 @@ class Scorer:
                                                     "'hpa train-rm' run) or use edit similarity")
         if (reward or embedding) and cfg.reward.model_paths:
             self.model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups,
-                                                        pad_id=self.tokenizer.pad_id, micro_batch_size=mbs,
+                                                        batching=Batching(micro_batch_size=mbs,
+                                                                          pad_id=self.tokenizer.pad_id),
                                                         with_embeddings=embedding,
                                                         tokenizer=tokenizer_record(self.tokenizer))
         self.reward = build_reward(cfg.reward, self.model_reward).base if reward else None
@@ -209,7 +212,8 @@ class Scorer:
         ts = batch.training_sequences()
         with torch.no_grad():
             logp = sequence_log_probs(self.policy, ts, batch.response_mask, self.groups,
-                                      micro_batch_size=self.cfg.trainer.micro_batch_size,
+                                      batching=Batching(micro_batch_size=self.cfg.trainer.micro_batch_size,
+                                                        pad_id=self.tokenizer.pad_id),
                                       vocab_size=self.tokenizer.vocab_size, temperature=1.0)["log_probs"]  # [b, r]
         return (logp.cpu() * batch.response_mask.cpu()).sum(dim=1)  # [b]
 

@@ -24,6 +24,7 @@ A tie counts as a wrong ordering.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 from hpa.config import ConfigError, load_config, write_resolved
 from hpa.config.schema import Config, ModelConfig
-from hpa.data import DistributedBatchSampler, PreferenceDataset, build_tokenizer, collate_preferences
+from hpa.data import DistributedBatchSampler, PreferenceDataset, build_tokenizer
 from hpa.distributed import ParallelGroups, launched, read_launch_env, set_seed
 from hpa.distributed.console import due as console_due
 from hpa.distributed.console import progress_bar
@@ -47,6 +48,9 @@ from hpa.registry import Registry
 from hpa.reward.model import (architecture_of, gather_last_token, read_reward_model_info, score_sequences,
                               tokenizer_record, write_reward_model_info)
 from hpa.models.weights import load_model_weights, save_model_weights
+from hpa.engine.batching import Batching
+from hpa.engine.collate import TokenRows, collate, pair_groups, pair_rows
+from hpa.engine.micro_batch import MicroBatch
 from hpa.engine.optimizer import make_trainable
 from hpa.engine.step import forward_backward, optimizer_step, zero_grad
 
@@ -152,24 +156,21 @@ def split_eval(num_pairs: int, eval_fraction: float, seed: int) -> Tuple[List[in
 # Batches
 
 
+def pair_token_rows(examples: Sequence, pad_id: int, weights: Optional[torch.Tensor] = None) -> TokenRows:
+    """The pairs' rows, every chosen row, then every rejected row (``[2m, s]``, right-padded to the longest), with
+    ``attention_mask`` ``[2m, s]`` and, when given, each pair's ``weights`` ``[m, K]`` on both its rows ``[2m, K]``."""
+    rows = pair_rows(examples, pad_id)
+    mask = (torch.arange(rows.input_ids.shape[1])[None, :] < rows.lengths[:, None]).long()  # [2m, s]
+    per_row = {} if weights is None else {"weights": torch.cat([weights, weights])}
+    return dataclasses.replace(rows, labels=None, positional={"attention_mask": mask}, per_row=per_row)
+
+
 def pair_micro_batches(examples: Sequence, pad_id: int, micro_batch_size: int,
-                       weights: Optional[torch.Tensor] = None) -> List[dict]:
-    """Micro-batches of ``micro_batch_size`` pairs, chosen rows first: ``input_ids [2m, s]``,
-    ``position_ids [2m, s]``, ``attention_mask [2m, s]`` and ``weights [m, K]`` when given.
-    All micro-batches share one padded length s. On the host: ``forward_backward`` moves them."""
-    batch = collate_preferences(examples, pad_id)
-    s = batch.chosen_input_ids.shape[1]
-    out = []
-    for start in range(0, len(examples), micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        m = len(examples[rows])
-        mb = {"input_ids": torch.cat([batch.chosen_input_ids[rows], batch.rejected_input_ids[rows]]),
-              "attention_mask": torch.cat([batch.chosen_attention_mask[rows], batch.rejected_attention_mask[rows]]),
-              "position_ids": torch.arange(s).expand(2 * m, s).contiguous()}
-        if weights is not None:
-            mb["weights"] = weights[rows]
-        out.append(mb)
-    return out
+                       weights: Optional[torch.Tensor] = None) -> List[MicroBatch]:
+    """Micro-batches of ``micro_batch_size`` pairs, chosen rows first (``pair_token_rows``), every one of the
+    step's whole width ``s``. On the host: ``forward_backward`` moves them."""
+    rows = pair_token_rows(examples, pad_id, weights)
+    return collate("pairs", rows, pair_groups(len(examples), micro_batch_size), cut=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -254,11 +255,10 @@ def evaluate(model, examples: Sequence, groups: ParallelGroups, *, num_heads: in
     sums = torch.zeros(num_heads + 4, dtype=torch.float64)
     for start in range(0, len(shard), chunk_pairs):
         part = shard[start:start + chunk_pairs]
-        batch = collate_preferences(part, pad_id)
-        ids = torch.cat([batch.chosen_input_ids, batch.rejected_input_ids])  # [2n, s]
-        mask = torch.cat([batch.chosen_attention_mask, batch.rejected_attention_mask])  # [2n, s]
-        scores, _ = score_sequences(model, ids, mask, groups, num_heads=num_heads,
-                                    micro_batch_size=2 * micro_batch_size)  # [2n, K]
+        rows = pair_token_rows(part, pad_id)
+        scores, _ = score_sequences(model, rows.input_ids, rows.positional["attention_mask"], groups,
+                                    num_heads=num_heads,
+                                    batching=Batching(micro_batch_size=2 * micro_batch_size, pad_id=pad_id))  # [2n, K]
         sums += eval_sums(scores[:len(part)].cpu(), scores[len(part):].cpu(), margin)
     return eval_metrics(all_reduce_sum(sums.to(groups.device), groups.dp_group).cpu())
 
@@ -346,7 +346,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
         scores = gather_last_token(output, batch["attention_mask"])  # [2m, K]
         m = scores.shape[0] // 2
         return bradley_terry_loss(scores[:m], scores[m:], num_pairs=num_pairs, margin=margin,
-                                  weights=batch["weights"])
+                                  weights=batch["weights"][:m])  # a pair's weights sit on both its rows
 
     def run_eval() -> Dict[str, float]:
         if not eval_set:

@@ -55,6 +55,7 @@ def load_into(state: ServeState, cfg, groups) -> None:
     """Load the checkpoints and the engine (main thread), then open the doors."""
     import tempfile
 
+    from hpa.engine.batching import Batching
     from hpa.trainer.inference import KLGuard, load_policy
 
     state.workdir = tempfile.TemporaryDirectory(prefix="hpa-serve-")  # converted HF checkpoints, if any
@@ -64,7 +65,8 @@ def load_into(state: ServeState, cfg, groups) -> None:
     loaded = load_policy(cfg, groups, command="hpa serve", load_reference=s.guard, engine_kwargs=engine_kwargs)
     tok = loaded.tokenizer
     guard = KLGuard(loaded.engine, loaded.policy, loaded.reference, groups,
-                    micro_batch_size=cfg.trainer.micro_batch_size, vocab_size=tok.vocab_size,
+                    batching=Batching(micro_batch_size=cfg.trainer.micro_batch_size, pad_id=tok.pad_id),
+                    vocab_size=tok.vocab_size,
                     kl_threshold=s.kl_threshold, guard_temperature=s.guard_temperature,
                     max_retries=s.guard_max_retries, score=s.guard)
     state.scheduler.attach(guard, tok)

@@ -14,6 +14,7 @@ from hpa.config.schema import RolloutConfig
 from hpa.data.prompts import PromptDataset
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
+from hpa.engine.batching import Batching
 from hpa.engine.forward import response_kl
 from hpa.reward import RewardHackingMonitor, RewardInputs
 from hpa.reward.rules import RuleReward
@@ -30,17 +31,16 @@ class Evaluator:
     """
 
     def __init__(self, data: DataConfig, rollout: RolloutConfig, reward_cfg: RewardConfig, groups: ParallelGroups,
-                 tokenizer, *, rejects_dir: str, reward, model_reward, micro_batch_size: int, packed: bool = False):
+                 tokenizer, *, rejects_dir: str, reward, model_reward, batching: Batching):
         """
         Args:
             reward: the shaped reward of the run (``.base`` gives r̂: reward-model heads and rules).
             model_reward: the reward-model ensemble alone (what a policy can exploit), or None.
-            packed: pack the KL forwards' micro-batches (``trainer.sequence_packing``).
+            batching: the micro-batches of the KL forwards.
         """
         self.rollout_cfg, self.groups, self.tokenizer = rollout, groups, tokenizer
         self.copy_ngram = reward_cfg.shaping.copy_ngram
-        self.reward, self.model_reward, self.micro_batch_size = reward, model_reward, micro_batch_size
-        self.packed = packed
+        self.reward, self.model_reward, self.batching = reward, model_reward, batching
         self.gold = RuleReward.from_names(reward_cfg.rules or ("exact_match",), 1.0, None)
         self.eval_prompts = (PromptDataset.from_config(data, tokenizer, rejects_dir=rejects_dir, split="eval")
                              if data.eval_prompt_path else None)
@@ -108,7 +108,7 @@ class Evaluator:
                        else reward)  # [b]
             copy = ngram_copy_rate(batch.response_ids, batch.response_mask, batch.prompt_ids, batch.prompt_mask,
                                    self.copy_ngram)  # [b]
-            kl = response_kl(policy, reference, batch, g, micro_batch_size=self.micro_batch_size, packed=self.packed,
+            kl = response_kl(policy, reference, batch, g, batching=self.batching,
                              vocab_size=self.tokenizer.vocab_size).sum(dim=1)  # [b]
             weight = trust(batch).cpu().float() if trust is not None else None  # [b]
         policy.train()

@@ -16,9 +16,7 @@ def heldout_nll(policy, examples, ctx) -> float:
     DP, so every rank returns the same number. ``ctx``: the step's ``phases.StepContext``."""
     g = ctx.groups
     mine = [examples[i] for i in range(g.dp_rank, len(examples), g.data_parallel_size)]
-    b = ctx.batching
-    mbs = micro_batches.chosen_micro_batches(mine, micro_batch_size=b.micro_batch_size, pad_id=b.pad_id,
-                                             packed=b.packed)
+    mbs = micro_batches.chosen_micro_batches(mine, ctx.batching)
     sums = torch.zeros(2, dtype=torch.float64)
     if mbs:
         with torch.no_grad():

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from hpa.engine.batching import Batching
 from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo
 
 logger = logging.getLogger(__name__)
@@ -23,13 +24,13 @@ logger = logging.getLogger(__name__)
 _RETRY_SEED_STRIDE = 1_000_003  # separates the seeds of retry rounds from the first round's
 
 
-def _response_kl(policy, reference, batch: RolloutBatch, groups, *, micro_batch_size: int,
+def _response_kl(policy, reference, batch: RolloutBatch, groups, *, batching: Batching,
                  vocab_size: int) -> torch.Tensor:
     """Per-response mean k1 KL to the reference ``[b]`` (temperature 1, sampled tokens)."""
     from hpa.algorithms.masked import masked_mean
     from hpa.engine.forward import response_kl
 
-    kl = response_kl(policy, reference, batch, groups, micro_batch_size=micro_batch_size, vocab_size=vocab_size)
+    kl = response_kl(policy, reference, batch, groups, batching=batching, vocab_size=vocab_size)
     return masked_mean(kl, batch.response_mask.float().cpu(), dim=1)  # [b]
 
 
@@ -65,7 +66,7 @@ class KLGuard:
         engine: a ``RolloutEngine`` on ``policy``'s weights.
         policy, reference: the models the KL is scored with (``reference is policy``: KL 0, no second forward).
         groups: the policy's ``ParallelGroups``; the regenerate-or-not decision is collective over DP.
-        micro_batch_size: rows per log-prob forward.
+        batching: the micro-batches of the log-prob forwards.
         vocab_size: the tokenizer's true vocabulary.
         kl_threshold: responses whose KL is above it are regenerated.
         guard_temperature: the sampling temperature of regenerations.
@@ -73,18 +74,18 @@ class KLGuard:
         score: score the KL at all (False: no reference forward, ``kl`` is NaN, nothing is regenerated).
     """
 
-    def __init__(self, engine, policy, reference, groups, *, micro_batch_size: int, vocab_size: int,
+    def __init__(self, engine, policy, reference, groups, *, batching: Batching, vocab_size: int,
                  kl_threshold: float = 0.1, guard_temperature: float = 0.5, max_retries: int = 1,
                  score: bool = True):
         check_guard_args(guard_temperature=guard_temperature, max_retries=max_retries)
         self.engine, self.policy, self.reference, self.groups = engine, policy, reference, groups
-        self.micro_batch_size, self.vocab_size = micro_batch_size, vocab_size
+        self.batching, self.vocab_size = batching, vocab_size
         self.kl_threshold, self.guard_temperature = kl_threshold, guard_temperature
         self.max_retries, self.score = max_retries, score
 
     def _kl(self, batch: RolloutBatch) -> torch.Tensor:
         return _response_kl(self.policy, self.reference, batch, self.groups,
-                            micro_batch_size=self.micro_batch_size, vocab_size=self.vocab_size)  # [b]
+                            batching=self.batching, vocab_size=self.vocab_size)  # [b]
 
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> GuardedBatch:

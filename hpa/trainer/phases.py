@@ -74,10 +74,8 @@ class StepContext:
 def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepContext) -> Dict[str, float]:
     """Reference and rollout-policy log-probs ``[b, r]`` and response-pooled hidden states ``[b, h]``
     (``ref_*``, ``old_*``), and the truncated importance weights when configured (``is_weights``)."""
-    b = ctx.batching
-    kw = dict(micro_batch_size=b.micro_batch_size, vocab_size=ctx.vocab_size, temperature=ctx.temperature,
-              hidden_size=ctx.hidden_size, lengths=batch.sequence_lengths, packed=b.packed,
-              token_budget=b.forward_token_budget)
+    kw = dict(batching=ctx.batching, vocab_size=ctx.vocab_size, temperature=ctx.temperature,
+              hidden_size=ctx.hidden_size, lengths=batch.sequence_lengths)
     with ctx.timer("reference"):
         ref = forward.sequence_log_probs(reference, batch.sequences, batch.response_mask, ctx.groups, **kw)
     with ctx.timer("old_logprob"):
@@ -113,11 +111,8 @@ def score(batch: RolloutBatch, ground_truths, reward, tokenizer, ctx: StepContex
 
 def critic_values(batch: RolloutBatch, critic, ctx: StepContext) -> None:
     """The critic's values ``[b, r]`` of the rollout (``values``)."""
-    b = ctx.batching
-    batch.set("values", forward.sequence_values(critic, batch.sequences, ctx.groups,
-                                                micro_batch_size=b.micro_batch_size,
-                                                lengths=batch.sequence_lengths, packed=b.packed,
-                                                token_budget=b.forward_token_budget))
+    batch.set("values", forward.sequence_values(critic, batch.sequences, ctx.groups, batching=ctx.batching,
+                                                lengths=batch.sequence_lengths))
 
 
 def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: float,
@@ -180,8 +175,7 @@ def reference_pair_log_probs(examples, reference, ctx: StepContext) -> torch.Ten
     changes every step. The reference log-prob cache (``hpa.trainer.reference_cache``) stores what this
     returns, so cached and live values are the same bits.
     """
-    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=1, pad_id=ctx.batching.pad_id,
-                                           packed=ctx.batching.packed)
+    mbs = micro_batches.preference_micro_batches(examples, ctx.batching, micro_batch_size=1)
     rows = forward.pair_sequence_log_probs(reference, mbs, ctx.groups, vocab_size=ctx.vocab_size)  # [2m]
     return rows.reshape(len(examples), 2)  # one pair a micro-batch: its chosen row, then its rejected row
 
@@ -190,26 +184,21 @@ def preference_micro_batches(examples, reference, ctx: StepContext,
                              ref_log_probs: Optional[torch.Tensor] = None) -> List[MicroBatch]:
     """This step's preference pairs as pair micro-batches, with the reference's summed log-probs: the
     cached ones ``ref_log_probs`` ``[m, 2]`` (chosen, rejected) when given, else from a reference forward."""
-    b = ctx.batching
-    mbs = micro_batches.pair_micro_batches(examples, micro_batch_size=b.micro_batch_size, pad_id=b.pad_id,
-                                           packed=b.packed)
     if ref_log_probs is None:
         ref_log_probs = reference_pair_log_probs(examples, reference, ctx)
-    micro_batches.attach_ref_pair_logps(mbs, micro_batches.pair_rows(ref_log_probs, b.micro_batch_size))
-    return mbs
+    return micro_batches.preference_micro_batches(examples, ctx.batching, ref_log_probs)
 
 
 def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[Tuple[int, int, List[MicroBatch]]]:
     """Per PPO epoch and mini-batch: its index, the number of mini-batches and the rollout micro-batches
     of its rows (none when ``batch`` is None: a pairs-only step)."""
-    t, b = ctx.trainer, ctx.batching
+    t = ctx.trainer
     minis = micro_batches.mini_batches(batch.batch_size if batch is not None else 0,
                                        t.global_batch_size // t.ppo_mini_batch_size if t.ppo_mini_batch_size else 1)
     for _ in range(t.ppo_epochs):
         for index, rows in enumerate(minis):
             yield index, len(minis), micro_batches.rollout_micro_batches(
-                batch, rows, micro_batch_size=b.micro_batch_size, token_budget=b.update_token_budget,
-                dp_group=ctx.groups.dp_group, packed=b.packed) if rows else []
+                batch, rows, ctx.batching, ctx.groups.dp_group) if rows else []
 
 
 def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weights: StepWeights, policy: Trainable, guard,

@@ -14,6 +14,7 @@ from hpa.data.prompts import PromptDataset
 from hpa.data.sampler import DistributedBatchSampler
 from hpa.data.tokenizer import build_tokenizer
 from hpa.distributed.groups import ParallelGroups
+from hpa.engine.batching import Batching
 from hpa.engine.optimizer import Trainable, make_trainable
 from hpa.models import build_policy, build_reference, build_value, unwrap
 from hpa.models.lora import BaseView, CriticView, attach_lora
@@ -76,12 +77,14 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
     if cfg.reward.model_paths:  # the reward-model ensemble (hpa train-rm), next to the rule rewards
         from hpa.reward.model import ModelReward, tokenizer_record
 
-        model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups, pad_id=tokenizer.pad_id,
-                                               micro_batch_size=t.micro_batch_size, packed=t.sequence_packing,
+        model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups,
+                                               batching=Batching.from_config(t, tokenizer.pad_id),
                                                tokenizer=tokenizer_record(tokenizer))
     reward = build_reward(cfg.reward, model_reward)
     evaluator = Evaluator(cfg.data, cfg.rollout, cfg.reward, groups, tokenizer, rejects_dir=rejects, reward=reward,
-                          model_reward=model_reward, micro_batch_size=t.micro_batch_size, packed=t.sequence_packing)
+                          model_reward=model_reward,  # rows of micro_batch_size, no token budget
+                          batching=Batching(micro_batch_size=t.micro_batch_size, pad_id=tokenizer.pad_id,
+                                            packed=t.sequence_packing))
     return RunParts(tokenizer=tokenizer, prompts=prompts, pairs=pairs, heldout_pairs=heldout, prompt_sampler=prompt_sampler,
                     pair_sampler=pair_sampler, policy=policy, reference=reference, critic=critic, engine=engine,
                     reward=reward, evaluator=evaluator, model_reward=model_reward)

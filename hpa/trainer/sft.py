@@ -18,6 +18,7 @@ from hpa.trainer import objective
 from hpa.trainer.micro_batches import sft_micro_batches
 from hpa.models.weights import load_model_weights, save_model_weights
 from hpa.trainer.metrics import MetricsWriter
+from hpa.engine.batching import Batching
 from hpa.engine.head import label_log_probs
 from hpa.engine.optimizer import make_trainable
 from hpa.engine.step import forward_backward, optimizer_step, zero_grad
@@ -47,12 +48,13 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     ddp, opt, sched = trainable.model, trainable.optimizer, trainable.scheduler
     writer = MetricsWriter(run_dir / "sft_logs", cfg.logging, is_main=groups.is_main,
                            total_steps=cfg.sft.total_steps, phase="sft")
+    batching = Batching(micro_batch_size=cfg.trainer.micro_batch_size, pad_id=tokenizer.pad_id,
+                        packed=cfg.trainer.sequence_packing)
     vocab = tokenizer.vocab_size  # rows beyond the tokenizer's vocabulary are never normalised over
     metrics: Dict[str, float] = {}
     for step in range(1, cfg.sft.total_steps + 1):
         examples = [data[i] for i in sampler.next_batch()]
-        mbs = sft_micro_batches(examples, micro_batch_size=cfg.trainer.micro_batch_size, pad_id=tokenizer.pad_id,
-                                packed=cfg.trainer.sequence_packing)
+        mbs = sft_micro_batches(examples, batching)
         counts = objective.global_counts([{"input_ids": mb["label_mask"], "mask": mb["label_mask"]} for mb in mbs],
                                          [], groups)
 

@@ -3,9 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpa.data.collate import (balanced_micro_batches, collate_preferences, pad_left, pad_right,
-                              token_budget_micro_batches)
-from hpa.data.preferences import PreferenceExample
+from hpa.data.collate import balanced_micro_batches, pad_left, pad_right, token_budget_micro_batches
 
 PAD = 0
 
@@ -18,18 +16,6 @@ def test_pad_left_and_right_values_and_masks():
     assert ids.dtype == torch.long
     with pytest.raises(ValueError, match="shorter"):
         pad_right([[1, 2, 3]], PAD, length=2)
-
-
-def test_collate_preferences_shares_length_and_masks_responses():
-    ex = [PreferenceExample(prompt_ids=[5, 6], chosen_ids=[7, 2], rejected_ids=[8, 9, 9, 2]),
-          PreferenceExample(prompt_ids=[5], chosen_ids=[4], rejected_ids=[4, 4])]
-    b = collate_preferences(ex, PAD)
-    assert b.chosen_input_ids.shape == b.rejected_input_ids.shape == (2, 6)
-    assert b.chosen_input_ids.tolist() == [[5, 6, 7, 2, 0, 0], [5, 4, 0, 0, 0, 0]]
-    assert b.chosen_attention_mask.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]]
-    assert b.chosen_response_mask.tolist() == [[0, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0]]
-    assert b.rejected_response_mask.tolist() == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]]
-    assert b.ref_chosen_logps is None
 
 
 def assert_partition(groups, n):

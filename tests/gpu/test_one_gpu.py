@@ -79,6 +79,7 @@ def test_bf16_sft_step(demo, tmp_path):
 
 def logprob_worker(groups, dtype, overrides):
     from hpa.config import load_config
+    from hpa.engine.batching import Batching
     from hpa.engine.forward import sequence_log_probs
     from hpa.models import build_policy
     from hpa.rollout.base import SamplingParams, TokenizerInfo
@@ -92,7 +93,8 @@ def logprob_worker(groups, dtype, overrides):
     prompts = [[5 + i, 17, 33 + i, 40] for i in range(8)]
     batch = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=24, temperature=1.0, seed=3))
     assert batch.response_ids.device.type == "cpu"  # the engine hands its batch to the host
-    trained = sequence_log_probs(policy, batch.sequences, batch.response_mask, groups, micro_batch_size=4,
+    trained = sequence_log_probs(policy, batch.sequences, batch.response_mask, groups,
+                                 batching=Batching(micro_batch_size=4, pad_id=0),
                                  vocab_size=info.vocab_size, temperature=1.0)["log_probs"]
     mask = batch.response_mask.bool()
     diff = (batch.log_probs - trained).abs()[mask]

@@ -93,11 +93,12 @@ def _score(groups, cfg, paths, num_heads, inputs, *, shaped: bool = False):
 
     from hpa.config.reward import RewardConfig
     from hpa.reward import RewardInputs, build_reward
+    from hpa.engine.batching import Batching
     from hpa.reward.model import ModelReward
 
     reward_cfg = RewardConfig(model_paths=tuple(paths), num_heads=num_heads)
-    mr = ModelReward.from_config(reward_cfg, cfg.model, cfg.parallel, groups, pad_id=inputs["pad_id"],
-                                 micro_batch_size=5)
+    mr = ModelReward.from_config(reward_cfg, cfg.model, cfg.parallel, groups,
+                                 batching=Batching(micro_batch_size=5, pad_id=inputs["pad_id"]))
     ri = RewardInputs(response_ids=inputs["response_ids"], response_mask=inputs["response_mask"],
                       prompt_ids=inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"])
     out = mr(ri)

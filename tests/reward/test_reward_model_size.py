@@ -110,8 +110,11 @@ def _score_worker(groups, root, tok_a, tok_b):
     from hpa.distributed import set_seed
     from hpa.models import build_reward
     from hpa.models.weights import save_model_weights
+    from hpa.engine.batching import Batching
     from hpa.reward.model import (REWARD_MODEL_INFO, ModelReward, score_sequences, tokenizer_record,
                                   write_reward_model_info)
+
+    mb2 = Batching(micro_batch_size=2, pad_id=0)
 
     policy = policy_config()
     small = dataclasses.replace(policy, **SMALL, policy_path=None)
@@ -123,11 +126,11 @@ def _score_worker(groups, root, tok_a, tok_b):
     ids = torch.randint(0, 90, (5, 7))
     mask = torch.ones(5, 7, dtype=torch.long)
     mask[1, 4:] = 0
-    expected, _ = score_sequences(direct, ids, mask, groups, num_heads=2, micro_batch_size=2)
+    expected, _ = score_sequences(direct, ids, mask, groups, num_heads=2, batching=mb2)
 
     mr = ModelReward.from_config(RewardConfig(model_paths=(f"{root}/small",), num_heads=2), policy, _parallel(),
-                                 groups, micro_batch_size=2, tokenizer=a)
-    got, emb = score_sequences(mr.models[0], ids, mask, groups, num_heads=2, micro_batch_size=2, pool_mask=mask,
+                                 groups, batching=mb2, tokenizer=a)
+    got, emb = score_sequences(mr.models[0], ids, mask, groups, num_heads=2, batching=mb2, pool_mask=mask,
                                hidden_size=mr.hidden_size)
     out = {"expected": expected, "got": got, "hidden": mr.hidden_size, "emb_shape": tuple(emb.shape)}
 
@@ -136,11 +139,11 @@ def _score_worker(groups, root, tok_a, tok_b):
     save_model_weights(old, f"{root}/old", groups)
     with open(f"{root}/old/{REWARD_MODEL_INFO}", "w") as f:
         json.dump({"num_heads": 2, "hidden_size": policy.hidden_size}, f)
-    old_expected, _ = score_sequences(old, ids, mask, groups, num_heads=2, micro_batch_size=2)
+    old_expected, _ = score_sequences(old, ids, mask, groups, num_heads=2, batching=mb2)
     mr_old = ModelReward.from_config(RewardConfig(model_paths=(f"{root}/old",), num_heads=2), policy, _parallel(),
-                                     groups, micro_batch_size=2, tokenizer=a)
+                                     groups, batching=mb2, tokenizer=a)
     out["old_expected"] = old_expected
-    out["old_got"] = score_sequences(mr_old.models[0], ids, mask, groups, num_heads=2, micro_batch_size=2)[0]
+    out["old_got"] = score_sequences(mr_old.models[0], ids, mask, groups, num_heads=2, batching=mb2)[0]
     try:
         ModelReward.from_config(RewardConfig(model_paths=(f"{root}/small",), num_heads=2), policy, _parallel(),
                                 groups, tokenizer=tokenizer_record(build_tokenizer("sentencepiece", tok_b)))

@@ -105,7 +105,7 @@ def test_pair_micro_batches_chosen_first_right_padded():
     assert mbs[0]["input_ids"].tolist() == [[5, 6, 7, 0], [5, 6, 8, 9]]
     assert mbs[0]["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
     assert mbs[1]["input_ids"].tolist() == [[5, 7, 7, 7], [5, 9, 0, 0]]
-    assert mbs[1]["weights"].tolist() == [[3, 4]]
+    assert mbs[1]["weights"].tolist() == [[3, 4], [3, 4]]  # a pair's weights on its chosen and its rejected row
     assert mbs[1]["position_ids"].tolist() == [[0, 1, 2, 3]] * 2
 
 

@@ -39,9 +39,8 @@ def save_initial_worker(groups, ckpt_dir):
 
 def _data(groups):
     """This DP rank's rollout and pair micro-batches (all of them at DP1, half at DP2)."""
-    from hpa.engine import forward
+    from hpa.engine import collate, forward
     from hpa.rollout.base import RolloutBatch
-    from hpa.trainer import micro_batches
 
     g = torch.Generator().manual_seed(3)
     b, p, r = 4, 5, 6
@@ -62,7 +61,7 @@ def _data(groups):
     pool_mask = forward.response_token_mask(ts, response_mask)
     dp, rank = groups.data_parallel_size, groups.dp_rank
     rollout = []
-    for rows in forward.chunks(b, 2):
+    for rows in collate.chunks(b, 2):
         idx = torch.tensor(rows)
         mb = ts.micro_batch(idx)
         mb.update(kind="rollout", mask=response_mask[idx], pool_mask=pool_mask[idx],
@@ -80,7 +79,7 @@ def _data(groups):
     ref = [(-6.0, -8.0), (-5.0, -4.5)]
     pair_mbs = []
     for i in range(len(pairs)):
-        mb = micro_batches.pair_micro_batches([pairs[i]], micro_batch_size=1, pad_id=0)[0]
+        mb = collate.pair_micro_batches([pairs[i]], micro_batch_size=1, pad_id=0)[0]
         mb["ref_seq_logp"] = torch.tensor(ref[i])
         pair_mbs.append(mb)
     # DP2: each rank takes every other micro-batch (one rollout and one pair micro-batch each)

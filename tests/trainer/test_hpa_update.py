@@ -21,8 +21,7 @@ def _setup(groups):
     from hpa.config.schema import ModelConfig, ParallelConfig
     from hpa.models import build_policy
     from hpa.rollout.base import RolloutBatch
-    from hpa.engine import forward
-    from hpa.trainer import micro_batches
+    from hpa.engine import collate, forward
     from hpa.engine.optimizer import wrap_ddp
 
     torch.manual_seed(0)
@@ -50,7 +49,7 @@ def _setup(groups):
 
     def rollout_mbs(size):
         out = []
-        for rows in forward.chunks(b, size):
+        for rows in collate.chunks(b, size):
             idx = torch.tensor(rows)
             mb = ts.micro_batch(idx)
             mb.update(kind="rollout", mask=response_mask[idx], pool_mask=pool_mask[idx],
@@ -68,7 +67,7 @@ def _setup(groups):
     pairs = [Pair([5, 6, 7], [8, 9], [10, 11, 12]), Pair([13, 14], [15], [16, 17]), Pair([18], [19, 20, 21], [22])]
 
     def pair_mbs(size):
-        mbs = micro_batches.pair_micro_batches(pairs, micro_batch_size=size, pad_id=0)
+        mbs = collate.pair_micro_batches(pairs, micro_batch_size=size, pad_id=0)
         ref = torch.tensor([-6.0, -5.0, -7.0, -8.0, -4.5, -6.5])  # chosen rows then rejected rows
         chosen, rejected = ref[:3], ref[3:]
         start = 0

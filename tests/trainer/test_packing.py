@@ -78,6 +78,7 @@ def packing_worker(groups, policy_dir, critic_dir, reward_dir, sequence_parallel
     from hpa.config.algorithm import AlgorithmConfig
     from hpa.config.schema import OptimConfig, ParallelConfig
     from hpa.engine import forward
+    from hpa.engine.batching import Batching
     from hpa.engine.optimizer import build_optimizer, wrap_ddp
     from hpa.engine.step import forward_backward, optimizer_step, zero_grad
     from hpa.models import build_policy, build_reward, build_value
@@ -100,7 +101,9 @@ def packing_worker(groups, policy_dir, critic_dir, reward_dir, sequence_parallel
         critic = build_value(_model_cfg(), parallel, groups)
         load_model_weights(critic, critic_dir, groups)
         # with a budget the forward-only passes regroup rows too (trainer.log_prob_max_token_len_per_rank)
-        kw = dict(micro_batch_size=2, lengths=lengths, packed=packed, token_budget=budget)
+        batching = Batching(micro_batch_size=2, pad_id=0, packed=packed, forward_token_budget=budget,
+                            update_token_budget=budget)
+        kw = dict(batching=batching, lengths=lengths)
         res = forward.sequence_log_probs(policy, ts, batch.response_mask, groups, vocab_size=VOCAB, temperature=1.0,
                                          hidden_size=HIDDEN, **kw)
         res["values"] = forward.sequence_values(critic, ts, groups, **kw)
@@ -109,13 +112,13 @@ def packing_worker(groups, policy_dir, critic_dir, reward_dir, sequence_parallel
         ids, attention, response = join_prompt_response(batch.response_ids, batch.response_mask, 0, batch.prompt_ids,
                                                         batch.prompt_mask)
         res["rewards"], res["embeddings"] = score_sequences(reward, ids, attention, groups, num_heads=3,
-                                                            micro_batch_size=4, pool_mask=response,
-                                                            hidden_size=HIDDEN, packed=packed)
-        pair_mbs = micro_batches.pair_micro_batches(PAIRS, micro_batch_size=2, pad_id=0, packed=packed)
+                                                            batching=Batching(micro_batch_size=4, pad_id=0,
+                                                                              packed=packed),
+                                                            pool_mask=response, hidden_size=HIDDEN)
+        ref = torch.tensor([[-6.0, -7.0], [-5.0, -8.0], [-4.5, -3.0], [-6.5, -2.0]])  # [m, 2] (chosen, rejected)
+        pair_mbs = micro_batches.preference_micro_batches(PAIRS, batching, ref)
         res["pair_logp"] = forward.pair_sequence_log_probs(policy, pair_mbs, groups, vocab_size=VOCAB)
-        micro_batches.attach_ref_pair_logps(pair_mbs, torch.tensor([-6.0, -5.0, -7.0, -8.0, -4.5, -6.5, -3.0, -2.0]))
-        rollout_mbs = micro_batches.rollout_micro_batches(batch, list(range(6)), micro_batch_size=2,
-                                                          token_budget=budget, dp_group=groups.dp_group, packed=packed)
+        rollout_mbs = micro_batches.rollout_micro_batches(batch, list(range(6)), batching, groups.dp_group)
         res["rollout_micro_batches"] = len(rollout_mbs)
         assert all(mb.packed == packed for mb in rollout_mbs + pair_mbs)
 

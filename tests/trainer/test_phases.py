@@ -87,6 +87,7 @@ def test_the_kl_controller_follows_the_masked_mean_k1_kl():
 def test_tokens_computed_counts_real_tokens_and_the_positions_the_update_computes(packed):
     """Rows of 2 + 2 and 2 + 1 tokens in one rollout micro-batch (padded: 2 x 4 positions), a pair of
     3 + 1 tokens (padded: 2 x 3); packed, no pad is computed."""
+    from hpa.engine.batching import Batching
     from hpa.trainer import micro_batches
 
     ctx = _ctx()
@@ -94,11 +95,12 @@ def test_tokens_computed_counts_real_tokens_and_the_positions_the_update_compute
     for k in micro_batches.ROLLOUT_ROW_KEYS:
         if k not in micro_batches.OPTIONAL_ROW_KEYS:
             batch.set(k, torch.zeros(2, 3) if k != "ref_pooled" else torch.zeros(2, 4))
-    rollout = micro_batches.rollout_micro_batches(batch, [0, 1], micro_batch_size=2, token_budget=None,
-                                                  dp_group=None, packed=packed)
+    rollout = micro_batches.rollout_micro_batches(batch, [0, 1], Batching(micro_batch_size=2, pad_id=0, packed=packed),
+                                                  None)
     pair = types.SimpleNamespace(chosen_input_ids=[5, 6, 4], chosen_response_mask=[0, 1, 1],
                                  rejected_input_ids=[7], rejected_response_mask=[0])
-    pairs = micro_batches.pair_micro_batches([pair], micro_batch_size=1, pad_id=ctx.batching.pad_id, packed=packed)
+    pairs = micro_batches.preference_micro_batches([pair], Batching(micro_batch_size=1, pad_id=ctx.batching.pad_id,
+                                                                    packed=packed))
     real = 4 + 3 + 3 + 1
     assert phases.tokens_computed(rollout + pairs) == (real, real if packed else 2 * 4 + 2 * 3)
 

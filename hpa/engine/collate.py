@@ -1,0 +1,115 @@
+"""Micro-batches of every stream: the one place that builds ``MicroBatch``es.
+
+Every stream (rollouts, preference pairs, SFT rows, held-out rows, reward-model scoring and training) hands
+its rows here as tensors, ``TokenRows``: right-padded token ids ``[n, s]``, each row's length, labels, and the
+per-row tensors its loss reads. ``row_groups`` / ``pair_groups`` say which rows share a micro-batch (by
+micro-batch size or by token budget), ``collate`` cuts them out, padded or packed. A stream's own module
+only turns its records into ``TokenRows`` (``trainer.micro_batches`` for a ``RolloutBatch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from hpa.data.collate import balanced_micro_batches, pad_right, token_budget_micro_batches
+from hpa.distributed import comm
+from hpa.engine.micro_batch import MicroBatch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenRows:
+    """``n`` right-padded training rows of one stream.
+
+    Attributes:
+        input_ids: ``[n, s]`` token ids, row ``i`` real on its first ``lengths[i]`` positions.
+        lengths: ``[n]`` int64.
+        labels: ``[n, s]`` the next token of each position; None: zeros (models whose loss reads no label).
+        response_index: ``[n, r]`` the positions whose outputs predict the response tokens (clamped to each
+            micro-batch's width), or None.
+        positional: per-position tensors ``[n, s, ...]`` (masks), cut to each micro-batch's width.
+        per_row: per-row tensors ``[n, ...]`` (advantages, cached log-probs, weights).
+    """
+
+    input_ids: torch.Tensor
+    lengths: torch.Tensor
+    labels: Optional[torch.Tensor] = None
+    response_index: Optional[torch.Tensor] = None
+    positional: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    per_row: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def next_token(cls, seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[float]], pad_id: int,
+                   **per_row: torch.Tensor) -> "TokenRows":
+        """Token lists -> next-token rows: ``label_mask`` (positional) is 1 where the label is a masked-in
+        token of ``masks`` (the response), the last token's label is a pad."""
+        s = max(len(x) for x in seqs) + 1  # one more column: the last token's label is a pad
+        ids, _ = pad_right(seqs, pad_id, length=s)  # [n, s + 1]
+        label_mask = pad_right(masks, 0, length=s)[0].float()[:, 1:]  # [n, s]
+        return cls(input_ids=ids[:, :-1], labels=ids[:, 1:], lengths=torch.tensor([len(x) for x in seqs]),
+                   positional={"label_mask": label_mask}, per_row=per_row)
+
+
+def chunks(n: int, size: int) -> List[List[int]]:
+    """``0..n-1`` in consecutive runs of ``size``."""
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def pair_groups(num_pairs: int, micro_batch_size: int) -> List[List[int]]:
+    """The rows of each pair micro-batch over rows laid out as every pair's chosen row, then every pair's
+    rejected row (``[2m]``): ``micro_batch_size`` pairs, their chosen rows first, then their rejected rows."""
+    return [c + [num_pairs + i for i in c] for c in chunks(num_pairs, micro_batch_size)]
+
+
+def row_groups(num_rows: int, *, micro_batch_size: int, lengths: Optional[Sequence[int]] = None,
+               token_budget: Optional[int] = None, packed: bool = False, dp_group=None) -> List[List[int]]:
+    """The rows of each micro-batch: ``micro_batch_size`` consecutive rows; or, with a ``token_budget`` and
+    ``lengths``, rows of similar lengths grouped up to that many tokens (real tokens ``packed``, padded ones
+    otherwise; ``hpa.data.collate.token_budget_micro_batches``). With ``dp_group`` (a training update: every
+    DP rank needs as many micro-batches) the largest count over DP, each of balanced tokens (a group can
+    pass the budget by one row)."""
+    if token_budget is None or lengths is None:
+        return chunks(num_rows, micro_batch_size)
+    lengths = list(lengths)
+    groups = token_budget_micro_batches(lengths, token_budget, packed=packed)
+    if dp_group is None:
+        return groups
+    count = int(comm.all_reduce_max(torch.tensor([len(groups)]), dp_group).item())
+    return balanced_micro_batches(lengths, count)
+
+
+def collate(kind: str, rows: TokenRows, groups: Sequence[Sequence[int]], *, packed: bool = False,
+            cut: bool = True) -> List[MicroBatch]:
+    """One ``MicroBatch`` of kind ``kind`` per group of row indices (in the group's order), padded or
+    ``packed``; ``cut``: each cut to its longest row, else every one keeps the rows' whole width ``s``."""
+    s = rows.input_ids.shape[1]
+    labels = torch.zeros_like(rows.input_ids) if rows.labels is None else rows.labels
+    out = []
+    for group in groups:
+        idx = torch.as_tensor(list(group), dtype=torch.long)
+        width = int(rows.lengths[idx].max()) if cut else s
+        extra: Dict[str, torch.Tensor] = {k: v[idx][:, :width] for k, v in rows.positional.items()}
+        extra.update({k: v[idx] for k, v in rows.per_row.items()})
+        if rows.response_index is not None:
+            extra["response_index"] = rows.response_index[idx].clamp(max=width - 1)
+        out.append(MicroBatch.from_padded(kind, rows.input_ids[idx, :width], labels[idx, :width], rows.lengths[idx],
+                                          packed=packed, **extra))
+    return out
+
+
+def pair_rows(examples, pad_id: int, **per_row: torch.Tensor) -> TokenRows:
+    """Preference examples (``chosen_input_ids``, ``rejected_input_ids`` and their response masks) -> next-token
+    rows, every chosen row, then every rejected row (``[2m]``; ``per_row`` tensors in that order)."""
+    seqs = [e.chosen_input_ids for e in examples] + [e.rejected_input_ids for e in examples]
+    masks = [e.chosen_response_mask for e in examples] + [e.rejected_response_mask for e in examples]
+    return TokenRows.next_token(seqs, masks, pad_id, **per_row)
+
+
+def pair_micro_batches(examples, *, micro_batch_size: int, pad_id: int, packed: bool = False,
+                       **per_row: torch.Tensor) -> List[MicroBatch]:
+    """Preference examples -> micro-batches of ``micro_batch_size`` pairs, chosen rows then rejected rows,
+    each cut to its longest row, of kind ``"pairs"``; ``per_row`` ``[2m, ...]`` in ``pair_rows``'s order."""
+    rows = pair_rows(examples, pad_id, **per_row)
+    return collate("pairs", rows, pair_groups(len(examples), micro_batch_size), packed=packed)
