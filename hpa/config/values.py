@@ -80,13 +80,16 @@ def _strip(tp) -> Any:
             return tp
 
 
-def leaf_fields(cls, prefix: str = "") -> Iterator[Tuple[str, dataclasses.Field, Any]]:
-    """``(dotted key, field, element type)`` of every non-section field under ``cls`` (Optional and
-    tuples stripped), for tests and the generated reference."""
+def leaf_fields(cls, prefix: str = "") -> Iterator[Tuple[str, dataclasses.Field, Any, bool]]:
+    """``(dotted key, field, element type, is a sequence)`` of every non-section field under ``cls`` (Optional
+    and tuples stripped from the element type; the last item says whether the value is a tuple or list), for
+    the tests that walk every key."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = _strip(hints[f.name])
         if dataclasses.is_dataclass(tp):
             yield from leaf_fields(tp, f"{prefix}{f.name}.")
         else:
-            yield f"{prefix}{f.name}", f, tp
+            args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+            optional = typing.get_origin(hints[f.name]) in (Union, types.UnionType) and len(args) == 1
+            yield f"{prefix}{f.name}", f, tp, typing.get_origin(args[0] if optional else hints[f.name]) in (tuple, list)

@@ -7,8 +7,6 @@ import dataclasses
 import functools
 import math
 import re
-import types
-import typing
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from hpa.ablate import AblateConfig, load_ablate_config
 from hpa.config import ConfigError, load_config
 from hpa.config.load import default_config_path
 from hpa.config.schema import Config, validate
+from hpa.config.values import leaf_fields
 
 SEED_MAX = 2 ** 32 - 1
 
@@ -39,38 +38,9 @@ def _load(overrides):
     return build(data, sources, origin=str(default_config_path()))
 
 
-def _strip(tp):
-    """Optional[X] -> X, Tuple[X, ...] -> X (the walk is the test's own, independent of hpa.config.values)."""
-    while True:
-        origin = typing.get_origin(tp)
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if origin in (typing.Union, types.UnionType) and len(args) == 1:
-            tp = args[0]
-        elif origin in (tuple, list):
-            tp = args[0] if args else typing.Any
-        else:
-            return tp
-
-
-def _keys(cls, prefix=""):
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = _strip(hints[f.name])
-        if dataclasses.is_dataclass(tp):
-            yield from _keys(tp, f"{prefix}{f.name}.")
-        else:
-            is_tuple = typing.get_origin(_strip_optional(hints[f.name])) in (tuple, list)
-            yield f"{prefix}{f.name}", f, tp, is_tuple
-
-
-def _strip_optional(tp):
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
-
-
-FLOAT_KEYS = [(k, f, t) for k, f, tp, t in _keys(Config) if tp is float]
-ABLATE_FLOAT_KEYS = [(k, f, t) for k, f, tp, t in _keys(AblateConfig, "ablate.") if tp is float]
-SEED_KEYS = [(k, t) for k, f, tp, t in _keys(Config) if tp is int and re.fullmatch(r"seed|.*_seed|seeds", f.name)]
+FLOAT_KEYS = [(k, f, t) for k, f, tp, t in leaf_fields(Config) if tp is float]
+ABLATE_FLOAT_KEYS = [(k, f, t) for k, f, tp, t in leaf_fields(AblateConfig, "ablate.") if tp is float]
+SEED_KEYS = [(k, t) for k, f, tp, t in leaf_fields(Config) if tp is int and re.fullmatch(r"seed|.*_seed|seeds", f.name)]
 
 
 def test_the_walk_finds_the_keys_it_must():
