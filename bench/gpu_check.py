@@ -9,17 +9,19 @@ MFU (real and padded tokens), the rollout's generated tokens per second, the mea
 ``packing``: the update's tokens per second and pad share packed against padded; ``phases``: each phase's
 seconds per step (rollout, old-policy forward, reference forward, update), the update's tokens/s and each
 forward-only pass's tokens/s and MFU, packed and padded; ``syncs``: the host-device syncs that
-``torch.cuda.set_sync_debug_mode("warn")`` reported over each whole run (start-up included) per step;
+``torch.cuda.set_sync_debug_mode("warn")`` reported over each whole run (start-up included) per step, and
+the sites with the most (``sites_on``/``sites_off``, ``path:line`` in hpa, its patches or megatron);
 ``decode``: whether each step's rollout ran the graph decode (``rollout/decode_graph``) and the captures of the
 run against the buckets used; ``packing_probe``: the same random rows packed and padded through the model
 and hpa's label head in bf16 (the log-prob gap, the varlen kernel's calls) and a causality probe (one token
-changed: nothing before it and no other row may move); ``failed``: the checks that did not pass (``ok`` is
+changed: nothing before it and no other row may move) and ``syncs``, a packed training micro-batch's syncs in
+its forward and its backward (``sync_probe``); ``failed``: the checks that did not pass (``ok`` is
 true when none). The first step (CUDA warm-up, allocator growth) is left out of the rates. With
 ``--tokens-per-micro-batch N``, ``token_budget``: the packed run again with
 ``trainer.ppo_max_token_len_per_rank=N``.
 
-Ran on one H100 (docs/gpu.md, "GPU check") before packing, the probe and the decode checks were added; those
-have not yet run on a GPU.
+Ran on one H100 (docs/gpu.md, "GPU check") and, with packing, the probe, the decode checks and the sync sites,
+on one H200 (2026-11-27).
 """
 
 import argparse
@@ -50,17 +52,18 @@ def main(argv=None) -> int:
     overrides = _demo_task(run, args.steps)
     base = [o for o in overrides if not o.startswith("trainer.run_dir=")]
     # the config packs: the first run checks packing (varlen attention), the second is the padded reference
-    rc, syncs_on = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *overrides]))
+    rc, syncs_on, sites_on = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *overrides]))
     if rc != 0:
         print(json.dumps({"ok": False, "failed": ["hpa train (packed, the config's) failed: see the log above"]}))
         return 1
     steps, timed = _steps(run / "train")
     padded_overrides = base + [f"trainer.run_dir={run / 'train_padded'}", "trainer.sequence_packing=false"]
-    rc, syncs_off = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *padded_overrides]))
+    rc, syncs_off, sites_off = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *padded_overrides]))
     padded_steps, padded_timed = _steps(run / "train_padded") if rc == 0 else ([], [])
     figures = _figures(args.config, overrides, steps, timed, padded_timed, torch.cuda.is_available())
     figures["packing"]["padded_run_ok"] = rc == 0
-    figures["syncs"] = {"per_step_on": _per_step(syncs_on, steps), "per_step_off": _per_step(syncs_off, padded_steps)}
+    figures["syncs"] = {"per_step_on": _per_step(syncs_on, steps), "per_step_off": _per_step(syncs_off, padded_steps),
+                        "sites_on": sites_on, "sites_off": sites_off}
     figures["decode"] = decode_figures(steps)
     figures["packing_probe"] = _probe(args.config, overrides)
     if args.tokens_per_micro_batch:
@@ -125,7 +128,7 @@ def _token_budget(args, base, run: Path) -> dict:
     budget_dir = run / "train_budget"
     budget_overrides = base + [f"trainer.run_dir={budget_dir}", "trainer.sequence_packing=true",
                                f"trainer.ppo_max_token_len_per_rank={args.tokens_per_micro_batch}"]
-    rc, syncs_budget = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *budget_overrides]))
+    rc, syncs_budget, _ = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *budget_overrides]))
     budget_steps, budget_timed = _steps(budget_dir) if rc == 0 else ([], [])
     values = [r["perf/mfu"] for r in budget_timed if isinstance(r.get("perf/mfu"), (int, float))]
     return {"ok": rc == 0, "tokens_per_micro_batch": args.tokens_per_micro_batch,
@@ -170,8 +173,8 @@ def failed_checks(figures: dict) -> list:
 
 
 # the probe's limits: a token changes nothing before it (the same kernels on the same shapes: exact but for
-# rounding); packed and padded bf16 log-probs differ by the rounding of different matmul shapes (a guess: no GPU
-# has run the probe yet, docs/gpu.md)
+# rounding); packed and padded bf16 log-probs differ by the rounding of different matmul shapes (a guess; the first
+# run, on one H200, measured 0.0073 mean: docs/gpu.md)
 PROBE_LEAK_MAX = 1e-3
 PROBE_GAP_MEAN_MAX = 0.05
 
@@ -195,7 +198,9 @@ def _probe(config: str, overrides) -> dict:
     try:
         torch.manual_seed(0)
         model = build_policy(cfg.model, cfg.parallel, groups)
-        return packing_probe(model, groups, cfg.model.vocab_size)
+        probe = packing_probe(model, groups, cfg.model.vocab_size)
+        probe["syncs"] = sync_probe(model, groups, cfg.model.vocab_size) if torch.cuda.is_available() else None
+        return probe
     except Exception as err:  # noqa: BLE001
         return {"error": f"{type(err).__name__}: {err}"}
     finally:
@@ -275,22 +280,72 @@ def phase_figures(records) -> dict:
 
 
 def _counting_syncs(fn):
-    """``(fn(), host-device syncs during it)``: ``torch.cuda.set_sync_debug_mode("warn")`` warns once per sync;
-    ``None`` for the count without CUDA."""
+    """``(fn(), host-device syncs during it, {site: syncs})``: ``torch.cuda.set_sync_debug_mode("warn")`` warns
+    once per sync; the site is the innermost frame of hpa, its patches or megatron (``path:line``). Autograd runs
+    on this thread meanwhile, so a backward's syncs are counted and placed too (a sync inside a C++ autograd node
+    is placed at the ``backward()`` call). ``None`` for the count without CUDA."""
+    import collections
+    import traceback
     import warnings
 
     import torch
 
     if not torch.cuda.is_available():
-        return fn(), None
-    with warnings.catch_warnings(record=True) as caught:
+        return fn(), None, {}
+    sites = collections.Counter()
+
+    def record(message, *args, **kwargs):
+        if "synchroniz" in str(message):
+            sites[_site(traceback.extract_stack()[:-1])] += 1
+
+    with warnings.catch_warnings(), torch.autograd.set_multithreading_enabled(False):
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             rc = fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return rc, sum("synchroniz" in str(w.message) for w in caught)
+    return rc, sum(sites.values()), dict(sites.most_common(12))
+
+
+def _site(stack) -> str:
+    """The innermost frame under hpa/, megatron_patches/ or megatron/ (``path:line``, path from that folder)."""
+    for frame in reversed(stack):
+        for root in ("/hpa/", "/megatron_patches/", "/megatron/"):
+            if root in frame.filename:
+                return f"{root[1:]}{frame.filename.split(root, 1)[1]}:{frame.lineno}"
+    return f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "?"
+
+
+def sync_probe(model, groups, vocab_size: int, seed: int = 0) -> dict:
+    """One packed training micro-batch through ``model`` and hpa's label head, forward then backward, with the
+    syncs of each (and their sites): the update's per-micro-batch syncs that the CPU counter cannot see."""
+    import torch
+
+    from hpa.engine.head import label_log_probs
+    from hpa.engine.micro_batch import MicroBatch
+    from hpa.engine.step import model_inputs, to_model_device
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(32, 257, (8,), generator=g)
+    width = int(lens.max())
+    keep = torch.arange(width)[None] < lens[:, None]
+    ids = torch.randint(1, vocab_size, (len(lens), width), generator=g) * keep
+    mask = (torch.arange(width)[None] < (lens - 1)[:, None]).float()
+    mb = to_model_device(MicroBatch.from_padded("rows", ids, torch.roll(ids, -1, 1) * keep, lens, packed=True,
+                                                label_mask=mask), groups.device)
+    model.train()
+    out = {}
+
+    def forward():
+        i, p, params, _ = model_inputs(mb, 1)
+        logits = model(i, p, None, **({"packed_seq_params": params} if params is not None else {}))
+        out["loss"] = label_log_probs(mb, logits, groups.tp_group, vocab_size=vocab_size).float().sum()
+
+    _, fwd, fwd_sites = _counting_syncs(forward)
+    _, bwd, bwd_sites = _counting_syncs(lambda: out["loss"].backward())
+    return {"forward": fwd, "backward": bwd, "forward_sites": fwd_sites, "backward_sites": bwd_sites}
 
 
 def _per_step(count, steps):

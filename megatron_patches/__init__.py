@@ -1,6 +1,7 @@
 """Patches of megatron-core, applied once and explicitly: CPU/gloo support (``apply_cpu_patches``, by
-``hpa.distributed.init`` when CUDA is not in use) and the local layer spec's packed-sequence RoPE
-(``apply_model_patches``, by ``hpa.models.specs`` on every device).
+``hpa.distributed.init`` when CUDA is not in use), the local layer spec's packed-sequence RoPE
+(``apply_model_patches``, by ``hpa.models.specs`` on every device) and a sync-free gradient norm where TE and
+apex are absent (``apply_optimizer_patches``, by ``hpa.engine.optimizer`` on every device).
 
 Each patch lives in its own module and says what it changes, why, the upstream version it targets
 and when it can be removed. Nothing is patched on import. None of the patches changes numerics.
@@ -26,6 +27,9 @@ PATCHES: Tuple[str, ...] = (
 
 # the local layer spec's, on every device
 MODEL_PATCHES: Tuple[str, ...] = ("packed_rope",)
+
+# the optimizer's, on every device (``hpa.engine.optimizer.build_optimizer``)
+OPTIMIZER_PATCHES: Tuple[str, ...] = ("foreach_l2norm",)
 
 _applied: Tuple[str, ...] = ()
 
@@ -66,6 +70,14 @@ def apply_model_patches() -> Tuple[str, ...]:
     for name in MODEL_PATCHES:
         importlib.import_module(f"{__name__}.{name}").apply()
     return MODEL_PATCHES
+
+
+def apply_optimizer_patches() -> Tuple[str, ...]:
+    """Apply ``OPTIMIZER_PATCHES`` once (each is idempotent); returns their names."""
+    check_megatron_version()
+    for name in OPTIMIZER_PATCHES:
+        importlib.import_module(f"{__name__}.{name}").apply()
+    return OPTIMIZER_PATCHES
 
 
 def applied() -> Tuple[str, ...]:

@@ -232,9 +232,8 @@ class RolloutConfig:
     ``cuda_graphs`` (native engine): on CUDA at tensor and pipeline parallel size 1, decode with static
     shapes (rows and KV-cache slots padded to powers of two) and replay each token's step from a CUDA
     graph captured once per batch bucket and weight version; ignored on CPU and where it does not
-    apply (``hpa/rollout/megatron_engine.py``). ``false`` (the default until the graph path has been
-    checked on a GPU: ``tests/gpu/test_graph_decode.py``, run by ``bench/gpu_check.sh``, whose config turns
-    it on) decodes eagerly, one launch per op.
+    apply (``hpa/rollout/megatron_engine.py``). On by default since ``tests/gpu/test_graph_decode.py`` passed
+    on a GPU (docs/gpu.md); ``false`` decodes eagerly, one launch per op.
 
     Attributes:
         engine: megatron (the training policy as it is sharded, with hpa's KV cache) | vllm.
@@ -261,7 +260,7 @@ class RolloutConfig:
     vllm_tensor_parallel_size: Optional[int] = None
     gpu_memory_utilization: float = 0.85
     colocate: bool = True
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         check_choice("engine", self.engine, ROLLOUT_ENGINES)

@@ -47,6 +47,10 @@ def build_optimizer(ddp_model, optim: OptimConfig, parallel: ParallelConfig, gro
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    import megatron_patches
+
+    megatron_patches.apply_optimizer_patches()  # the gradient norm without a sync per tensor (no TE/apex)
+
     config = ddp_model.config
     opt_config = OptimizerConfig(
         optimizer="adam",

@@ -56,3 +56,15 @@ def test_sees_the_backward_pass_but_not_autograds_own_unchecked_index_put():
     assert dict(syncs.by_op) == {"index_put_": 1}, syncs.by_site
     (site,) = syncs.by_site
     assert site.startswith("tests/distributed/test_sync_ops.py:") and x.grad is not None
+
+
+def test_a_host_tensor_built_from_device_tensors_reads_each_of_them():
+    """``torch.tensor([t.norm() for t in ts])`` copies every device value to the host (megatron's gradient-norm
+    fallback without TE or apex did this once per tensor: on one H200, 510 syncs a step the counter missed)."""
+    with StrictDeviceMode(DEVICE):
+        ts = [on_device(torch.ones(3) * i) for i in range(4)]
+        with SyncOps() as syncs:
+            torch.tensor([t.norm() for t in ts])
+            torch.stack([t.norm() for t in ts])  # stays on the device: none
+            torch.tensor([[1.0, 2.0]])  # host data only: none
+    assert syncs.by_op == {"tensor(list of device tensors)": 4}, syncs.by_op

@@ -284,9 +284,15 @@ def test_gpu_check_phase_figures_and_sync_count_run_without_a_gpu():
          "old_policy_tokens_per_s": 1000.0, "reference_tokens_per_s": 2000.0,
          "old_policy_mfu": 0.2 / 6, "reference_mfu": 0.2 / 3})
     if not torch.cuda.is_available():
-        assert gpu_check._counting_syncs(lambda: 7) == (7, None)
+        assert gpu_check._counting_syncs(lambda: 7) == (7, None, {})
         assert gpu_check._per_step(None, [{}]) is None
     assert gpu_check._per_step(12, [{}, {}, {}]) == 4.0
+    # a sync's site: the innermost frame of hpa, its patches or megatron, from that folder
+    frame = lambda path, line: type("F", (), {"filename": path, "lineno": line})  # noqa: E731
+    stack = [frame("/x/site-packages/megatron/core/utils.py", 7), frame("/repo/hpa/engine/step.py", 3),
+             frame("/x/site-packages/torch/nn/module.py", 9)]
+    assert gpu_check._site(stack) == "hpa/engine/step.py:3"
+    assert gpu_check._site(stack[:1]) == "megatron/core/utils.py:7"
 
 
 def test_varlen_signature_is_read_once(monkeypatch):

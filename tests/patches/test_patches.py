@@ -13,12 +13,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_each_patch_documents_what_why_upstream_and_removal():
-    for name in megatron_patches.PATCHES + megatron_patches.MODEL_PATCHES:
+    for name in megatron_patches.PATCHES + megatron_patches.MODEL_PATCHES + megatron_patches.OPTIMIZER_PATCHES:
         doc = importlib.import_module(f"megatron_patches.{name}").__doc__
         for word in ("What:", "Why:", "Upstream:", "Remove when:"):
             assert word in doc, (name, word)
     files = {p.stem for p in (ROOT / "megatron_patches").glob("*.py") if not p.stem.startswith("_")}
-    assert files == set(megatron_patches.PATCHES + megatron_patches.MODEL_PATCHES)
+    assert files == set(megatron_patches.PATCHES + megatron_patches.MODEL_PATCHES + megatron_patches.OPTIMIZER_PATCHES)
 
 
 def test_unsupported_version_is_refused(monkeypatch):
