@@ -336,7 +336,8 @@ class ModelReward:
     @classmethod
     def from_config(cls, reward: RewardConfig, model: ModelConfig, parallel: ParallelConfig,
                     groups: ParallelGroups, *, batching: Batching = DEFAULT_BATCHING,
-                    with_embeddings: Optional[bool] = None, tokenizer: Optional[Dict[str, object]] = None) -> "ModelReward":
+                    with_embeddings: Optional[bool] = None,
+                    tokenizer: Optional[Dict[str, object]] = None) -> "ModelReward":
         """Load every checkpoint of ``reward.model_paths`` (each with ``reward.num_heads`` heads), each built
         from the architecture it records (``model`` is the policy's: see ``reward_model_config``).
 
@@ -367,8 +368,8 @@ class ModelReward:
         (the coverage trust's space: where a sequence lies against the preference data), ``[b, h]`` float32.
         ``response_*`` ``[b, r]``, ``prompt_*`` ``[b, p]``, as ``__call__``'s inputs."""
         input_ids, attention_mask, _ = join_prompt_response(
-            response_ids.cpu(), response_mask.cpu(), self.batching.pad_id, None if prompt_ids is None else prompt_ids.cpu(),
-            None if prompt_mask is None else prompt_mask.cpu())
+            response_ids.cpu(), response_mask.cpu(), self.batching.pad_id,
+            None if prompt_ids is None else prompt_ids.cpu(), None if prompt_mask is None else prompt_mask.cpu())
         _, embeddings = score_sequences(self.models[0], input_ids, attention_mask, self.groups,
                                         num_heads=self.num_heads, batching=self.batching,
                                         pool_mask=attention_mask, hidden_size=self.hidden_size)

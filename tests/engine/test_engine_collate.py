@@ -1,5 +1,5 @@
-"""``hpa.engine.collate`` (named apart from tests/data/test_collate.py: the test directories share one module namespace):
-the one place micro-batches are built, checked against hand-padded rows."""
+"""``hpa.engine.collate``, the one place micro-batches are built, checked against hand-padded rows (the file is
+named apart from tests/data/test_collate.py: the test directories share one module namespace)."""
 
 import types
 
