@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from data_tools.redraw_sweep import parse_task, run_numbers, table, verdict
+from data_tools.redraw_sweep import main, parse_task, parse_tasks, parts_verdict, run_numbers, table, verdict
 from hpa.ablate import Interval
 
 
@@ -25,6 +25,16 @@ def test_parse_task_and_its_errors():
     for bad in ("hackable", "gold:1", "split:x"):
         with pytest.raises(ValueError, match="FAMILY:SEED"):
             parse_task(bad)
+
+
+def test_parse_tasks_ranges_and_their_errors():
+    assert parse_tasks("hackable:9-11") == [("hackable", 9), ("hackable", 10), ("hackable", 11)]
+    assert parse_tasks("split:3") == [("split", 3)]
+    for bad in ("hackable:9-", "hackable:11-9", "hackable:a-3", "gold:1-2"):
+        with pytest.raises(ValueError, match="FIRST-LAST"):
+            parse_tasks(bad)
+    with pytest.raises(ValueError, match="one task"):
+        parse_task("hackable:1-2")
 
 
 def test_run_numbers_hacked_collapsed_and_a_failed_run(tmp_path):
@@ -53,3 +63,22 @@ def test_table_counts_a_missing_run_as_collapsed(tmp_path):
     assert "| choose | 0.500 |" in hpa_row and "0.600" in hpa_row and "| 0/3 | 1/3 |" in hpa_row
     assert "above" in hpa_row and "0.500 → 0.400" in hpa_row
     assert not math.isnan(float(hpa_row.split("|")[3]))
+
+
+def test_split_tasks_are_held_against_each_part_and_choose_labels_the_rest_confirm(tmp_path, capsys):
+    """On a split task the default must beat the PPO-only and the DPO-only part: a ``vs parts`` verdict per
+    part (a part that did not run says so); other families have no parts."""
+    for seed in (1, 2, 3):
+        write_run(tmp_path, "split_s3", "hpa", seed, [0.3, 0.60 + 0.01 * seed], [0.1, 0.2])
+        write_run(tmp_path, "split_s3", "dpo-rpo", seed, [0.3, 0.50 + 0.01 * seed], [0.1, 0.2])
+        write_run(tmp_path, "split_s3", "ppo", seed, [0.3, 0.40 + 0.01 * seed], [0.1, 0.2])
+        write_run(tmp_path, "split_s3", "dpo", seed, [0.3, 0.59 + 0.02 * seed], [0.1, 0.2])
+        write_run(tmp_path, "hackable_s9", "hpa", seed, [0.5, 0.6], [0.1, 0.2])
+    main(["--root", str(tmp_path), "--tasks", "split:3", "hackable:9", "--choose", "hackable:9", "--table-only"])
+    rows = {tuple(c.strip() for c in line.split("|")[1:5:3]): line.split("|") for line in
+            capsys.readouterr().out.splitlines() if line.startswith("| split") or line.startswith("| hackable")}
+    hpa = rows[("split 3", "hpa (3)")]
+    assert hpa[2].strip() == "confirm" and hpa[7].strip() == "above ppo, at dpo"
+    assert rows[("split 3", "ppo (3)")][7].strip() == "" and rows[("split 3", "dpo-rpo (3)")][7].strip()
+    assert rows[("hackable 9", "hpa (3)")][2].strip() == "choose" and rows[("hackable 9", "hpa (3)")][7].strip() == ""
+    assert parts_verdict(Interval.of([0.5, 0.6, 0.7]), {"ppo": None}) == "no ppo"
