@@ -214,7 +214,7 @@ def packing_probe(model, groups, vocab_size: int, lengths=None, seed: int = 0) -
     import torch
 
     from hpa.engine.head import label_log_probs
-    from hpa.engine.micro_batch import MicroBatch
+    from hpa.engine.collate import TokenRows, collate
     from hpa.engine.step import model_inputs, to_model_device
     from hpa.models import specs
 
@@ -227,8 +227,9 @@ def packing_probe(model, groups, vocab_size: int, lengths=None, seed: int = 0) -
     label_mask = torch.arange(width)[None] < (lens - 1)[:, None]  # [n, s]
 
     def log_probs(input_ids, packed):
-        mb = to_model_device(MicroBatch.from_padded("rows", input_ids, labels, lens, packed=packed,
-                                                    label_mask=label_mask.float()), groups.device)
+        rows = TokenRows(input_ids=input_ids, lengths=lens, labels=labels,
+                         positional={"label_mask": label_mask.float()})
+        mb = to_model_device(collate("rows", rows, [list(range(n))], packed=packed)[0], groups.device)
         i, p, params, _ = model_inputs(mb, 1)
         with torch.no_grad():
             out = model(i, p, None, **({"packed_seq_params": params} if params is not None else {}))
@@ -324,7 +325,7 @@ def sync_probe(model, groups, vocab_size: int, seed: int = 0) -> dict:
     import torch
 
     from hpa.engine.head import label_log_probs
-    from hpa.engine.micro_batch import MicroBatch
+    from hpa.engine.collate import TokenRows, collate
     from hpa.engine.step import model_inputs, to_model_device
 
     g = torch.Generator().manual_seed(seed)
@@ -333,8 +334,8 @@ def sync_probe(model, groups, vocab_size: int, seed: int = 0) -> dict:
     keep = torch.arange(width)[None] < lens[:, None]
     ids = torch.randint(1, vocab_size, (len(lens), width), generator=g) * keep
     mask = (torch.arange(width)[None] < (lens - 1)[:, None]).float()
-    mb = to_model_device(MicroBatch.from_padded("rows", ids, torch.roll(ids, -1, 1) * keep, lens, packed=True,
-                                                label_mask=mask), groups.device)
+    rows = TokenRows(input_ids=ids, lengths=lens, labels=torch.roll(ids, -1, 1) * keep, positional={"label_mask": mask})
+    mb = to_model_device(collate("rows", rows, [list(range(len(lens)))], packed=True)[0], groups.device)
     model.train()
     out = {}
 

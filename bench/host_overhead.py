@@ -77,7 +77,7 @@ class OpCounter(TorchDispatchMode):
 def _micro_batch(rows: int, packed: bool, vocab: int, seed: int):
     """Rows of 12 to 60 tokens, the first 8 the prompt: the response positions (``response_index``, ``mask``
     ``[n, r]``) and the label positions (``label_mask`` ``[n, s]``) that hpa's two heads read."""
-    from hpa.engine.micro_batch import MicroBatch
+    from hpa.engine.collate import TokenRows, collate
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(12, 61, (rows,), generator=g)
@@ -90,8 +90,9 @@ def _micro_batch(rows: int, packed: bool, vocab: int, seed: int):
     index = (prompt - 1 + torch.arange(width - prompt))[None, :].expand(rows, -1)  # [n, r]: predicts the response
     mask = (index < (lengths - 1)[:, None]).float()
     label_mask = keep & (torch.arange(width)[None, :] >= prompt - 1) & (torch.arange(width)[None, :] < (lengths - 1)[:, None])
-    return MicroBatch.from_padded("rows", ids, labels, lengths, packed=packed, response_index=index.contiguous(),
-                                  mask=mask, label_mask=label_mask.float())
+    rows_ = TokenRows(input_ids=ids, lengths=lengths, labels=labels, response_index=index.contiguous(),
+                      positional={"mask": mask, "label_mask": label_mask.float()})
+    return collate("rows", rows_, [list(range(rows))], packed=packed)[0]  # one micro-batch of every row
 
 
 def _loss(batch, logits, vocab: int, entropy: bool):
