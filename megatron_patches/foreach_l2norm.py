@@ -9,7 +9,7 @@ Why: the fallback builds ``torch.tensor([torch.norm(t) for t in tensors])`` and 
   (measured 2026-11-27 on one H200, ``bench/gpu_check.py``'s sync sites: 1,530 of the 1,922 syncs of a
   3-step Qwen2-0.5B-shaped run, about 510 a step). The CPU counter (``SyncOps``) cannot see those copies.
 Numerics: the same norms in the same order; on CPU bit-identical to the fallback
-  (``tests/megatron_patches/test_foreach_l2norm.py``); on CUDA the fused foreach kernel may round the last
+  (``tests/patches/test_foreach_l2norm.py``); on CUDA the fused foreach kernel may round the last
   bit differently from the per-tensor one. The result is fp32 on the gradients' device, as before.
 Upstream: megatron-core 0.16.x (``megatron/core/utils.py`` ``local_multi_tensor_l2_norm``).
 Remove when: megatron's fallback stays on the device.

@@ -160,8 +160,9 @@ class _FunctionSide(TorchFunctionMode):
         elif func is torch.Tensor.copy_ and _is_device(args[0]) and not _is_device(args[1]):
             if not ((args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) and args[1].is_contiguous()):
                 self.owner._record("blocking host-to-device copy", _site())
-        elif func in _FROM_HOST_DATA and args and isinstance(args[0], (list, tuple)) and _device_items(args[0]):
-            for _ in range(_device_items(args[0])):  # one device-to-host read per tensor in the list
+        elif func in _FROM_HOST_DATA and args and isinstance(args[0], (list, tuple)) \
+                and (reads := _device_items(args[0])):
+            for _ in range(reads):  # one device-to-host read per tensor in the list
                 self.owner._record(f"{func.__name__}(list of device tensors)", _site())
         elif func in _FROM_HOST_DATA and kwargs.get("device") is not None \
                 and torch.device(kwargs["device"]).type != "cpu" and not _is_device(args[0] if args else None):
