@@ -115,13 +115,17 @@ def trust_metrics(trust: torch.Tensor) -> Dict[str, float]:
             "coverage/trust_p90": float(torch.quantile(t, 0.9)), "coverage/far_share": float((t <= 0).double().mean())}
 
 
-def abstention_kl_weights(trust: torch.Tensor, boost: float) -> torch.Tensor:
+def abstention_kl_weights(trust: torch.Tensor, boost: float, judged: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each row's weight of the KL to the reference, ``1 + boost·(1 - trust)``: where the learned reward has
     no support its advantage is 0 (the trust) and nothing else says what to do there, so the policy is held
-    closer to the start, which is what the start did well. # [b] -> [b]"""
+    closer to the start, which is what the start did well. A row a rule reward judges (``judged`` ``[b]``
+    bool: its prompt has a ground truth) keeps weight 1: the rule says what to do there. # [b] -> [b]"""
     if boost < 0:
         raise ValueError(f"the abstention KL boost must be >= 0, got {boost}")
-    return 1.0 + boost * (1.0 - trust.float().clamp(0.0, 1.0))
+    far = 1.0 - trust.float().clamp(0.0, 1.0)
+    if judged is not None:
+        far = torch.where(judged.to(far.device).bool(), torch.zeros_like(far), far)
+    return 1.0 + boost * far
 
 
 class EmbeddingCache:

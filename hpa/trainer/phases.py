@@ -95,13 +95,18 @@ def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepCo
 
 def score(batch: RolloutBatch, ground_truths, reward, tokenizer, ctx: StepContext) -> Dict[str, float]:
     """Shaped reward at each response's last token (``token_scores``), per row (``shaped_rewards``, and
-    ``raw_rewards``: r̂ before shaping) and the loss ``mask``: rows with a non-finite reward get an all-zero
+    ``raw_rewards``: r̂ before shaping; with per-component advantages ``rule_judged``, the rows a rule reward
+    scores: a rule is configured and the prompt has a ground truth) and the loss ``mask``: rows with a non-finite reward get an all-zero
     mask, so they reach no loss and move no baseline (``hpa.trainer.rollout_filter`` zeroes the rows it
     drops the same way)."""
     shaped = reward(RewardInputs.from_batch(batch, tokenizer, ground_truths), policy_embeddings=batch.get("old_pooled"),
                     all_gather=lambda t: comm.all_gather_cat(t, ctx.groups.dp_group))
     valid = shaped.valid
     batch.set("rule_scores", shaped.rule)
+    if ctx.reward_shares is not None:  # which rows a rule judges: a rule is configured and the prompt has a truth
+        truths = ground_truths if ground_truths is not None else [None] * batch.batch_size
+        judged = [ctx.reward_shares["rule"] > 0 and truth is not None for truth in truths]
+        batch.set("rule_judged", torch.tensor(judged, dtype=torch.bool, device=valid.device))
     batch.set("mask", batch.response_mask * valid[:, None].float()).set("token_scores", shaped.token_level_scores)
     batch.set("shaped_rewards", shaped.rewards.float())
     batch.set("raw_rewards", torch.where(valid, shaped.raw.float(), torch.zeros_like(shaped.rewards.float())))

@@ -118,6 +118,15 @@ def test_abstention_kl_weights_grow_where_trust_falls():
         abstention_kl_weights(trust, -1.0)
 
 
+def test_abstention_kl_weights_leave_rows_a_rule_judges_alone():
+    """A far row whose prompt a rule reward judges (it has a ground truth) has a reward that says what to do
+    there: its KL keeps weight 1, as a covered row's; the far rows no reward judges get 1 + boost."""
+    trust = torch.tensor([0.0, 0.0, 0.5, 1.0])
+    judged = torch.tensor([True, False, True, False])
+    assert abstention_kl_weights(trust, 4.0, judged=judged).tolist() == [1.0, 5.0, 1.0, 1.0]
+    assert abstention_kl_weights(trust, 4.0, judged=None).tolist() == [5.0, 5.0, 3.0, 1.0]
+
+
 def test_embedding_cache_computes_each_sequence_once_and_keeps_at_most_its_limit():
     calls = []
 

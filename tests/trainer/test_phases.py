@@ -266,3 +266,46 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     trust = c.get("learned_trust")
     torch.testing.assert_close(c.get("kl_weights"), 1 + 4 * (1 - trust))
     assert c.get("kl_weights")[2:].tolist() == [5.0, 5.0]
+
+
+def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
+    """A split-like run (a rule and a reward model): ``score`` marks the rows whose prompt has a ground truth
+    (``rule_judged``), and the coverage trust's KL boost leaves those rows at weight 1 even where no pair
+    covers their prompt (the rule says what to do there); a far row without a ground truth gets 1 + boost."""
+    from hpa.data.preferences import PreferenceExample
+    from hpa.reward.rules import RuleReward
+    from hpa.reward.shaping import BaseRewardOutput, CombinedReward, UncertaintyAwareReward
+    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+
+    overrides = ("algorithm.advantage.estimator=grpo", "reward.rules=[exact_match]", "reward.model_paths=[rm]",
+                 "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2",
+                 "algorithm.kl.use_kl_in_reward=false", "algorithm.hpa.coverage.kl_boost=4",
+                 "reward.shaping.alpha=0.0", "reward.shaping.beta=0.0")
+    ctx, cfg = _ctx(*overrides), load_config(None, list(overrides))
+    prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
+    pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
+    heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
+               for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
+
+    class Tok:
+        eos_id = 0
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    class RuleFree:  # the learned part: a constant reward, one head
+        def __call__(self, inputs):
+            return BaseRewardOutput(rewards=torch.zeros(inputs.response_ids.shape[0], 1))
+
+    reward = UncertaintyAwareReward.from_config(cfg.reward.shaping, CombinedReward(
+        [RuleFree(), RuleReward.from_names(["exact_match"], 4.0)]))
+    batch = _batch(torch.ones(4, 2), [0, 0, 1, 1])
+    batch.prompt_ids = torch.tensor([[3, 3], [3, 3], [3, 3], [3, 3]])  # every prompt far from the pairs
+    batch.set("old_pooled", torch.zeros(4, 2))
+    phases.score(batch, ["1 1", "2 2", None, None], reward, Tok(), ctx)
+    assert batch.get("rule_judged").tolist() == [True, True, False, False]
+    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, ControllerInputs(
+        groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout))
+    coverage.update(StepSignals(batch=batch))
+    assert batch.get("learned_trust").tolist() == [0.0] * 4
+    assert batch.get("kl_weights").tolist() == [1.0, 1.0, 5.0, 5.0]

@@ -45,7 +45,7 @@ class CoverageTrust(Controller):
     prompt space, one over each prompt the first time a step (or an evaluation) draws it (the reward model
     is frozen: a prompt's embedding is kept, ``EmbeddingCache``); in sequence space one over the rollouts.
     With ``kl_boost`` > 0 it also writes ``kl_weights`` ``[b]``, each row's weight of the hierarchical KL
-    (``abstention_kl_weights``).
+    (``abstention_kl_weights``; a row a rule judges, ``rule_judged``, keeps weight 1).
     """
 
     name, observes = "coverage", "rollouts"
@@ -89,7 +89,7 @@ class CoverageTrust(Controller):
             trust = self.trust(batch)  # [b]
         batch.set("learned_trust", trust)
         if self.kl_boost > 0:
-            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost))
+            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost, judged=batch.extras.get("rule_judged")))
         valid = batch.get("mask").sum(dim=1) > 0  # the rows that train (not dropped by the filter)
         trust = comm.all_gather_cat(trust.float(), self.dp_group)[comm.all_gather_cat(valid.float(), self.dp_group) > 0]
         nan = float("nan")
