@@ -84,7 +84,11 @@ The estimate is analytic (no GPU, no megatron import). Per GPU, the worst pipeli
   ``P = data.max_prompt_length``, ``R = rollout.max_new_tokens`` and ``B = global_batch_size/DP·n``
   rows per rank; measured exact on CPU. megatron's ``StaticInferenceContext`` fallback allocates
   the same. Rollout and training do not overlap, so the peak is ``static + max(activations, KV
-  cache)``.
+  cache)``. With graph decode (``rollout.cuda_graphs`` at TP = PP = 1) the cache is the bucket's,
+  ``row_bucket(B)`` rows (a power of two) by ``slot_bucket(P + R)`` slots (a multiple of 128, at most the
+  context), and it stays allocated through training (a captured graph reads fixed addresses): the peak is
+  ``static + that cache + max(activations, the step's [rows, V] fp32 logits)``. An evaluation's generate
+  keeps a bucket of its own rows (its prompts per rank), which the plan does not count.
 * **vLLM rollouts** (``rollout.engine: vllm``, colocated): while awake vLLM takes
   ``rollout.gpu_memory_utilization`` of the GPU (its weights and KV cache); it sleeps during
   training (weights to CPU, KV cache dropped), while megatron's weights, gradients and optimizer
@@ -393,11 +397,31 @@ def rollout_batch(cfg: Config, dp: int) -> Tuple[int, int]:
             cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
 
 
+# the graph decode's buckets (``hpa.rollout.megatron_engine``: ``row_bucket``, ``slot_bucket``; restated
+# here so the planner imports neither torch nor megatron; tests/test_plan.py checks the two agree)
+GRAPH_SLOT_BLOCK = 128
+
+
+def graph_decode(cfg: Config, tp: int, pp: int) -> bool:
+    """Whether the native engine decodes from CUDA graphs (``rollout.cuda_graphs`` at TP = PP = 1; the plan is
+    for GPUs): its rollout cache is then a bucket's, kept allocated through training."""
+    return cfg.rollout.engine == "megatron" and cfg.rollout.cuda_graphs and tp == 1 and pp == 1
+
+
+def graph_bucket(rows: int, positions: int, max_sequence_length: int) -> Tuple[int, int]:
+    """``(rows, slots)`` of the graph decode's bucket: rows up to a power of two, slots up to a multiple of
+    ``GRAPH_SLOT_BLOCK`` (at most the model's context)."""
+    return 1 << (rows - 1).bit_length(), min(-(-positions // GRAPH_SLOT_BLOCK) * GRAPH_SLOT_BLOCK, max_sequence_length)
+
+
 def kv_cache_bytes(cfg: Config, tp: int, pp: int, dp: int) -> int:
     """Rollout KV cache of one rank (native engine): ``hpa.rollout.kv_cache.CachedDecoder`` keeps keys
-    and values ``[b, g/tp, S, d]`` in ``params_dtype`` for each of its stage's layers."""
+    and values ``[b, g/tp, S, d]`` in ``params_dtype`` for each of its stage's layers; with graph decode
+    (``graph_decode``) over its bucket's rows and slots (``graph_bucket``)."""
     m = cfg.model
     batch, positions = rollout_batch(cfg, dp)
+    if graph_decode(cfg, tp, pp):
+        batch, positions = graph_bucket(batch, positions, m.max_sequence_length)
     per_layer = 2 * batch * (m.kv_heads // tp) * positions * (m.hidden_size // m.num_attention_heads)
     return (m.num_layers // pp) * per_layer * _DTYPE_BYTES[m.params_dtype]
 
@@ -557,6 +581,9 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float,
     activations = max(training, forward)
     kv = kv_cache_bytes(cfg, k.tp, k.pp, dp) / GB
     rollout = vllm_budget_gb(cfg, gpu_memory_gb) if cfg.rollout.engine == "vllm" else kv
+    held = kv if graph_decode(cfg, k.tp, k.pp) else 0.0  # a graph's bucket stays allocated through training
+    if held:  # while decoding, the captured step's logits (fp32) on top of the cache
+        rollout = graph_bucket(*rollout_batch(cfg, dp), m.max_sequence_length)[0] * _padded_vocab(m, k.tp) * 4 / GB
     return {
         "layout": {"tensor_model_parallel_size": k.tp, "pipeline_model_parallel_size": k.pp,
                    "data_parallel_size": dp, "sequence_parallel": sp,
@@ -570,7 +597,8 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float,
         "kv_cache_gb": kv,
         "rollout_gb": rollout,
         "rollout_engine": cfg.rollout.engine,
-        "total_gb": static + max(activations, rollout),
+        "graph_cache_gb": held,
+        "total_gb": static + held + max(activations, rollout),
     }
 
 
@@ -671,9 +699,16 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float, reward_config: Opti
          f"GPU while awake (its weights + KV cache; it sleeps during training, megatron's state stays); "
          f"the native engine's KV cache would be {out['kv_cache_gb']:.2f} GB"
          if cfg.rollout.engine == "vllm" else
+         "rollout KV cache (native engine, graph decode): the bucket of {}x{} (rows x slots) for {}·{}/DP sequences "
+         "of {}+{} tokens, kept through training so a rollout replays without capturing again; an evaluation's "
+         "generate (its prompts per rank) keeps a bucket of its own".format(
+             *graph_bucket(*rollout_batch(cfg, out["layout"]["data_parallel_size"]), cfg.model.max_sequence_length),
+             cfg.trainer.global_batch_size, cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens)
+         if out["graph_cache_gb"] > 0 else
          f"rollout KV cache: {cfg.trainer.global_batch_size}·{cfg.rollout.n}/DP sequences of "
          f"{cfg.data.max_prompt_length}+{cfg.rollout.max_new_tokens} tokens (native engine)"),
-        "peak = static + max(activations, rollout); keep 2-5 GB for CUDA context, NCCL, fragmentation",
+        ("peak = static + graph decode cache + max(activations, the decode step's logits)" if out["graph_cache_gb"] > 0
+         else "peak = static + max(activations, rollout)") + "; keep 2-5 GB for CUDA context, NCCL, fragmentation",
     ]
     return out
 
@@ -681,8 +716,9 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float, reward_config: Opti
 def format_plan(result: dict) -> str:
     """The plan as a text table (GB = 1e9 bytes)."""
     lay = result["layout"]
+    graph = result["graph_cache_gb"] > 0
     rollout_label = ("rollout (vLLM, awake)" if result["rollout_engine"] == "vllm"
-                     else "rollout KV cache (native engine)")
+                     else "rollout: the graph step's logits" if graph else "rollout KV cache (native engine)")
     lines = [f"hpa plan: {result['world_size']} GPUs x {result['gpu_memory_gb']:g} GB, "
              f"TP{lay['tensor_model_parallel_size']} x PP{lay['pipeline_model_parallel_size']} x "
              f"DP{lay['data_parallel_size']}, sequence_parallel={lay['sequence_parallel']}, "
@@ -699,7 +735,9 @@ def format_plan(result: dict) -> str:
     lines += [f"{'static (weights + grads + optimizer)':<40} {result['static_gb']:>8.2f}",
               f"{'activations (training, forward-only)':<40} {result['activations_gb']:>8.2f}",
               f"{rollout_label:<40} {result['rollout_gb']:>8.2f}",
-              f"{'total = static + max(activ., rollout)':<40} {result['total_gb']:>8.2f}  of "
+              *([f"{'graph decode KV cache (kept)':<40} {result['graph_cache_gb']:>8.2f}"] if graph else []),
+              f"{'total = static + ' + ('cache + ' if graph else '') + 'max(activ., rollout)':<40} "
+              f"{result['total_gb']:>8.2f}  of "
               f"{result['gpu_memory_gb']:g} GB"]
     policy = result["models"]["policy"]
     lines += ["",

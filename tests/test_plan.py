@@ -58,7 +58,9 @@ def tiny_cfg(tp=1, pp=1, distributed_optimizer=False, size="gqa", sequence_paral
         f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}",
         f"parallel.sequence_parallel={str(sequence_parallel).lower()}"]
         # the planner takes sequence parallelism only with rollouts that allow it (not the native engine)
-        + (["rollout.engine=vllm"] if sequence_parallel else []) + SIZES[size])
+        + (["rollout.engine=vllm"] if sequence_parallel else [])
+        # the measurements decode eagerly (CPU); graph decode's bucket: test_graph_decode_keeps_its_bucket_...
+        + ["rollout.cuda_graphs=false"] + SIZES[size])
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="gloo"))
 
 
@@ -465,8 +467,8 @@ def test_shipped_gpu_configs_fit_the_hardware_their_comment_names(name, world_si
     result = plan(cfg, world_size=world_size, gpu_memory_gb=gpu_gb)
     if result["rollout_engine"] == "vllm":
         assert result["rollout_gb"] == pytest.approx(cfg.rollout.gpu_memory_utilization * gpu_gb)
-    assert result["total_gb"] == pytest.approx(result["static_gb"] + max(result["activations_gb"],
-                                                                         result["rollout_gb"]))
+    assert result["total_gb"] == pytest.approx(result["static_gb"] + result["graph_cache_gb"]
+                                               + max(result["activations_gb"], result["rollout_gb"]))
     assert result["fits"] and gpu_gb - result["total_gb"] >= headroom_gb, result["total_gb"]
 
 
@@ -712,3 +714,39 @@ def test_a_bad_reward_model_record_is_a_config_error(tmp_path, capsys):
     (rm / "hpa_reward_model.json").write_text('{"num_heads": 1, "architecture": {"num_layerz": 2}}')
     assert main(["--world-size", "1", "--gpu-memory-gb", "80", f"reward.model_paths=[{rm}]"]) == 2
     assert "num_layerz" in capsys.readouterr().err
+
+
+def test_graph_buckets_are_the_engines():
+    """The planner restates the graph decode's bucket arithmetic (it imports no megatron): the same numbers."""
+    from hpa.plan import graph_bucket
+    from hpa.rollout.megatron_engine import SLOT_BLOCK, row_bucket, slot_bucket
+
+    for rows in (1, 2, 3, 5, 64, 65, 1000):
+        for positions, context in ((1, 4096), (40, 64), (128, 4096), (129, 4096), (3000, 2048)):
+            assert graph_bucket(rows, positions, context) == (row_bucket(rows), slot_bucket(positions, context))
+    assert SLOT_BLOCK == 128
+
+
+def test_graph_decode_keeps_its_bucket_through_training():
+    """With graph decode (TP = PP = 1) the rollout cache is the bucket's (64 rows x 64 slots for 64 rows of
+    24 + 16 positions in a 64-token context), held through training: peak = static + cache + max(activations,
+    the step's fp32 logits). At TP 2 the engine decodes eagerly and the plan is the eager one."""
+    from hpa.plan import _padded_vocab, graph_bucket, plan, rollout_batch
+
+    eager_cfg = tiny_cfg()
+    graph_cfg = dataclasses.replace(eager_cfg, rollout=dataclasses.replace(eager_cfg.rollout, cuda_graphs=True))
+    eager, graph = (plan(c, world_size=1, gpu_memory_gb=80) for c in (eager_cfg, graph_cfg))
+    rows, positions = rollout_batch(eager_cfg, 1)
+    assert (rows, positions) == (64, 40) and graph_bucket(rows, positions, 64) == (64, 64)
+    assert graph["kv_cache_gb"] == pytest.approx(eager["kv_cache_gb"] * 64 / 40)
+    assert eager["graph_cache_gb"] == 0 and graph["graph_cache_gb"] == graph["kv_cache_gb"]
+    vocab = _padded_vocab(graph_cfg.model, 1)
+    assert graph["rollout_gb"] == pytest.approx(64 * vocab * 4 / 1e9)  # [rows, padded vocab] fp32 logits
+    assert graph["total_gb"] == pytest.approx(graph["static_gb"] + graph["kv_cache_gb"]
+                                              + max(graph["activations_gb"], graph["rollout_gb"]))
+    assert eager["total_gb"] == pytest.approx(eager["static_gb"] + max(eager["activations_gb"], eager["kv_cache_gb"]))
+    assert any("graph decode" in n for n in graph["notes"]) and not any("graph decode" in n for n in eager["notes"])
+    tp2 = tiny_cfg(tp=2)
+    tp2 = plan(dataclasses.replace(tp2, rollout=dataclasses.replace(tp2.rollout, cuda_graphs=True)), world_size=2,
+               gpu_memory_gb=80)
+    assert tp2["graph_cache_gb"] == 0

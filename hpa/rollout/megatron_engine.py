@@ -41,6 +41,9 @@ Decode modes (``decode=``; the ``"hpa"`` cache at TP 1 and PP 1 only, the others
   once per bucket for the run and replayed per token. The graph reads the parameters where they are, so the
   optimizer's in-place updates need no new capture; ``sync_weights`` and ``sleep`` keep the buckets (their
   caches stay allocated between rollouts), and a bucket captures again only when a parameter got new storage.
+  One bucket is kept per row count: a request runs in the held bucket of its rows when that has enough slots
+  (``bucket_for``), else a new bucket with its slots replaces it, so prompts of varying length hold one
+  cache per row count (``hpa plan`` counts the rollout's).
 - ``"auto"`` (default): ``"graph"`` on CUDA where it applies, else ``"eager"``; a capture that fails
   logs a warning and the engine decodes eagerly from then on. ``decoded`` says which decode the last
   ``generate`` ran, ``captures`` how many captures the engine made.
@@ -59,7 +62,7 @@ step has one position). The batch comes back on the CPU.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import logging
 
@@ -92,6 +95,16 @@ def row_bucket(n: int) -> int:
 def slot_bucket(n: int, max_sequence_length: int) -> int:
     """``n`` rounded up to a multiple of ``SLOT_BLOCK``, at most ``max_sequence_length``: the cache slots."""
     return min(-(-n // SLOT_BLOCK) * SLOT_BLOCK, max_sequence_length)
+
+
+def bucket_for(buckets, rows: int, slots: int) -> Tuple[int, int]:
+    """The ``(rows, slots)`` bucket a decode of ``rows`` rows and ``slots`` slots runs in: the existing bucket of
+    those rows when it has at least ``slots`` slots (its extra slots stay masked), else ``(rows, slots)``, new.
+    One bucket per row count is kept (the engine drops the shorter one when a longer request comes): prompts of
+    varying length then hold one cache per row count, not one per length, and capture again only when a
+    request is longer than any before it."""
+    held = [k for k in buckets if k[0] == rows and k[1] >= slots]
+    return min(held, key=lambda k: k[1]) if held else (rows, slots)
 
 
 def _group_size(group) -> int:
@@ -219,9 +232,12 @@ class MegatronRolloutEngine(RolloutEngine):
         storage moved (see the module docstring); None when an ``"auto"`` capture failed."""
         from .kv_cache import StaticDecodeStep
 
-        if (rows, slots) not in self._steps:
-            self._steps[(rows, slots)] = StaticDecodeStep(self.module, rows, slots, capture=self.decode == "graph")
-        step = self._steps[(rows, slots)]
+        key = bucket_for(self._steps, rows, slots)
+        if key not in self._steps:  # a longer request than any before at these rows: the shorter buckets go
+            for shorter in [k for k in self._steps if k[0] == rows]:
+                del self._steps[shorter]
+            self._steps[key] = StaticDecodeStep(self.module, rows, slots, capture=self.decode == "graph")
+        step = self._steps[key]
         try:
             step.step.ready()
         except RuntimeError as err:

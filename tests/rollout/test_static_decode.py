@@ -10,7 +10,8 @@ One TP1/PP1 spawn runs every generate call; the tests compare what it returned:
   (counted in the test device mode, ``hpa/distributed/device_mode.py``);
 - a bucket's step is built once for the run: reused across calls, kept by ``sync_weights`` and ``sleep``;
   with a stand-in of the CUDA-graph capture, one capture per bucket across rollouts and weight updates, and
-  one more only when a parameter gets new storage.
+  one more only when a parameter gets new storage; a shorter request runs in the longer bucket of its rows
+  (one cache held per row count).
 
 The CUDA graph capture itself runs only on a GPU: ``tests/gpu/test_graph_decode.py``.
 """
@@ -173,6 +174,54 @@ def captures_worker(groups):
     graph.generate(prompt_lists(3), params)
     out["after_storage"] = fake.captures
     return out
+
+
+def slots_worker(groups):
+    """Graph decode (the capture's stand-in) of three rows with prompts of 2, 8, 3 and 2 tokens, cache slots in
+    blocks of 8: 14 positions need 16 slots, 20 need 24."""
+    from test_cuda_graph import FakeGraphs
+
+    from hpa.config.schema import ParallelConfig
+    from hpa.models import build_policy
+    from hpa.rollout import SamplingParams, TokenizerInfo, cuda_graph
+    from hpa.rollout import megatron_engine as me
+
+    fake = cuda_graph.GRAPHS = FakeGraphs()
+    me.SLOT_BLOCK = 8
+    torch.manual_seed(0)
+    model = build_policy(tiny_model_config(), ParallelConfig(), groups)
+    info = TokenizerInfo(vocab_size=VOCAB, eos_token_id=1, pad_token_id=PAD)
+    graph, eager = (me.MegatronRolloutEngine(model, groups, info, decode=d) for d in ("graph", "eager"))
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+    out = {"same": [], "buckets": [], "captures": []}
+    for length in (2, 8, 3, 2):
+        prompts = [[5 + i] * length for i in range(3)]
+        got, want = graph.generate(prompts, params), eager.generate(prompts, params)
+        out["same"].append(torch.equal(got.response_ids, want.response_ids)
+                           and torch.allclose(got.log_probs, want.log_probs, atol=1e-6, rtol=0))
+        out["buckets"].append(sorted(graph._steps))
+        out["captures"].append(fake.captures)
+    return out
+
+
+def test_a_shorter_request_reuses_the_longer_bucket_and_one_cache_is_held_per_row_count():
+    """Prompts of varying length hold one cache per row count (the longest request's) and capture again only
+    when a request is longer than any before, not once per length (``megatron_engine.bucket_for``)."""
+    out = run_ranks(slots_worker)[0]
+    assert all(out["same"]), out["same"]  # the extra slots stay masked: the tokens and log-probs of eager decode
+    assert out["buckets"] == [[(4, 16)], [(4, 24)], [(4, 24)], [(4, 24)]]
+    assert out["captures"] == [1, 2, 2, 2]
+
+
+def test_bucket_for_picks_the_smallest_held_bucket_that_fits():
+    from hpa.rollout.megatron_engine import bucket_for
+
+    held = {(4, 128): 0, (4, 256): 0, (8, 128): 0}
+    assert bucket_for(held, 4, 100) == (4, 128)
+    assert bucket_for(held, 4, 200) == (4, 256)
+    assert bucket_for(held, 4, 300) == (4, 300)  # longer than any held: a new bucket
+    assert bucket_for(held, 16, 100) == (16, 100)  # another row count
+    assert bucket_for({}, 4, 100) == (4, 100)
 
 
 def test_graph_decode_captures_once_per_bucket_for_the_run():
