@@ -166,11 +166,12 @@ def pair_token_rows(examples: Sequence, pad_id: int, weights: Optional[torch.Ten
 
 
 def pair_micro_batches(examples: Sequence, pad_id: int, micro_batch_size: int,
-                       weights: Optional[torch.Tensor] = None) -> List[MicroBatch]:
-    """Micro-batches of ``micro_batch_size`` pairs, chosen rows first (``pair_token_rows``), every one of the
-    step's whole width ``s``. On the host: ``forward_backward`` moves them."""
+                       weights: Optional[torch.Tensor] = None, packed: bool = False) -> List[MicroBatch]:
+    """Micro-batches of ``micro_batch_size`` pairs, chosen rows first (``pair_token_rows``): padded, every one
+    of the step's whole width ``s``; ``packed`` (``trainer.sequence_packing``), their real tokens alone. On the
+    host: ``forward_backward`` moves them."""
     rows = pair_token_rows(examples, pad_id, weights)
-    return collate("pairs", rows, pair_groups(len(examples), micro_batch_size), cut=False)
+    return collate("pairs", rows, pair_groups(len(examples), micro_batch_size), packed=packed, cut=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -248,7 +249,8 @@ def _replica_sum(values: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
 
 
 def evaluate(model, examples: Sequence, groups: ParallelGroups, *, num_heads: int, pad_id: int,
-             micro_batch_size: int, margin: float = 0.0, chunk_pairs: int = 256) -> Dict[str, float]:
+             micro_batch_size: int, margin: float = 0.0, chunk_pairs: int = 256,
+             packed: bool = False) -> Dict[str, float]:
     """Held-out ``rm/eval_*`` metrics; each DP rank scores ``examples[dp_rank::dp]``. Every rank of
     the job must call it with the same ``examples``; all get the same metrics."""
     shard = list(examples)[groups.dp_rank::groups.data_parallel_size]
@@ -258,7 +260,8 @@ def evaluate(model, examples: Sequence, groups: ParallelGroups, *, num_heads: in
         rows = pair_token_rows(part, pad_id)
         scores, _ = score_sequences(model, rows.input_ids, rows.positional["attention_mask"], groups,
                                     num_heads=num_heads,
-                                    batching=Batching(micro_batch_size=2 * micro_batch_size, pad_id=pad_id))  # [2n, K]
+                                    batching=Batching(micro_batch_size=2 * micro_batch_size, pad_id=pad_id,
+                                                      packed=packed))  # [2n, K]
         sums += eval_sums(scores[:len(part)].cpu(), scores[len(part):].cpu(), margin)
     return eval_metrics(all_reduce_sum(sums.to(groups.device), groups.dp_group).cpu())
 
@@ -343,7 +346,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     pad_id, margin, num_pairs = tokenizer.pad_id, rt.margin, t.preference_batch_size
 
     def loss_fn(batch, output, hidden):
-        scores = gather_last_token(output, batch["attention_mask"])  # [2m, K]
+        scores = gather_last_token(MicroBatch.of(batch).unpack(output), batch["attention_mask"])  # [2m, K]
         m = scores.shape[0] // 2
         return bradley_terry_loss(scores[:m], scores[m:], num_pairs=num_pairs, margin=margin,
                                   weights=batch["weights"][:m])  # a pair's weights sit on both its rows
@@ -353,7 +356,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
             return {}
         ddp.eval()
         out = evaluate(ddp, eval_set, groups, num_heads=num_heads, pad_id=pad_id,
-                       micro_batch_size=t.micro_batch_size, margin=margin)
+                       micro_batch_size=t.micro_batch_size, margin=margin, packed=t.sequence_packing)
         ddp.train()
         return out
 
@@ -361,7 +364,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     for step in range(1, t.total_steps + 1):
         indices = sampler.next_batch()
         micro_batches = pair_micro_batches([train_set[i] for i in indices], pad_id, t.micro_batch_size,
-                                           weights[indices])
+                                           weights[indices], packed=t.sequence_packing)
         zero_grad(ddp, optimizer)
         results = forward_backward(ddp, micro_batches, loss_fn, groups)
         updated, grad_norm = optimizer_step(optimizer, scheduler)
@@ -371,7 +374,9 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
         totals = _replica_sum(totals, groups).tolist()
         record = {"step": step, "rm/loss": totals[0], "rm/accuracy": totals[1] / max(totals[2], 1.0),
                   "rm/grad_norm": grad_norm, "rm/lr": float(optimizer.param_groups[0]["lr"]),
-                  "rm/updated": float(updated)}
+                  "rm/updated": float(updated),  # this rank's real tokens and the positions its model computed
+                  "perf/tokens": float(sum(mb.tokens for mb in micro_batches)),
+                  "perf/computed_tokens": float(sum(mb.computed_tokens for mb in micro_batches))}
         if (t.eval_interval and step % t.eval_interval == 0) or step == t.total_steps:
             record.update(run_eval())
         if (cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0) or step == t.total_steps:

@@ -3,7 +3,7 @@
 Three spawns in all (imports cost ~10 s per process here), run once per pytest session:
 
 * tp1_pp1_dp1: save a random K=3 initial checkpoint, ``run_train_rm`` from it on the demo task
-  (bootstrap on), then score a fixed batch with ``ModelReward`` (the trained model; the trained model
+  (bootstrap on) and its first step again with ``trainer.sequence_packing`` on, then score a fixed batch with ``ModelReward`` (the trained model; the trained model
   twice as two reward models; a K=1 model) and run ``UncertaintyAwareReward`` on it. Then, in the same
   process, ``run_train_rm`` from scratch on the separable set (the demo task without flipped labels).
 * one 2-process spawn, first as tp2_pp1_dp1, then re-initialised as tp1_pp2_dp1: one training step from the same initial checkpoint (its loss must
@@ -148,7 +148,11 @@ def tp1_worker(groups, root, out, separable_root):
     trained = f"{out}/tp1/reward_model"
     inputs = scoring_inputs(root)
     lines = [json.loads(line) for line in open(f"{out}/tp1/rm_metrics.jsonl")]
+    packed_dir = f"{out}/tp1_packed"  # the first step again, trainer.sequence_packing on
+    run_train_rm(make_config(root, packed_dir, steps=1, init_path=f"{out}/init",
+                             extra=("trainer.sequence_packing=true",)), groups=groups)
     return {"final": final, "lines": lines, "train_seconds": train_seconds,
+            "packed_first": _first_metrics_line(packed_dir),
             "score": _score(groups, cfg, [trained], NUM_HEADS, inputs, shaped=True),
             "score_two_models": _score(groups, cfg, [trained, trained], NUM_HEADS, inputs),
             "score_k1": _score(groups, cfg, [f"{out}/k1"], 1, inputs),

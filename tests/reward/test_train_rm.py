@@ -142,6 +142,28 @@ def test_tp1_pp1_dp1_training_learns_the_demo_task(runs):
 
 
 @pytest.mark.multirank
+def test_packed_first_step_equals_the_padded_one(runs):
+    """``trainer.sequence_packing`` packs train-rm's pairs (every position computed is a real token) and
+    changes no number beyond rounding: the first step's loss and accuracy from the same start (the rows of
+    this task have one length, so here the packed layout differs from the padded one only in being one
+    sequence per micro-batch; test_pair_micro_batches_packed_hold_only_real_tokens covers the padding)."""
+    padded, packed = runs["tp1"]["lines"][0], runs["tp1"]["packed_first"]
+    assert packed["perf/computed_tokens"] == packed["perf/tokens"] == padded["perf/tokens"]
+    assert packed["rm/loss"] == pytest.approx(padded["rm/loss"], abs=1e-5)
+    assert packed["rm/accuracy"] == padded["rm/accuracy"]
+
+
+def test_pair_micro_batches_packed_hold_only_real_tokens():
+    from hpa.data.preferences import PreferenceExample
+
+    ex = [PreferenceExample([5, 6], [7], [8, 9]), PreferenceExample([5], [7, 7, 7], [9])]
+    padded = pair_micro_batches(ex, pad_id=0, micro_batch_size=2)
+    packed = pair_micro_batches(ex, pad_id=0, micro_batch_size=2, packed=True)
+    assert [mb.tokens for mb in packed] == [mb.tokens for mb in padded] == [13]
+    assert packed[0].computed_tokens == 13 < padded[0].computed_tokens
+
+
+@pytest.mark.multirank
 def test_tp1_pp1_dp1_separable_preferences_reach_90_percent_within_a_minute(runs):
     """The issue's requirement: Bradley-Terry training on a synthetic, clearly separable preference set
     reaches over 90% held-out accuracy on CPU in under a minute (through ``run_train_rm``, K=3 heads,
