@@ -259,26 +259,30 @@ def hierarchical_kl(
         kind: a name in ``KL_ESTIMATORS``.
         distance: a name in ``SEMANTIC_DISTANCES``.
         aggregation: token aggregation (and sequence counts for the semantic term).
-        row_weights: ``[b]`` a weight on each row's token KL and semantic distance (the coverage trust's
-            abstention, ``coverage.abstention_kl_weights``), inside the aggregation so the counts it
-            normalises by are unchanged; None: 1.
+        row_weights: ``[b]`` a weight on each row's token KL and semantic distance in the loss (the coverage
+            trust's abstention, ``coverage.abstention_kl_weights``), inside the aggregation so the counts it
+            normalises by are unchanged; None: 1. The metrics are unweighted.
 
     Returns:
-        ``(loss, metrics)`` with ``hier_kl``, ``token_kl``, ``semantic_distance``, ``lambda_token``
-        and ``lambda_semantic``.
+        ``(loss, metrics)`` with ``hier_kl``, ``token_kl``, ``semantic_distance`` (the policy's, without
+        ``row_weights``: the guard's rollback and the early stop read ``token_kl``), ``lambda_token`` and
+        ``lambda_semantic``.
     """
     per_token = kl_penalty(log_prob, ref_log_prob, kind)  # [b, r]
     per_seq = SEMANTIC_DISTANCES.get(distance)(policy_pooled, ref_pooled)  # [b]
-    if row_weights is not None:
-        w = row_weights.to(per_token.device, per_token.dtype)  # [b]
-        per_token, per_seq = per_token * w[:, None], per_seq * w.to(per_seq.dtype)
-    token_kl = aggregation(per_token, mask)
     seq_valid = mask.sum(dim=-1) > 0  # [b]
+    token_kl = aggregation(per_token, mask)
     semantic = aggregation.seq_mean(per_seq, seq_valid)
-    loss = lambda_token * token_kl + lambda_semantic * semantic
+    measured = lambda_token * token_kl.detach() + lambda_semantic * semantic.detach()
+    if row_weights is not None:  # the loss weighs rows; the metrics stay the policy's KL and distance
+        w = row_weights.to(per_token.device, per_token.dtype)  # [b]
+        loss = lambda_token * aggregation(per_token * w[:, None], mask) \
+            + lambda_semantic * aggregation.seq_mean(per_seq * w.to(per_seq.dtype), seq_valid)
+    else:
+        loss = lambda_token * token_kl + lambda_semantic * semantic
     dtype = loss.dtype
     metrics = {
-        "hier_kl": loss.detach(),
+        "hier_kl": measured,
         "token_kl": token_kl.detach(),
         "semantic_distance": semantic.detach(),
         "lambda_token": torch.tensor(float(lambda_token), dtype=dtype),

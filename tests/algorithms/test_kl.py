@@ -157,12 +157,17 @@ def test_hierarchical_kl_by_hand():
     assert m["semantic_distance"].item() == pytest.approx(semantic)
     assert loss.item() == pytest.approx(token + 0.2 * semantic)
     assert m["lambda_semantic"].item() == pytest.approx(0.2)
-    # row weights (the coverage trust's abstention) scale each row's token KL and distance, not the counts
+    # row weights (the coverage trust's abstention) scale each row's token KL and distance in the loss, not the
+    # counts; the metrics stay the policy's KL and distance (the guard rolls back on kl/token: a weight of 21 on
+    # the far rows must not read as a KL spike)
     w = torch.tensor([2.0, 5.0], dtype=torch.float64)
     weighted, mw = hierarchical_kl(lp, ref, mask, pol, refh, lambda_token=1.0, lambda_semantic=0.2, kind="mse",
                                    row_weights=w)
-    assert mw["token_kl"].item() == pytest.approx((2 * (0.125 + 0.5) + 5 * 0.0) / 3)
-    assert mw["semantic_distance"].item() == pytest.approx((2 * (0 + 4) / 2 + 5 * (9 + 16) / 2) / 2)
+    assert weighted.item() == pytest.approx((2 * (0.125 + 0.5) + 5 * 0.0) / 3
+                                            + 0.2 * (2 * (0 + 4) / 2 + 5 * (9 + 16) / 2) / 2)
+    assert mw["token_kl"].item() == pytest.approx(token)
+    assert mw["semantic_distance"].item() == pytest.approx(semantic)
+    assert mw["hier_kl"].item() == pytest.approx(token + 0.2 * semantic)
     cos, mc = hierarchical_kl(lp, ref, mask, pol, refh, lambda_token=0.0, lambda_semantic=1.0, distance="cosine")
     expected = (1 - 1 / math.sqrt(5) + 1 - 0.0) / 2  # second row: zero vector has cosine 0
     assert cos.item() == pytest.approx(expected)
