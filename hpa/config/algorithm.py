@@ -348,9 +348,9 @@ class CoverageConfig:
         kl_boost: where no reward has support, keep what the start did: each rollout row's hierarchical-KL
             term to the reference is weighted ``1 + kl_boost·(1 - trust)`` (a far prompt's KL counts
             ``1 + kl_boost`` times; a covered one's is unchanged; a row a rule reward judges, its prompt
-            having a ground truth, keeps 1). 0: the trust only zeroes the learned advantage. Default 20
-            since 2026-11-27 (0 before): chosen on 7 hackable and 2 split re-drawn tasks among 0, 10, 20
-            and 40, confirmed on others (docs/results.md).
+            having a ground truth, keeps 1). 0: the trust only zeroes the learned advantage. Default 100
+            since 2026-11-27 (0 before): chosen among 0, 20 and 100 on 6 hackable and 1 split re-drawn
+            tasks, confirmed on tasks never run before (docs/results.md).
     """
 
     enabled: Optional[bool] = None
@@ -359,7 +359,7 @@ class CoverageConfig:
     low_quantile: float = 0.5
     high_quantile: float = 0.95
     margin: float = 2.0
-    kl_boost: float = 20.0
+    kl_boost: float = 100.0
 
     def __post_init__(self):
         check_choice("space", self.space, COVERAGE_SPACES)

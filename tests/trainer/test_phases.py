@@ -228,7 +228,7 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     """Defaults (2026-11-27) on a hackable-like run (reward models alone, held-out pairs): the coverage
     trust is on without being asked for; a prompt no pair covers gets no learned advantage whatever its
     learned rewards are (they move nothing), and its rows' KL to the reference weighs ``1 + kl_boost``
-    (21 by default); a prompt seen before is not embedded again."""
+    (101 by default); a prompt seen before is not embedded again."""
     from hpa.data.preferences import PreferenceExample
     from hpa.trainer.objective.controllers import CONTROLLERS, ControllerInputs, CoverageTrust, StepSignals
 
@@ -266,10 +266,10 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     trust = c.get("learned_trust")
     torch.testing.assert_close(c.get("kl_weights"), 1 + 4 * (1 - trust))
     assert c.get("kl_weights")[2:].tolist() == [5.0, 5.0]
-    # the default boost (20 since 2026-11-27): the far prompt's KL counts 21 times, no rule judges it here
-    assert cfg.algorithm.hpa.coverage.kl_boost == 20.0
-    torch.testing.assert_close(a.get("kl_weights"), 1 + 20 * (1 - a.get("learned_trust")))
-    assert a.get("kl_weights")[2:].tolist() == [21.0, 21.0]
+    # the default boost (100 since 2026-11-27): the far prompt's KL counts 101 times, no rule judges it here
+    assert cfg.algorithm.hpa.coverage.kl_boost == 100.0
+    torch.testing.assert_close(a.get("kl_weights"), 1 + 100 * (1 - a.get("learned_trust")))
+    assert a.get("kl_weights")[2:].tolist() == [101.0, 101.0]
 
 
 def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
