@@ -115,14 +115,23 @@ def trust_metrics(trust: torch.Tensor) -> Dict[str, float]:
             "coverage/trust_p90": float(torch.quantile(t, 0.9)), "coverage/far_share": float((t <= 0).double().mean())}
 
 
-def abstention_kl_weights(trust: torch.Tensor, boost: float, judged: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Each row's weight of the KL to the reference, ``1 + boost·(1 - trust)``: where the learned reward has
-    no support its advantage is 0 (the trust) and nothing else says what to do there, so the policy is held
-    closer to the start, which is what the start did well. A row a rule reward judges (``judged`` ``[b]``
-    bool: its prompt has a ground truth) keeps weight 1: the rule says what to do there. # [b] -> [b]"""
+def abstention_kl_weights(trust: torch.Tensor, boost: float, judged: Optional[torch.Tensor] = None,
+                          shape: str = "linear") -> torch.Tensor:
+    """Each row's weight of the KL to the reference: where the learned reward has no support its advantage
+    is 0 (the trust) and nothing else says what to do there, so the policy is held closer to the start,
+    which is what the start did well. ``shape`` ``linear``: ``1 + boost·(1 - trust)``, a partly covered row
+    held in proportion; ``far``: ``1 + boost`` only where the trust is 0 (no support at all), every row
+    with some support keeps 1 and learns what its pairs teach. A row a rule reward judges (``judged``
+    ``[b]`` bool: its prompt has a ground truth) keeps weight 1: the rule says what to do there. # [b] -> [b]"""
     if boost < 0:
         raise ValueError(f"the abstention KL boost must be >= 0, got {boost}")
-    far = 1.0 - trust.float().clamp(0.0, 1.0)
+    t = trust.float().clamp(0.0, 1.0)
+    if shape == "linear":
+        far = 1.0 - t
+    elif shape == "far":
+        far = (t <= 0).float()
+    else:
+        raise ValueError(f"the abstention KL boost's shape must be 'linear' or 'far', got {shape!r}")
     if judged is not None:
         far = torch.where(judged.to(far.device).bool(), torch.zeros_like(far), far)
     return 1.0 + boost * far

@@ -320,6 +320,7 @@ class BalanceConfig:
 
 
 COVERAGE_SPACES = ("prompt", "sequence")
+KL_BOOST_SHAPES = ("linear", "far")  # hpa.algorithms.coverage.abstention_kl_weights
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -351,6 +352,9 @@ class CoverageConfig:
             having a ground truth, keeps 1). 0: the trust only zeroes the learned advantage. Default 100
             since 2026-11-27 (0 before): chosen among 0, 20 and 100 on 6 hackable and 1 split re-drawn
             tasks, confirmed on tasks never run before (docs/results.md).
+        kl_boost_shape: which rows the boost holds: ``linear`` (``1 + kl_boost·(1 - trust)``, a partly
+            covered row in proportion) or ``far`` (``1 + kl_boost`` only where the trust is 0; a row with
+            some support keeps 1 and learns what its pairs teach).
     """
 
     enabled: Optional[bool] = None
@@ -360,10 +364,12 @@ class CoverageConfig:
     high_quantile: float = 0.95
     margin: float = 2.0
     kl_boost: float = 100.0
+    kl_boost_shape: str = "linear"
 
     def __post_init__(self):
         check_choice("space", self.space, COVERAGE_SPACES)
         check_range("kl_boost", self.kl_boost, low=0.0)
+        check_choice("kl_boost_shape", self.kl_boost_shape, KL_BOOST_SHAPES)
         check_range("k", self.k, low=1)
         check_range("low_quantile", self.low_quantile, low=0.0, high=1.0)
         check_range("high_quantile", self.high_quantile, low=0.0, high=1.0)

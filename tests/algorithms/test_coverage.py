@@ -118,6 +118,15 @@ def test_abstention_kl_weights_grow_where_trust_falls():
         abstention_kl_weights(trust, -1.0)
 
 
+def test_far_shape_holds_only_rows_without_support():
+    trust = torch.tensor([1.0, 0.9, 0.5, 0.0, -0.2])
+    assert abstention_kl_weights(trust, 100.0, shape="far").tolist() == [1.0, 1.0, 1.0, 101.0, 101.0]
+    judged = torch.tensor([False, False, False, True, False])
+    assert abstention_kl_weights(trust, 100.0, judged=judged, shape="far").tolist() == [1.0, 1.0, 1.0, 1.0, 101.0]
+    with pytest.raises(ValueError, match="shape"):
+        abstention_kl_weights(trust, 100.0, shape="square")
+
+
 def test_abstention_kl_weights_leave_rows_a_rule_judges_alone():
     """A far row whose prompt a rule reward judges (it has a ground truth) has a reward that says what to do
     there: its KL keeps weight 1, as a covered row's; the far rows no reward judges get 1 + boost."""

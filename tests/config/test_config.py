@@ -169,6 +169,8 @@ def test_trust_options_name_their_keys(cfg_file):
     for bad in ("k=0", "low_quantile=-0.1", "high_quantile=1.5", "margin=0.9", "kl_boost=-1"):
         with pytest.raises(ConfigError, match=f"algorithm.hpa.coverage.{bad.split('=')[0]}"):
             load_config(cfg_file, [f"algorithm.hpa.coverage.{bad}"])
+    with pytest.raises(ConfigError, match="algorithm.hpa.coverage.kl_boost_shape"):
+        load_config(cfg_file, ["algorithm.hpa.coverage.kl_boost_shape=square"])
     with pytest.raises(ConfigError, match="algorithm.hpa.coverage.high_quantile.*above low_quantile"):
         load_config(cfg_file, ["algorithm.hpa.coverage.low_quantile=0.9", "algorithm.hpa.coverage.high_quantile=0.8"])
     with pytest.raises(ConfigError, match="algorithm.hpa.gate.baseline_steps"):

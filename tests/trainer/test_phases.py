@@ -266,6 +266,11 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     trust = c.get("learned_trust")
     torch.testing.assert_close(c.get("kl_weights"), 1 + 4 * (1 - trust))
     assert c.get("kl_weights")[2:].tolist() == [5.0, 5.0]
+    # shape far: only the rows without support (trust 0) are held; a covered row keeps 1
+    far = _ctx(*base, "algorithm.hpa.coverage.kl_boost=4", "algorithm.hpa.coverage.kl_boost_shape=far")
+    f = advantages([0.2, 0.9, 1.3, 0.1], far, CoverageTrust(far.algorithm.hpa.coverage, run))
+    assert f.get("learned_trust")[2:].tolist() == [0.0, 0.0] and f.get("learned_trust")[:2].min() > 0
+    assert f.get("kl_weights").tolist() == [1.0, 1.0, 5.0, 5.0]
     # the default boost (100 since 2026-11-27): the far prompt's KL counts 101 times, no rule judges it here
     assert cfg.algorithm.hpa.coverage.kl_boost == 100.0
     torch.testing.assert_close(a.get("kl_weights"), 1 + 100 * (1 - a.get("learned_trust")))

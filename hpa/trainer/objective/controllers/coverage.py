@@ -53,7 +53,7 @@ class CoverageTrust(Controller):
     def __init__(self, c: CoverageConfig, run: ControllerInputs):
         self.k, self.space, self.model_reward, self.pad_id = c.k, c.space, run.model_reward, run.pad_id
         self.dp_group, self.timer = run.groups.dp_group, run.timer
-        self.kl_boost, self.cache = c.kl_boost, EmbeddingCache()
+        self.kl_boost, self.kl_boost_shape, self.cache = c.kl_boost, c.kl_boost_shape, EmbeddingCache()
         self.bank = self._embed_pairs(run.pairs)  # [m, h]
         self.center = bank_center(self.bank)  # [h]
         held = knn_distance(self._embed_pairs(run.heldout_pairs), self.bank, self.k, center=self.center)  # [n]
@@ -89,7 +89,8 @@ class CoverageTrust(Controller):
             trust = self.trust(batch)  # [b]
         batch.set("learned_trust", trust)
         if self.kl_boost > 0:
-            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost, judged=batch.extras.get("rule_judged")))
+            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost, judged=batch.extras.get("rule_judged"),
+                                                             shape=self.kl_boost_shape))
         valid = batch.get("mask").sum(dim=1) > 0  # the rows that train (not dropped by the filter)
         trust = comm.all_gather_cat(trust.float(), self.dp_group)[comm.all_gather_cat(valid.float(), self.dp_group) > 0]
         nan = float("nan")
