@@ -72,6 +72,15 @@ def make_separable_data(root: str, tokenizer_root: str) -> None:
     shutil.copy(f"{tokenizer_root}/tok.model", f"{root}/tok.model")
 
 
+def make_varied_data(root: str, tokenizer_root: str) -> None:
+    """The demo ``copy`` task with strings of 1 to 4 symbols: rows of different lengths, so a padded
+    micro-batch computes pad positions and a packed one does not (the same symbols: the tokenizer is copied)."""
+    from data_tools.make_demo_task import make_demo_task
+
+    make_demo_task(root, 200, seed=1, tasks=("copy",), min_len=1, max_len=4, num_eval_prompts=0)
+    shutil.copy(f"{tokenizer_root}/tok.model", f"{root}/tok.model")
+
+
 def scoring_inputs(root: str, num: int = 12):
     """RewardInputs-like tensors of the first eval pairs: left-padded prompts, right-padded responses
     (chosen rows first, then rejected)."""
@@ -128,7 +137,7 @@ def separable_run(groups, root, out) -> dict:
             "eval_fraction": cfg.reward.training.eval_fraction}
 
 
-def tp1_worker(groups, root, out, separable_root):
+def tp1_worker(groups, root, out, separable_root, varied_root):
     from hpa.distributed import set_seed
     from hpa.models import build_reward as build_reward_model
     from hpa.reward.model import write_reward_model_info
@@ -148,11 +157,13 @@ def tp1_worker(groups, root, out, separable_root):
     trained = f"{out}/tp1/reward_model"
     inputs = scoring_inputs(root)
     lines = [json.loads(line) for line in open(f"{out}/tp1/rm_metrics.jsonl")]
-    packed_dir = f"{out}/tp1_packed"  # the first step again, trainer.sequence_packing on
-    run_train_rm(make_config(root, packed_dir, steps=1, init_path=f"{out}/init",
-                             extra=("trainer.sequence_packing=true",)), groups=groups)
+    first = {}  # the first step from the same start on rows of varied length, padded and packed
+    for name, packing in (("padded_first", "false"), ("packed_first", "true")):
+        run_train_rm(make_config(varied_root, f"{out}/tp1_{name}", steps=1, init_path=f"{out}/init",
+                                 extra=(f"trainer.sequence_packing={packing}",)), groups=groups)
+        first[name] = _first_metrics_line(f"{out}/tp1_{name}")
     return {"final": final, "lines": lines, "train_seconds": train_seconds,
-            "packed_first": _first_metrics_line(packed_dir),
+            **first,
             "score": _score(groups, cfg, [trained], NUM_HEADS, inputs, shaped=True),
             "score_two_models": _score(groups, cfg, [trained, trained], NUM_HEADS, inputs),
             "score_k1": _score(groups, cfg, [f"{out}/k1"], 1, inputs),
@@ -187,10 +198,12 @@ def results() -> dict:
         tmp = tempfile.mkdtemp(prefix="hpa_rm_")
         atexit.register(shutil.rmtree, tmp, ignore_errors=True)
         root, out, separable_root = f"{tmp}/data", f"{tmp}/runs", f"{tmp}/separable_data"
+        varied_root = f"{tmp}/varied_data"
         make_data(root)
         make_separable_data(separable_root, root)
+        make_varied_data(varied_root, root)
         _CACHE["root"], _CACHE["out"], _CACHE["separable_root"] = root, out, separable_root
-        _CACHE["tp1"] = run_ranks(tp1_worker, args=(root, out, separable_root))[0]
+        _CACHE["tp1"] = run_ranks(tp1_worker, args=(root, out, separable_root, varied_root))[0]
         two = run_ranks(two_rank_worker, tp=2, args=(root, out))
         _CACHE["tp2"], _CACHE["pp2"] = [r["tp2"] for r in two], [r["pp2"] for r in two]
     return _CACHE

@@ -144,10 +144,10 @@ def test_tp1_pp1_dp1_training_learns_the_demo_task(runs):
 @pytest.mark.multirank
 def test_packed_first_step_equals_the_padded_one(runs):
     """``trainer.sequence_packing`` packs train-rm's pairs (every position computed is a real token) and
-    changes no number beyond rounding: the first step's loss and accuracy from the same start (the rows of
-    this task have one length, so here the packed layout differs from the padded one only in being one
-    sequence per micro-batch; test_pair_micro_batches_packed_hold_only_real_tokens covers the padding)."""
-    padded, packed = runs["tp1"]["lines"][0], runs["tp1"]["packed_first"]
+    changes no number beyond rounding: the first step's loss and accuracy from the same start, on rows of
+    1 to 4 symbols (so the padded run computes pad positions, and a run that ignored the option would too)."""
+    padded, packed = runs["tp1"]["padded_first"], runs["tp1"]["packed_first"]
+    assert padded["perf/computed_tokens"] > padded["perf/tokens"]  # the rows' lengths differ
     assert packed["perf/computed_tokens"] == packed["perf/tokens"] == padded["perf/tokens"]
     assert packed["rm/loss"] == pytest.approx(padded["rm/loss"], abs=1e-5)
     assert packed["rm/accuracy"] == padded["rm/accuracy"]
