@@ -414,14 +414,20 @@ def graph_bucket(rows: int, positions: int, max_sequence_length: int) -> Tuple[i
     return 1 << (rows - 1).bit_length(), min(-(-positions // GRAPH_SLOT_BLOCK) * GRAPH_SLOT_BLOCK, max_sequence_length)
 
 
+def rollout_cache_shape(cfg: Config, tp: int, pp: int, dp: int) -> Tuple[int, int]:
+    """``(rows, positions)`` of one rank's rollout KV cache: ``rollout_batch``'s, or with graph decode
+    (``graph_decode``) its bucket's rows and slots (``graph_bucket``)."""
+    rows, positions = rollout_batch(cfg, dp)
+    return graph_bucket(rows, positions, cfg.model.max_sequence_length) if graph_decode(cfg, tp, pp) \
+        else (rows, positions)
+
+
 def kv_cache_bytes(cfg: Config, tp: int, pp: int, dp: int) -> int:
     """Rollout KV cache of one rank (native engine): ``hpa.rollout.kv_cache.CachedDecoder`` keeps keys
-    and values ``[b, g/tp, S, d]`` in ``params_dtype`` for each of its stage's layers; with graph decode
-    (``graph_decode``) over its bucket's rows and slots (``graph_bucket``)."""
+    and values ``[b, g/tp, S, d]`` in ``params_dtype`` for each of its stage's layers, over
+    ``rollout_cache_shape``'s rows and positions."""
     m = cfg.model
-    batch, positions = rollout_batch(cfg, dp)
-    if graph_decode(cfg, tp, pp):
-        batch, positions = graph_bucket(batch, positions, m.max_sequence_length)
+    batch, positions = rollout_cache_shape(cfg, tp, pp, dp)
     per_layer = 2 * batch * (m.kv_heads // tp) * positions * (m.hidden_size // m.num_attention_heads)
     return (m.num_layers // pp) * per_layer * _DTYPE_BYTES[m.params_dtype]
 
@@ -581,9 +587,10 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float,
     activations = max(training, forward)
     kv = kv_cache_bytes(cfg, k.tp, k.pp, dp) / GB
     rollout = vllm_budget_gb(cfg, gpu_memory_gb) if cfg.rollout.engine == "vllm" else kv
-    held = kv if graph_decode(cfg, k.tp, k.pp) else 0.0  # a graph's bucket stays allocated through training
-    if held:  # while decoding, the captured step's logits (fp32) on top of the cache
-        rollout = graph_bucket(*rollout_batch(cfg, dp), m.max_sequence_length)[0] * _padded_vocab(m, k.tp) * 4 / GB
+    bucket = rollout_cache_shape(cfg, k.tp, k.pp, dp) if graph_decode(cfg, k.tp, k.pp) else None
+    held = kv if bucket else 0.0  # a graph's bucket stays allocated through training
+    if bucket:  # while decoding, the captured step's logits (fp32) on top of the cache
+        rollout = bucket[0] * _padded_vocab(m, k.tp) * 4 / GB
     return {
         "layout": {"tensor_model_parallel_size": k.tp, "pipeline_model_parallel_size": k.pp,
                    "data_parallel_size": dp, "sequence_parallel": sp,
@@ -598,6 +605,7 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float,
         "rollout_gb": rollout,
         "rollout_engine": cfg.rollout.engine,
         "graph_cache_gb": held,
+        "graph_bucket": list(bucket) if bucket else None,  # (rows, slots) of the graph decode's cache
         "total_gb": static + held + max(activations, rollout),
     }
 
@@ -702,9 +710,9 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float, reward_config: Opti
          "rollout KV cache (native engine, graph decode): the bucket of {}x{} (rows x slots) for {}·{}/DP sequences "
          "of {}+{} tokens, kept through training so a rollout replays without capturing again; an evaluation's "
          "generate (its prompts per rank) keeps a bucket of its own".format(
-             *graph_bucket(*rollout_batch(cfg, out["layout"]["data_parallel_size"]), cfg.model.max_sequence_length),
+             *out["graph_bucket"],
              cfg.trainer.global_batch_size, cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens)
-         if out["graph_cache_gb"] > 0 else
+         if out["graph_bucket"] else
          f"rollout KV cache: {cfg.trainer.global_batch_size}·{cfg.rollout.n}/DP sequences of "
          f"{cfg.data.max_prompt_length}+{cfg.rollout.max_new_tokens} tokens (native engine)"),
         ("peak = static + graph decode cache + max(activations, the decode step's logits)" if out["graph_cache_gb"] > 0

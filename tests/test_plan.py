@@ -740,6 +740,8 @@ def test_graph_decode_keeps_its_bucket_through_training():
     assert (rows, positions) == (64, 40) and graph_bucket(rows, positions, 64) == (64, 64)
     assert graph["kv_cache_gb"] == pytest.approx(eager["kv_cache_gb"] * 64 / 40)
     assert eager["graph_cache_gb"] == 0 and graph["graph_cache_gb"] == graph["kv_cache_gb"]
+    assert graph["graph_bucket"] == [64, 64] and eager["graph_bucket"] is None
+    assert any("bucket of 64x64" in n for n in graph["notes"])
     vocab = _padded_vocab(graph_cfg.model, 1)
     assert graph["rollout_gb"] == pytest.approx(64 * vocab * 4 / 1e9)  # [rows, padded vocab] fp32 logits
     assert graph["total_gb"] == pytest.approx(graph["static_gb"] + graph["kv_cache_gb"]
@@ -749,4 +751,4 @@ def test_graph_decode_keeps_its_bucket_through_training():
     tp2 = tiny_cfg(tp=2)
     tp2 = plan(dataclasses.replace(tp2, rollout=dataclasses.replace(tp2.rollout, cuda_graphs=True)), world_size=2,
                gpu_memory_gb=80)
-    assert tp2["graph_cache_gb"] == 0
+    assert tp2["graph_cache_gb"] == 0 and tp2["graph_bucket"] is None

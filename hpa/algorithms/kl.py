@@ -271,15 +271,18 @@ def hierarchical_kl(
     per_token = kl_penalty(log_prob, ref_log_prob, kind)  # [b, r]
     per_seq = SEMANTIC_DISTANCES.get(distance)(policy_pooled, ref_pooled)  # [b]
     seq_valid = mask.sum(dim=-1) > 0  # [b]
-    token_kl = aggregation(per_token, mask)
-    semantic = aggregation.seq_mean(per_seq, seq_valid)
-    measured = lambda_token * token_kl.detach() + lambda_semantic * semantic.detach()
     if row_weights is not None:  # the loss weighs rows; the metrics stay the policy's KL and distance
         w = row_weights.to(per_token.device, per_token.dtype)  # [b]
         loss = lambda_token * aggregation(per_token * w[:, None], mask) \
             + lambda_semantic * aggregation.seq_mean(per_seq * w.to(per_seq.dtype), seq_valid)
+        with torch.no_grad():  # the metrics only: no autograd graph
+            token_kl = aggregation(per_token, mask)
+            semantic = aggregation.seq_mean(per_seq, seq_valid)
     else:
+        token_kl = aggregation(per_token, mask)
+        semantic = aggregation.seq_mean(per_seq, seq_valid)
         loss = lambda_token * token_kl + lambda_semantic * semantic
+    measured = lambda_token * token_kl.detach() + lambda_semantic * semantic.detach()
     dtype = loss.dtype
     metrics = {
         "hier_kl": measured,
