@@ -115,8 +115,8 @@ def trust_metrics(trust: torch.Tensor) -> Dict[str, float]:
             "coverage/trust_p90": float(torch.quantile(t, 0.9)), "coverage/far_share": float((t <= 0).double().mean())}
 
 
-def abstention_kl_weights(trust: torch.Tensor, boost: float, judged: Optional[torch.Tensor] = None,
-                          shape: str = "linear") -> torch.Tensor:
+def abstention_kl_weights(trust: torch.Tensor, boost: float, judged: Optional[torch.Tensor] = None, *,
+                          shape: str) -> torch.Tensor:
     """Each row's weight of the KL to the reference: where the learned reward has no support its advantage
     is 0 (the trust) and nothing else says what to do there, so the policy is held closer to the start,
     which is what the start did well. ``shape`` ``linear``: ``1 + boost·(1 - trust)``, a partly covered row

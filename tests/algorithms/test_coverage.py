@@ -112,10 +112,10 @@ def test_unique_rows_keeps_first_seen_order_and_maps_every_row_back():
 
 def test_abstention_kl_weights_grow_where_trust_falls():
     trust = torch.tensor([1.0, 0.5, 0.0, 1.5, -0.5])
-    assert abstention_kl_weights(trust, 4.0).tolist() == [1.0, 3.0, 5.0, 1.0, 5.0]  # clamped to [0, 1] first
-    assert abstention_kl_weights(trust, 0.0).tolist() == [1.0] * 5
+    assert abstention_kl_weights(trust, 4.0, shape="linear").tolist() == [1.0, 3.0, 5.0, 1.0, 5.0]  # clamped to [0, 1] first
+    assert abstention_kl_weights(trust, 0.0, shape="linear").tolist() == [1.0] * 5
     with pytest.raises(ValueError, match="boost"):
-        abstention_kl_weights(trust, -1.0)
+        abstention_kl_weights(trust, -1.0, shape="linear")
 
 
 def test_far_shape_holds_only_rows_without_support():
@@ -132,8 +132,8 @@ def test_abstention_kl_weights_leave_rows_a_rule_judges_alone():
     there: its KL keeps weight 1, as a covered row's; the far rows no reward judges get 1 + boost."""
     trust = torch.tensor([0.0, 0.0, 0.5, 1.0])
     judged = torch.tensor([True, False, True, False])
-    assert abstention_kl_weights(trust, 4.0, judged=judged).tolist() == [1.0, 5.0, 1.0, 1.0]
-    assert abstention_kl_weights(trust, 4.0, judged=None).tolist() == [5.0, 5.0, 3.0, 1.0]
+    assert abstention_kl_weights(trust, 4.0, judged=judged, shape="linear").tolist() == [1.0, 5.0, 1.0, 1.0]
+    assert abstention_kl_weights(trust, 4.0, judged=None, shape="linear").tolist() == [5.0, 5.0, 3.0, 1.0]
 
 
 def test_embedding_cache_computes_each_sequence_once_and_keeps_at_most_its_limit():

@@ -261,7 +261,7 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     torch.testing.assert_close(a.get("advantages"), b.get("advantages"), atol=0, rtol=0)
     assert a.get("advantages")[2:].abs().max() == 0 and a.get("advantages")[:2].abs().max() > 0
     # the KL boost: far rows' hierarchical KL counts 1 + kl_boost times, covered rows' 1 + kl_boost (1 - trust)
-    boosted = _ctx(*base, "algorithm.hpa.coverage.kl_boost=4")
+    boosted = _ctx(*base, "algorithm.hpa.coverage.kl_boost=4", "algorithm.hpa.coverage.kl_boost_shape=linear")
     c = advantages([0.2, 0.9, 1.3, 0.1], boosted, CoverageTrust(boosted.algorithm.hpa.coverage, run))
     trust = c.get("learned_trust")
     torch.testing.assert_close(c.get("kl_weights"), 1 + 4 * (1 - trust))
@@ -270,11 +270,12 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     far = _ctx(*base, "algorithm.hpa.coverage.kl_boost=4", "algorithm.hpa.coverage.kl_boost_shape=far")
     f = advantages([0.2, 0.9, 1.3, 0.1], far, CoverageTrust(far.algorithm.hpa.coverage, run))
     assert f.get("learned_trust")[2:].tolist() == [0.0, 0.0] and f.get("learned_trust")[:2].min() > 0
-    assert f.get("kl_weights").tolist() == [1.0, 1.0, 5.0, 5.0]
-    # the default boost (100 since 2026-11-27): the far prompt's KL counts 101 times, no rule judges it here
-    assert cfg.algorithm.hpa.coverage.kl_boost == 100.0
-    torch.testing.assert_close(a.get("kl_weights"), 1 + 100 * (1 - a.get("learned_trust")))
-    assert a.get("kl_weights")[2:].tolist() == [101.0, 101.0]
+    assert f.get("kl_weights").tolist() == [1.0, 1.0, 5.0, 5.0]  # linear would give the covered rows 1 + 4·(1 - trust)
+    assert f.get("learned_trust")[:2].max() < 1 and not torch.equal(f.get("kl_weights"), 1 + 4 * (1 - f.get("learned_trust")))
+    # the default boost (100, shape far, since 2026-11-27): the far prompt's KL counts 101 times (no rule
+    # judges it here), the covered prompt's once
+    assert cfg.algorithm.hpa.coverage.kl_boost == 100.0 and cfg.algorithm.hpa.coverage.kl_boost_shape == "far"
+    assert a.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
 
 
 def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
