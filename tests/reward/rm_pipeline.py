@@ -16,6 +16,7 @@ the full task is beyond a 2-layer, hidden-32 model in the ~80 steps a test can a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import shutil
 import tempfile
@@ -126,6 +127,29 @@ def _first_metrics_line(run_dir: str) -> dict:
         return json.loads(f.readline())
 
 
+@contextlib.contextmanager
+def _scored_rows():
+    """Record the real and the computed tokens of every micro-batch ``score_sequences`` collates (the
+    held-out evaluation's; training collates "pairs") while the block runs: ``{"tokens", "computed_tokens"}``."""
+    import hpa.reward.model as reward_model
+
+    seen = {"tokens": 0, "computed_tokens": 0}
+    collate = reward_model.collate
+
+    def recording(kind, *args, **kwargs):
+        micro_batches = collate(kind, *args, **kwargs)
+        if kind == "rows":
+            seen["tokens"] += sum(mb.tokens for mb in micro_batches)
+            seen["computed_tokens"] += sum(mb.computed_tokens for mb in micro_batches)
+        return micro_batches
+
+    reward_model.collate = recording
+    try:
+        yield seen
+    finally:
+        reward_model.collate = collate
+
+
 def separable_run(groups, root, out) -> dict:
     """``run_train_rm`` from a seeded random init on the separable set, timed."""
     from hpa.reward.train_rm import run_train_rm
@@ -159,9 +183,10 @@ def tp1_worker(groups, root, out, separable_root, varied_root):
     lines = [json.loads(line) for line in open(f"{out}/tp1/rm_metrics.jsonl")]
     first = {}  # the first step from the same start on rows of varied length, padded and packed
     for name, packing in (("padded_first", "false"), ("packed_first", "true")):
-        run_train_rm(make_config(varied_root, f"{out}/tp1_{name}", steps=1, init_path=f"{out}/init",
-                                 extra=(f"trainer.sequence_packing={packing}",)), groups=groups)
-        first[name] = _first_metrics_line(f"{out}/tp1_{name}")
+        with _scored_rows() as scored:  # what the held-out evaluation computed (it scores "rows")
+            run_train_rm(make_config(varied_root, f"{out}/tp1_{name}", steps=1, init_path=f"{out}/init",
+                                     extra=(f"trainer.sequence_packing={packing}",)), groups=groups)
+        first[name] = {**_first_metrics_line(f"{out}/tp1_{name}"), "eval_scored": scored}
     return {"final": final, "lines": lines, "train_seconds": train_seconds,
             **first,
             "score": _score(groups, cfg, [trained], NUM_HEADS, inputs, shaped=True),

@@ -151,6 +151,10 @@ def test_packed_first_step_equals_the_padded_one(runs):
     assert packed["perf/computed_tokens"] == packed["perf/tokens"] == padded["perf/tokens"]
     assert packed["rm/loss"] == pytest.approx(padded["rm/loss"], abs=1e-5)
     assert packed["rm/accuracy"] == padded["rm/accuracy"]
+    # the held-out evaluation packs too: the packed run scores the same real tokens and computes no pad
+    assert padded["eval_scored"]["computed_tokens"] > padded["eval_scored"]["tokens"] > 0
+    assert packed["eval_scored"]["computed_tokens"] == packed["eval_scored"]["tokens"] == padded["eval_scored"]["tokens"]
+    assert packed["rm/eval_accuracy"] == padded["rm/eval_accuracy"]
 
 
 def test_pair_micro_batches_packed_hold_only_real_tokens():
