@@ -266,12 +266,14 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     trust = c.get("learned_trust")
     torch.testing.assert_close(c.get("kl_weights"), 1 + 4 * (1 - trust))
     assert c.get("kl_weights")[2:].tolist() == [5.0, 5.0]
-    # shape far: only the rows without support (trust 0) are held; a covered row keeps 1
-    far = _ctx(*base, "algorithm.hpa.coverage.kl_boost=4", "algorithm.hpa.coverage.kl_boost_shape=far")
+    # shape far: only the rows without support (trust 0) are held; a covered row keeps 1. The boost is large
+    # so that the covered prompt's small distrust (trust just under 1) would be plain under linear
+    far = _ctx(*base, "algorithm.hpa.coverage.kl_boost=100000", "algorithm.hpa.coverage.kl_boost_shape=far")
     f = advantages([0.2, 0.9, 1.3, 0.1], far, CoverageTrust(far.algorithm.hpa.coverage, run))
-    assert f.get("learned_trust")[2:].tolist() == [0.0, 0.0] and f.get("learned_trust")[:2].min() > 0
-    assert f.get("kl_weights").tolist() == [1.0, 1.0, 5.0, 5.0]  # linear would give the covered rows 1 + 4·(1 - trust)
-    assert f.get("learned_trust")[:2].max() < 1 and not torch.equal(f.get("kl_weights"), 1 + 4 * (1 - f.get("learned_trust")))
+    trust = f.get("learned_trust")
+    assert trust[2:].tolist() == [0.0, 0.0] and 0 < trust[:2].min() and trust[:2].max() < 1
+    assert f.get("kl_weights").tolist() == [1.0, 1.0, 100001.0, 100001.0]
+    assert (1 + 100000 * (1 - trust[:2])).min() > 2  # what linear would give the covered rows
     # the default boost (100, shape far, since 2026-11-27): the far prompt's KL counts 101 times (no rule
     # judges it here), the covered prompt's once
     assert cfg.algorithm.hpa.coverage.kl_boost == 100.0 and cfg.algorithm.hpa.coverage.kl_boost_shape == "far"
