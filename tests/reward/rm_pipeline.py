@@ -62,24 +62,25 @@ def make_data(root: str) -> None:
     train_sentencepiece(read_corpus(f"{root}/corpus.txt"), f"{root}/tok", vocab_size=128)
 
 
-def make_separable_data(root: str, tokenizer_root: str) -> None:
-    """The demo ``copy`` task with no flipped labels and all 8 symbols as prompts (none held out as
-    eval prompts, so chosen and rejected responses range over the same symbols). Same symbols as
-    ``make_data``, so its tokenizer is copied rather than trained again."""
+def make_copy_data(root: str, tokenizer_root: str, **task) -> None:
+    """A demo ``copy`` task over the same 8 symbols as ``make_data`` (so its tokenizer is copied rather
+    than trained again); ``task``: ``make_demo_task``'s arguments that differ from ``make_data``'s."""
     from data_tools.make_demo_task import make_demo_task
 
-    make_demo_task(root, 1000, seed=0, tasks=("copy",), min_len=1, max_len=1, num_eval_prompts=0,
-                   flip_fraction=0.0)
+    make_demo_task(root, task.pop("num", 1000), seed=task.pop("seed", 0), tasks=("copy",), **task)
     shutil.copy(f"{tokenizer_root}/tok.model", f"{root}/tok.model")
+
+
+def make_separable_data(root: str, tokenizer_root: str) -> None:
+    """No flipped labels and all 8 symbols as prompts (none held out as eval prompts, so chosen and
+    rejected responses range over the same symbols)."""
+    make_copy_data(root, tokenizer_root, min_len=1, max_len=1, num_eval_prompts=0, flip_fraction=0.0)
 
 
 def make_varied_data(root: str, tokenizer_root: str) -> None:
-    """The demo ``copy`` task with strings of 1 to 4 symbols: rows of different lengths, so a padded
-    micro-batch computes pad positions and a packed one does not (the same symbols: the tokenizer is copied)."""
-    from data_tools.make_demo_task import make_demo_task
-
-    make_demo_task(root, 200, seed=1, tasks=("copy",), min_len=1, max_len=4, num_eval_prompts=0)
-    shutil.copy(f"{tokenizer_root}/tok.model", f"{root}/tok.model")
+    """Strings of 1 to 4 symbols: rows of different lengths, so a padded micro-batch computes pad
+    positions and a packed one does not."""
+    make_copy_data(root, tokenizer_root, num=200, seed=1, min_len=1, max_len=4, num_eval_prompts=0)
 
 
 def scoring_inputs(root: str, num: int = 12):
