@@ -422,12 +422,12 @@ def rollout_cache_shape(cfg: Config, tp: int, pp: int, dp: int) -> Tuple[int, in
         else (rows, positions)
 
 
-def kv_cache_bytes(cfg: Config, tp: int, pp: int, dp: int) -> int:
+def kv_cache_bytes(cfg: Config, tp: int, pp: int, dp: int, shape: Optional[Tuple[int, int]] = None) -> int:
     """Rollout KV cache of one rank (native engine): ``hpa.rollout.kv_cache.CachedDecoder`` keeps keys
     and values ``[b, g/tp, S, d]`` in ``params_dtype`` for each of its stage's layers, over
-    ``rollout_cache_shape``'s rows and positions."""
+    ``rollout_cache_shape``'s rows and positions (``shape``, when the caller has it already)."""
     m = cfg.model
-    batch, positions = rollout_cache_shape(cfg, tp, pp, dp)
+    batch, positions = shape or rollout_cache_shape(cfg, tp, pp, dp)
     per_layer = 2 * batch * (m.kv_heads // tp) * positions * (m.hidden_size // m.num_attention_heads)
     return (m.num_layers // pp) * per_layer * _DTYPE_BYTES[m.params_dtype]
 
@@ -585,9 +585,10 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float,
     training = max(r["activations_gb"] for r in rows.values())
     forward = max(r["forward_gb"] for r in rows.values())
     activations = max(training, forward)
-    kv = kv_cache_bytes(cfg, k.tp, k.pp, dp) / GB
+    shape = rollout_cache_shape(cfg, k.tp, k.pp, dp)
+    kv = kv_cache_bytes(cfg, k.tp, k.pp, dp, shape) / GB
     rollout = vllm_budget_gb(cfg, gpu_memory_gb) if cfg.rollout.engine == "vllm" else kv
-    bucket = rollout_cache_shape(cfg, k.tp, k.pp, dp) if graph_decode(cfg, k.tp, k.pp) else None
+    bucket = shape if graph_decode(cfg, k.tp, k.pp) else None
     held = kv if bucket else 0.0  # a graph's bucket stays allocated through training
     if bucket:  # while decoding, the captured step's logits (fp32) on top of the cache
         rollout = bucket[0] * _padded_vocab(m, k.tp) * 4 / GB
