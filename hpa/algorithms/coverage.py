@@ -21,6 +21,7 @@ the margin keeps the in-distribution tail above 0). Why these values: docs/objec
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -135,6 +136,44 @@ def abstention_kl_weights(trust: torch.Tensor, boost: float, judged: Optional[to
     if judged is not None:
         far = torch.where(judged.to(far.device).bool(), torch.zeros_like(far), far)
     return 1.0 + boost * far
+
+
+# the adaptive boost (``adapt_kl_boost``): the most its logarithm moves in one step, and its floor (a far row's
+# KL weight 1.01: released)
+KL_BOOST_RATE = 0.2
+KL_BOOST_FLOOR = 0.01
+
+
+def far_rows(trust: torch.Tensor, judged: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The rows no reward supports: trust 0 and no rule judging them (``abstention_kl_weights``' far rows
+    under shape ``far``). # [b] -> [b] bool"""
+    far = trust <= 0
+    if judged is not None:
+        far = far & ~judged.to(far.device).bool()
+    return far
+
+
+def far_kl_sums(old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor,
+                far: torch.Tensor) -> torch.Tensor:
+    """How far the policy that sampled the rollouts has moved from the reference where no reward has
+    support: the k3 (``low_var_kl``) estimate per sampled token of the far rows, as ``[sum, tokens]``
+    (float64, to be summed over DP ranks; the mean is ``sum / tokens``). # [b, r] x3, [b] -> [2]"""
+    d = (ref_log_probs.double() - old_log_probs.double()).clamp(-20.0, 20.0)
+    kl = (d.exp() - d - 1.0).clamp(-10.0, 10.0)  # [b, r]
+    m = mask.double() * far.to(mask.device).double()[:, None]
+    return torch.stack([(kl * m).sum(), m.sum()])
+
+
+def adapt_kl_boost(boost: float, far_kl: float, target: float, *, ceiling: float) -> float:
+    """One step of the adaptive boost: its logarithm moves by ``KL_BOOST_RATE · clip(far_kl / target - 1,
+    -1, 1)``, so the hold grows where the far rows drift past ``target`` and is released where they do
+    not, within ``[KL_BOOST_FLOOR, ceiling]``. A NaN ``far_kl`` (no far row this step) leaves it."""
+    if not target > 0:
+        raise ValueError(f"the far rows' KL target must be > 0, got {target}")
+    if far_kl != far_kl:
+        return boost
+    error = max(-1.0, min(1.0, far_kl / target - 1.0))
+    return min(ceiling, max(KL_BOOST_FLOOR, max(boost, KL_BOOST_FLOOR) * math.exp(KL_BOOST_RATE * error)))
 
 
 class EmbeddingCache:

@@ -357,6 +357,14 @@ class CoverageConfig:
             ``linear`` (``1 + kl_boost·(1 - trust)``, a partly covered row in proportion; the shape before).
             ``far`` was chosen against ``linear`` on 10 hackable and 1 split re-drawn tasks and confirmed on
             tasks never run before (docs/results.md).
+        kl_boost_target: None (default): the boost is ``kl_boost`` throughout. A number: the boost adapts,
+            starting at ``kl_boost``: each step it grows where the far rows' KL to the reference (the k3
+            estimate per sampled token of the policy that sampled them, over the DP ranks, logged as
+            ``coverage/far_kl``) is above this target and shrinks where it is below, by at most a factor
+            ``e^0.2`` a step, between 0.01 and ``10·kl_boost`` (``coverage/kl_boost``; saved in
+            checkpoints). The hold then follows how far the other terms push the far rows: released
+            where they stay near the start, held where they drift. Needs ``kl_boost > 0`` and shape
+            ``far``. A probe, not a default (docs/results.md).
     """
 
     enabled: Optional[bool] = None
@@ -367,11 +375,19 @@ class CoverageConfig:
     margin: float = 2.0
     kl_boost: float = 100.0
     kl_boost_shape: str = "far"
+    kl_boost_target: Optional[float] = None
 
     def __post_init__(self):
         check_choice("space", self.space, COVERAGE_SPACES)
         check_range("kl_boost", self.kl_boost, low=0.0)
         check_choice("kl_boost_shape", self.kl_boost_shape, KL_BOOST_SHAPES)
+        if self.kl_boost_target is not None:
+            check_range("kl_boost_target", self.kl_boost_target, low=0.0, low_open=True)
+            if not self.kl_boost > 0:
+                raise ConfigError("kl_boost_target", f"adapts the boost, which needs kl_boost > 0 (got {self.kl_boost})")
+            if self.kl_boost_shape != "far":
+                raise ConfigError("kl_boost_target", f"measures the far rows' KL, which needs kl_boost_shape: far "
+                                                     f"(got {self.kl_boost_shape})")
         check_range("k", self.k, low=1)
         check_range("low_quantile", self.low_quantile, low=0.0, high=1.0)
         check_range("high_quantile", self.high_quantile, low=0.0, high=1.0)

@@ -8,8 +8,8 @@ from typing import Dict
 
 import torch
 
-from hpa.algorithms.coverage import (EmbeddingCache, abstention_kl_weights, bank_center, calibrate, coverage_trust,
-                                     knn_distance, trust_metrics, unique_rows)
+from hpa.algorithms.coverage import (EmbeddingCache, abstention_kl_weights, adapt_kl_boost, bank_center, calibrate,
+                                     coverage_trust, far_kl_sums, far_rows, knn_distance, trust_metrics, unique_rows)
 from hpa.config.algorithm import CoverageConfig
 from hpa.distributed import comm
 from hpa.reward.embeddings import chosen_embeddings, prompt_embeddings
@@ -45,7 +45,10 @@ class CoverageTrust(Controller):
     prompt space, one over each prompt the first time a step (or an evaluation) draws it (the reward model
     is frozen: a prompt's embedding is kept, ``EmbeddingCache``); in sequence space one over the rollouts.
     With ``kl_boost`` > 0 it also writes ``kl_weights`` ``[b]``, each row's weight of the hierarchical KL
-    (``abstention_kl_weights``; a row a rule judges, ``rule_judged``, keeps weight 1).
+    (``abstention_kl_weights``; a row a rule judges, ``rule_judged``, keeps weight 1), and logs the far
+    rows' KL to the reference (``coverage/far_kl``) and the boost (``coverage/kl_boost``). With
+    ``kl_boost_target`` the boost adapts to that KL each step before the weights are written
+    (``adapt_kl_boost``); it is then run state (saved; a checkpoint without it resumes at ``kl_boost``).
     """
 
     name, observes = "coverage", "rollouts"
@@ -54,6 +57,7 @@ class CoverageTrust(Controller):
         self.k, self.space, self.model_reward, self.pad_id = c.k, c.space, run.model_reward, run.pad_id
         self.dp_group, self.timer = run.groups.dp_group, run.timer
         self.kl_boost, self.kl_boost_shape, self.cache = c.kl_boost, c.kl_boost_shape, EmbeddingCache()
+        self.kl_boost_target, self.kl_boost_ceiling = c.kl_boost_target, 10.0 * c.kl_boost
         self.bank = self._embed_pairs(run.pairs)  # [m, h]
         self.center = bank_center(self.bank)  # [h]
         held = knn_distance(self._embed_pairs(run.heldout_pairs), self.bank, self.k, center=self.center)  # [n]
@@ -88,15 +92,27 @@ class CoverageTrust(Controller):
         with self.timer("coverage"):
             trust = self.trust(batch)  # [b]
         batch.set("learned_trust", trust)
+        hold: Dict[str, float] = {}
         if self.kl_boost > 0:
-            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost, judged=batch.extras.get("rule_judged"),
+            judged = batch.extras.get("rule_judged")
+            sums = torch.zeros(2, dtype=torch.float64)
+            if "old_log_probs" in batch.extras:  # the step's forwards set both (a test's batch may not)
+                sums = far_kl_sums(batch.get("old_log_probs"), batch.get("ref_log_probs"), batch.get("mask"),
+                                   far_rows(trust, judged)).cpu()
+            comm.all_reduce_sum(sums, self.dp_group)
+            far_kl = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+            if self.kl_boost_target is not None:
+                self.kl_boost = adapt_kl_boost(self.kl_boost, far_kl, self.kl_boost_target,
+                                               ceiling=self.kl_boost_ceiling)
+            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost, judged=judged,
                                                              shape=self.kl_boost_shape))
+            hold = {"coverage/far_kl": far_kl, "coverage/kl_boost": self.kl_boost}
         valid = batch.get("mask").sum(dim=1) > 0  # the rows that train (not dropped by the filter)
         trust = comm.all_gather_cat(trust.float(), self.dp_group)[comm.all_gather_cat(valid.float(), self.dp_group) > 0]
         nan = float("nan")
         metrics = trust_metrics(trust) if trust.numel() else {
             f"coverage/{k}": nan for k in ("trust_mean", "trust_p10", "trust_p90", "far_share")}
-        return {**metrics, "coverage/low": self.low, "coverage/high": self.high,
+        return {**metrics, **hold, "coverage/low": self.low, "coverage/high": self.high,
                 "perf/coverage_cached_prompts": float(len(self.cache)),  # a cache, not state: not resumed
                 "coverage/learned_reward": covered_learned_reward(batch, self.dp_group)}
 
@@ -104,7 +120,9 @@ class CoverageTrust(Controller):
         return dataclasses.replace(factors, learned_trust=self.trust)
 
     def state_dict(self) -> Dict:
-        return {"low": self.low, "high": self.high}
+        return {"low": self.low, "high": self.high, "kl_boost": self.kl_boost}
 
     def load_state_dict(self, state: Dict) -> None:
         self.low, self.high = state["low"], state["high"]
+        if self.kl_boost_target is not None:  # adapted: run state (a checkpoint from before resumes at kl_boost)
+            self.kl_boost = state.get("kl_boost", self.kl_boost)
