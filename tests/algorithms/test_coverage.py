@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from hpa.algorithms.coverage import (EmbeddingCache, abstention_kl_weights, bank_center, calibrate, coverage_trust,
+from hpa.algorithms.coverage import (KL_BOOST_FLOOR, KL_BOOST_RATE, EmbeddingCache, abstention_kl_weights,
+                                     adapt_kl_boost, bank_center, calibrate, coverage_trust, far_kl_sums, far_rows,
                                      knn_distance, trust_metrics, unique_rows)
 
 
@@ -134,6 +135,44 @@ def test_abstention_kl_weights_leave_rows_a_rule_judges_alone():
     judged = torch.tensor([True, False, True, False])
     assert abstention_kl_weights(trust, 4.0, judged=judged, shape="linear").tolist() == [1.0, 5.0, 1.0, 1.0]
     assert abstention_kl_weights(trust, 4.0, judged=None, shape="linear").tolist() == [5.0, 5.0, 3.0, 1.0]
+
+
+def test_far_kl_sums_are_the_k3_estimate_over_the_far_rows_sampled_tokens():
+    """k3 per token is exp(d) - d - 1 with d = ref - old: by hand for d = ln 2 (2 - ln 2 - 1) and d = 0 (0);
+    a covered row, a rule-judged far row and masked tokens count nothing."""
+    ln2 = math.log(2.0)
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    ref = old + torch.tensor([[ln2, 0.0, 5.0], [ln2, ln2, ln2], [ln2, ln2, ln2], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    trust, judged = torch.tensor([0.0, 0.5, 0.0, 0.0]), torch.tensor([False, False, True, False])
+    far = far_rows(trust, judged)
+    assert far.tolist() == [True, False, False, True]
+    sums = far_kl_sums(old, ref, mask, far)
+    assert sums.dtype == torch.float64
+    # row 0: tokens 0 (ln 2) and 1 (0), token 2 masked; row 3: three tokens at d = 0
+    torch.testing.assert_close(sums, torch.tensor([1.0 - ln2, 5.0], dtype=torch.float64))
+
+
+def test_adapt_kl_boost_grows_past_the_target_shrinks_below_it_and_stays_in_its_bounds():
+    up, down = math.exp(KL_BOOST_RATE), math.exp(-KL_BOOST_RATE)
+    assert adapt_kl_boost(100.0, 0.02, 0.02, ceiling=1000.0) == 100.0  # at the target: unchanged
+    assert adapt_kl_boost(100.0, 0.06, 0.02, ceiling=1000.0) == pytest.approx(100.0 * up)  # error clipped at +1
+    assert adapt_kl_boost(100.0, 0.03, 0.02, ceiling=1000.0) == pytest.approx(100.0 * math.exp(0.5 * KL_BOOST_RATE))
+    assert adapt_kl_boost(100.0, 0.0, 0.02, ceiling=1000.0) == pytest.approx(100.0 * down)
+    assert adapt_kl_boost(100.0, float("nan"), 0.02, ceiling=1000.0) == 100.0  # no far row this step
+    assert adapt_kl_boost(999.0, 1.0, 0.02, ceiling=1000.0) == 1000.0
+    assert adapt_kl_boost(KL_BOOST_FLOOR, 0.0, 0.02, ceiling=1000.0) == KL_BOOST_FLOOR
+    assert adapt_kl_boost(0.0, 1.0, 0.02, ceiling=1000.0) == pytest.approx(KL_BOOST_FLOOR * up)  # can grow again
+    # released from 100 to the floor in ln(1e4) / 0.2 = 47 steps of no drift, and back in as many of drift
+    b = 100.0
+    for step in range(1, 48):
+        b = adapt_kl_boost(b, 0.0, 0.02, ceiling=1000.0)
+        assert (b == KL_BOOST_FLOOR) == (step == 47)
+    for _ in range(47):
+        b = adapt_kl_boost(b, 0.1, 0.02, ceiling=1000.0)
+    assert b > 100.0
+    with pytest.raises(ValueError, match="target"):
+        adapt_kl_boost(100.0, 0.01, 0.0, ceiling=1000.0)
 
 
 def test_embedding_cache_computes_each_sequence_once_and_keeps_at_most_its_limit():

@@ -171,6 +171,15 @@ def test_trust_options_name_their_keys(cfg_file):
             load_config(cfg_file, [f"algorithm.hpa.coverage.{bad}"])
     with pytest.raises(ConfigError, match="algorithm.hpa.coverage.kl_boost_shape"):
         load_config(cfg_file, ["algorithm.hpa.coverage.kl_boost_shape=square"])
+    for bad in ("0", "-0.01", "nan"):
+        with pytest.raises(ConfigError, match="algorithm.hpa.coverage.kl_boost_target"):
+            load_config(cfg_file, [f"algorithm.hpa.coverage.kl_boost_target={bad}"])
+    with pytest.raises(ConfigError, match="algorithm.hpa.coverage.kl_boost_target.*kl_boost > 0"):
+        load_config(cfg_file, ["algorithm.hpa.coverage.kl_boost_target=0.02", "algorithm.hpa.coverage.kl_boost=0"])
+    with pytest.raises(ConfigError, match="algorithm.hpa.coverage.kl_boost_target.*kl_boost_shape: far"):
+        load_config(cfg_file, ["algorithm.hpa.coverage.kl_boost_target=0.02",
+                               "algorithm.hpa.coverage.kl_boost_shape=linear"])
+    assert load_config(cfg_file, ["algorithm.hpa.coverage.kl_boost_target=0.02"]).algorithm.hpa.coverage.kl_boost_target == 0.02
     with pytest.raises(ConfigError, match="algorithm.hpa.coverage.high_quantile.*above low_quantile"):
         load_config(cfg_file, ["algorithm.hpa.coverage.low_quantile=0.9", "algorithm.hpa.coverage.high_quantile=0.8"])
     with pytest.raises(ConfigError, match="algorithm.hpa.gate.baseline_steps"):

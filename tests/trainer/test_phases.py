@@ -280,6 +280,61 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     assert a.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
 
 
+def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
+    """``coverage.kl_boost_target``: the far rows' KL (k3 per sampled token of the policy that sampled them,
+    the covered rows' drift left out) above the target grows the boost by e^0.2 before the weights are
+    written, below it shrinks it; the adapted boost is saved, and a checkpoint without it resumes at
+    ``kl_boost``. Without a target the boost is constant and a saved one is ignored."""
+    import math
+
+    from hpa.data.preferences import PreferenceExample
+    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+
+    base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
+            "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false")
+    prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
+    pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
+    heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
+               for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
+    run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout)
+
+    def observe(coverage, far_drift):
+        batch = _component_batch([0.0] * 4, [0.2, 0.9, 1.3, 0.1], [0, 0, 1, 1])
+        batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])  # prompt 1 covered, prompt 3 far
+        batch.set("raw_rewards", torch.tensor([0.2, 0.9, 1.3, 0.1]))
+        old = torch.full((4, 2), -1.0)
+        batch.set("old_log_probs", old).set("ref_log_probs", old + torch.tensor([[3.0], [3.0], [far_drift], [far_drift]]))
+        return batch, coverage.update(StepSignals(batch=batch))
+
+    adaptive = _ctx(*base, "algorithm.hpa.coverage.kl_boost_target=0.02").algorithm.hpa.coverage
+    cov = CoverageTrust(adaptive, run)
+    batch, m = observe(cov, math.log(2.0))  # far rows' k3 = 1 - ln 2 = 0.31 > 0.02: the error clips at +1
+    grown = 100.0 * math.exp(0.2)
+    assert m["coverage/far_kl"] == pytest.approx(1 - math.log(2.0)) and m["coverage/kl_boost"] == pytest.approx(grown)
+    torch.testing.assert_close(batch.get("kl_weights"), torch.tensor([1.0, 1.0, 1 + grown, 1 + grown]))
+    batch, m = observe(cov, 0.0)  # no drift: back to 100
+    assert m["coverage/far_kl"] == 0.0 and m["coverage/kl_boost"] == pytest.approx(100.0)
+    batch, m = observe(cov, 0.0)
+    shrunk = 100.0 * math.exp(-0.2)
+    assert m["coverage/kl_boost"] == pytest.approx(shrunk)
+    torch.testing.assert_close(batch.get("kl_weights"), torch.tensor([1.0, 1.0, 1 + shrunk, 1 + shrunk]))
+    # resumed: the adapted boost; a checkpoint from before the option: the configured one
+    state = cov.state_dict()
+    resumed = CoverageTrust(adaptive, run)
+    resumed.load_state_dict(state)
+    assert resumed.kl_boost == pytest.approx(shrunk) and observe(resumed, 0.0)[1]["coverage/kl_boost"] == \
+        pytest.approx(shrunk * math.exp(-0.2))
+    old_checkpoint = CoverageTrust(adaptive, run)
+    old_checkpoint.load_state_dict({"low": state["low"], "high": state["high"]})
+    assert old_checkpoint.kl_boost == 100.0
+    # the default: constant, whatever the drift or a saved boost
+    constant = CoverageTrust(_ctx(*base).algorithm.hpa.coverage, run)
+    constant.load_state_dict(state)
+    batch, m = observe(constant, math.log(2.0))
+    assert m["coverage/kl_boost"] == 100.0 and batch.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
+    assert m["coverage/far_kl"] == pytest.approx(1 - math.log(2.0))
+
+
 def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     """A split-like run (a rule and a reward model): ``score`` marks the rows whose prompt has a ground truth
     (``rule_judged``), and the coverage trust's KL boost leaves those rows at weight 1 even where no pair
