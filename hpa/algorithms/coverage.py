@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hpa.algorithms.kl import kl_k3
+
 
 def knn_distance(queries: torch.Tensor, bank: torch.Tensor, k: int, *, chunk_size: int = 4096,
                  center: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -158,8 +160,7 @@ def far_kl_sums(old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: 
     """How far the policy that sampled the rollouts has moved from the reference where no reward has
     support: the k3 (``low_var_kl``) estimate per sampled token of the far rows, as ``[sum, tokens]``
     (float64, to be summed over DP ranks; the mean is ``sum / tokens``). # [b, r] x3, [b] -> [2]"""
-    d = (ref_log_probs.double() - old_log_probs.double()).clamp(-20.0, 20.0)
-    kl = (d.exp() - d - 1.0).clamp(-10.0, 10.0)  # [b, r]
+    kl = kl_k3(old_log_probs.double(), ref_log_probs.double())  # [b, r]
     m = mask.double() * far.to(mask.device).double()[:, None]
     return torch.stack([(kl * m).sum(), m.sum()])
 
