@@ -298,10 +298,12 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
                for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
     run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout)
 
-    def observe(coverage, far_drift):
+    def observe(coverage, far_drift, judged=False):
         batch = _component_batch([0.0] * 4, [0.2, 0.9, 1.3, 0.1], [0, 0, 1, 1])
         batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])  # prompt 1 covered, prompt 3 far
         batch.set("raw_rewards", torch.tensor([0.2, 0.9, 1.3, 0.1]))
+        if judged:  # a rule judges every row: none is far
+            batch.set("rule_judged", torch.ones(4, dtype=torch.bool))
         old = torch.full((4, 2), -1.0)
         batch.set("old_log_probs", old).set("ref_log_probs", old + torch.tensor([[3.0], [3.0], [far_drift], [far_drift]]))
         return batch, coverage.update(StepSignals(batch=batch))
@@ -324,6 +326,10 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
     resumed.load_state_dict(state)
     assert resumed.kl_boost == pytest.approx(shrunk) and observe(resumed, 0.0)[1]["coverage/kl_boost"] == \
         pytest.approx(shrunk * math.exp(-0.2))
+    # a step with no far row: no far_kl logged, the boost left as it is
+    batch, m = observe(resumed, math.log(2.0), judged=True)
+    assert "coverage/far_kl" not in m and m["coverage/kl_boost"] == pytest.approx(shrunk * math.exp(-0.2))
+    assert batch.get("kl_weights").tolist() == [1.0, 1.0, 1.0, 1.0]
     old_checkpoint = CoverageTrust(adaptive, run)
     old_checkpoint.load_state_dict({"low": state["low"], "high": state["high"]})
     assert old_checkpoint.kl_boost == 100.0

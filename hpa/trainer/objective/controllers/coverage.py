@@ -46,7 +46,8 @@ class CoverageTrust(Controller):
     is frozen: a prompt's embedding is kept, ``EmbeddingCache``); in sequence space one over the rollouts.
     With ``kl_boost`` > 0 it also writes ``kl_weights`` ``[b]``, each row's weight of the hierarchical KL
     (``abstention_kl_weights``; a row a rule judges, ``rule_judged``, keeps weight 1), and logs the far
-    rows' KL to the reference (``coverage/far_kl``) and the boost (``coverage/kl_boost``). With
+    rows' KL to the reference (``coverage/far_kl``, in a step that has far rows) and the boost
+    (``coverage/kl_boost``). With
     ``kl_boost_target`` the boost adapts to that KL each step before the weights are written
     (``adapt_kl_boost``); it is then run state (saved; a checkpoint without it resumes at ``kl_boost``).
     """
@@ -106,7 +107,9 @@ class CoverageTrust(Controller):
                                                ceiling=self.kl_boost_ceiling)
             batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost, judged=judged,
                                                              shape=self.kl_boost_shape))
-            hold = {"coverage/far_kl": far_kl, "coverage/kl_boost": self.kl_boost}
+            hold = {"coverage/kl_boost": self.kl_boost}
+            if sums[1] > 0:  # a step with no far row (every row covered or judged by a rule) logs none
+                hold["coverage/far_kl"] = far_kl
         valid = batch.get("mask").sum(dim=1) > 0  # the rows that train (not dropped by the filter)
         trust = comm.all_gather_cat(trust.float(), self.dp_group)[comm.all_gather_cat(valid.float(), self.dp_group) > 0]
         nan = float("nan")
