@@ -333,9 +333,10 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
     old_checkpoint = CoverageTrust(adaptive, run)
     old_checkpoint.load_state_dict({"low": state["low"], "high": state["high"]})
     assert old_checkpoint.kl_boost == 100.0
-    # the default: constant, whatever the drift or a saved boost
+    # the default: constant, whatever the drift or a saved boost, and not saved (it is the config's)
     constant = CoverageTrust(_ctx(*base).algorithm.hpa.coverage, run)
     constant.load_state_dict(state)
+    assert "kl_boost" in state and constant.state_dict() == {"low": state["low"], "high": state["high"]}
     batch, m = observe(constant, math.log(2.0))
     assert m["coverage/kl_boost"] == 100.0 and batch.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
     assert m["coverage/far_kl"] == pytest.approx(1 - math.log(2.0))

@@ -123,7 +123,10 @@ class CoverageTrust(Controller):
         return dataclasses.replace(factors, learned_trust=self.trust)
 
     def state_dict(self) -> Dict:
-        return {"low": self.low, "high": self.high, "kl_boost": self.kl_boost}
+        state = {"low": self.low, "high": self.high}
+        if self.kl_boost_target is not None:  # adapted: run state; a constant boost is the config's
+            state["kl_boost"] = self.kl_boost
+        return state
 
     def load_state_dict(self, state: Dict) -> None:
         self.low, self.high = state["low"], state["high"]
