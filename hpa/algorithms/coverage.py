@@ -111,11 +111,20 @@ def coverage_trust(distances: torch.Tensor, low: float, high: float) -> torch.Te
     return ((high - distances.float()) / (high - low)).clamp(0.0, 1.0)
 
 
-def trust_metrics(trust: torch.Tensor) -> Dict[str, float]:
-    """``coverage/trust_mean``, ``trust_p10``, ``trust_p90`` and ``far_share`` (rows with trust 0) of ``[n]``."""
+# ``trust_stats``' entries, logged as ``coverage/<name>``
+TRUST_METRICS = ("trust_mean", "trust_p10", "trust_p90", "far_share")
+
+
+def trust_stats(trust: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The trust's mean, 10th and 90th percentiles and the share of rows with trust 0 (``TRUST_METRICS``),
+    over the rows with ``valid`` set, computed where the trust lives (no host read): float64, NaN where no
+    row is valid. # [n], [n] bool -> [4]"""
+    valid = valid.to(trust.device).bool()
     t = trust.double()
-    return {"coverage/trust_mean": float(t.mean()), "coverage/trust_p10": float(torch.quantile(t, 0.1)),
-            "coverage/trust_p90": float(torch.quantile(t, 0.9)), "coverage/far_share": float((t <= 0).double().mean())}
+    rows = valid.double().sum()
+    kept = torch.where(valid, t, torch.full_like(t, float("nan")))
+    return torch.stack([(t * valid).sum() / rows, torch.nanquantile(kept, 0.1), torch.nanquantile(kept, 0.9),
+                        ((t <= 0) & valid).double().sum() / rows])
 
 
 def abstention_kl_weights(trust: torch.Tensor, boost: float, judged: Optional[torch.Tensor] = None, *,
@@ -128,13 +137,11 @@ def abstention_kl_weights(trust: torch.Tensor, boost: float, judged: Optional[to
     ``[b]`` bool: its prompt has a ground truth) keeps weight 1: the rule says what to do there. # [b] -> [b]"""
     if boost < 0:
         raise ValueError(f"the abstention KL boost must be >= 0, got {boost}")
-    t = trust.float().clamp(0.0, 1.0)
-    if shape == "linear":
-        far = 1.0 - t
-    elif shape == "far":
-        far = (t <= 0).float()
-    else:
+    if shape == "far":
+        return 1.0 + boost * far_rows(trust, judged).float()
+    if shape != "linear":
         raise ValueError(f"the abstention KL boost's shape must be 'linear' or 'far', got {shape!r}")
+    far = 1.0 - trust.float().clamp(0.0, 1.0)
     if judged is not None:
         far = torch.where(judged.to(far.device).bool(), torch.zeros_like(far), far)
     return 1.0 + boost * far

@@ -7,7 +7,7 @@ import torch
 
 from hpa.algorithms.coverage import (KL_BOOST_FLOOR, KL_BOOST_RATE, EmbeddingCache, abstention_kl_weights,
                                      adapt_kl_boost, bank_center, calibrate, coverage_trust, far_kl_sums, far_rows,
-                                     knn_distance, trust_metrics, unique_rows)
+                                     knn_distance, trust_stats, unique_rows)
 
 
 def _unit(*rows):
@@ -78,11 +78,18 @@ def test_calibrate_errors_and_degenerate_distances():
         coverage_trust(torch.zeros(2), 1.0, 1.0)
 
 
-def test_trust_metrics():
-    m = trust_metrics(torch.tensor([0.0, 0.0, 0.5, 1.0, 1.0]))
-    assert m["coverage/trust_mean"] == pytest.approx(0.5)
-    assert m["coverage/far_share"] == pytest.approx(0.4)
-    assert m["coverage/trust_p10"] == 0.0 and m["coverage/trust_p90"] == 1.0
+def test_trust_stats_over_the_valid_rows():
+    """Mean, p10, p90 (torch.quantile's linear interpolation) and far share of the valid rows only; an
+    invalid row's trust, far or not, changes nothing; no valid row: NaN."""
+    trust = torch.tensor([0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.7])
+    valid = torch.tensor([True] * 5 + [False, False])
+    mean, p10, p90, far = trust_stats(trust, valid).tolist()
+    kept = trust[:5].double()
+    assert mean == pytest.approx(0.5) and far == pytest.approx(0.4)
+    assert p10 == float(torch.quantile(kept, 0.1)) == 0.0 and p90 == float(torch.quantile(kept, 0.9)) == 1.0
+    _, p10, p90, _ = trust_stats(torch.tensor([0.2, 0.4, 0.9, 0.0]), torch.tensor([True, True, True, False])).tolist()
+    assert p10 == pytest.approx(0.24) and p90 == pytest.approx(0.8)
+    assert all(math.isnan(v) for v in trust_stats(trust, torch.zeros(7, dtype=torch.bool)).tolist())
 
 
 def test_centering_on_the_bank_spreads_distances_a_common_direction_hides():

@@ -112,6 +112,8 @@ def _component_batch(rule, learned, group_ids):
     token_scores = torch.zeros(b, 2)
     token_scores[:, 1] = torch.tensor(rule) + torch.tensor(learned)
     batch.set("mask", response_mask).set("token_scores", token_scores).set("rule_scores", torch.tensor(rule))
+    # the step's forwards: the sampling policy and the reference agree (no drift)
+    batch.set("old_log_probs", torch.full((b, 2), -1.0)).set("ref_log_probs", torch.full((b, 2), -1.0))
     return batch
 
 
@@ -376,6 +378,7 @@ def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     batch = _batch(torch.ones(4, 2), [0, 0, 1, 1])
     batch.prompt_ids = torch.tensor([[3, 3], [3, 3], [3, 3], [3, 3]])  # every prompt far from the pairs
     batch.set("old_pooled", torch.zeros(4, 2))
+    batch.set("old_log_probs", torch.zeros(4, 2)).set("ref_log_probs", torch.zeros(4, 2))
     phases.score(batch, ["1 1", "2 2", None, None], reward, Tok(), ctx)
     assert batch.get("rule_judged").tolist() == [True, True, False, False]
     coverage = CoverageTrust(ctx.algorithm.hpa.coverage, ControllerInputs(
@@ -383,3 +386,124 @@ def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     coverage.update(StepSignals(batch=batch))
     assert batch.get("learned_trust").tolist() == [0.0] * 4
     assert batch.get("kl_weights").tolist() == [1.0, 1.0, 5.0, 5.0]
+
+
+class _DeviceEmbedder(_ScriptedEmbedder):
+    """``_ScriptedEmbedder`` as a model on the test device: it takes and returns device tensors."""
+
+    def sequence_embeddings(self, response_ids, response_mask, prompt_ids=None, prompt_mask=None):
+        from hpa.distributed.device_mode import on_device, on_host
+
+        host = [None if t is None else on_host(t) for t in (response_ids, response_mask, prompt_ids, prompt_mask)]
+        return on_device(super().sequence_embeddings(*host))
+
+
+@pytest.mark.parametrize("target", [None, 0.02])
+def test_the_coverage_update_reads_the_device_once_for_its_metrics(target):
+    """The coverage controller's step on a rollout batch that lives on the device (the test device mode,
+    ``hpa.distributed.sync_ops``): the trust's prompt cache reads the prompts once, and every logged number
+    (trust quantiles, far share, covered learned reward, far rows' KL) and the adaptive boost come back in
+    one more read, whatever ``kl_boost_target`` is. The metrics are the host computation's."""
+    import math
+
+    from hpa.data.preferences import PreferenceExample
+    from hpa.distributed.device_mode import StrictDeviceMode, on_device
+    from hpa.distributed.sync_ops import SyncOps
+    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+
+    base = ["algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
+            "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false"]
+    if target is not None:
+        base.append(f"algorithm.hpa.coverage.kl_boost_target={target}")
+    prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
+    pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
+    heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
+               for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
+    config = _ctx(*base).algorithm.hpa.coverage
+    device = torch.device("lazy", 0)
+
+    def batch(on_dev):
+        b = _component_batch([0.0] * 5, [0.2, 0.9, 1.3, 0.1, 5.0], [0, 0, 1, 1, 2])
+        b.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3], [1, 1]])  # prompt 1 covered, prompt 3 far
+        b.set("raw_rewards", torch.tensor([0.2, 0.9, 1.3, 0.1, 5.0]))
+        b.get("mask")[4] = 0  # a row the filter dropped: in no metric
+        old = torch.full((5, 2), -1.0)
+        b.set("old_log_probs", old).set("ref_log_probs", old + math.log(2.0))
+        if on_dev:
+            for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
+                setattr(b, name, on_device(getattr(b, name)))
+            for name in ("mask", "token_scores", "rule_scores", "raw_rewards", "old_log_probs", "ref_log_probs"):
+                b.set(name, on_device(b.get(name)))
+        return b
+
+    host = CoverageTrust(config, ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(),
+                                                  pairs=pairs, heldout_pairs=heldout))
+    expected = host.update(StepSignals(batch=batch(False)))
+    with StrictDeviceMode(device):
+        coverage = CoverageTrust(config, ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_DeviceEmbedder(),
+                                                          pairs=pairs, heldout_pairs=heldout))
+        on_dev = batch(True)
+        with SyncOps() as syncs:
+            metrics = coverage.update(StepSignals(batch=on_dev))
+        assert on_dev.get("kl_weights").device == device and on_dev.get("learned_trust").device == device
+    assert syncs.count == 2, syncs.by_site
+    assert metrics.keys() == expected.keys() and metrics["coverage/far_kl"] == pytest.approx(1 - math.log(2.0))
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+    assert expected["coverage/far_share"] == pytest.approx(0.5)  # the dropped row counts in no metric
+    assert expected["coverage/learned_reward"] == pytest.approx((0.2 + 0.9) / 2)
+
+
+def _dp_coverage_worker(groups):
+    """One DP rank's coverage step on its share of a six-row batch (all of it on one rank; rows 0-2 and 3-5
+    on two): the metrics it logs."""
+    import math
+
+    from hpa.data.preferences import PreferenceExample
+    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+
+    prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
+    pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
+    heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
+               for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
+    config = _ctx("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
+                  "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2",
+                  "algorithm.kl.use_kl_in_reward=false").algorithm.hpa.coverage
+    share = 6 // groups.data_parallel_size
+    rows = list(range(groups.dp_rank * share, (groups.dp_rank + 1) * share))
+    learned = torch.tensor([0.2, 0.9, 1.3, 0.1, 5.0, -0.4])[rows]
+    batch = _component_batch([0.0] * share, learned.tolist(), list(range(share)))
+    batch.prompt_ids = torch.tensor([[1, 1], [3, 3], [3, 3], [1, 1], [3, 3], [2, 2]])[rows]  # 1, 2 covered; 3 far
+    batch.set("raw_rewards", learned)
+    batch.get("mask")[:] = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0],
+                                         [1.0, 1.0]])[rows]  # row 4 dropped by the filter
+    drift = torch.tensor([0.0, math.log(2.0), math.log(3.0), 0.5, 9.0, 0.0])[rows]  # ref - old, per row
+    batch.set("ref_log_probs", batch.get("old_log_probs") + drift[:, None])
+    coverage = CoverageTrust(config, ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(),
+                                                      pairs=pairs, heldout_pairs=heldout))
+    return coverage.update(StepSignals(batch=batch)), batch.get("learned_trust").tolist()
+
+
+@pytest.mark.multirank
+def test_the_coverage_metrics_over_dp_ranks_are_one_ranks_over_the_whole_batch():
+    """The coverage step's fused reduction over DP: two ranks with three rows each log what one rank logs
+    on all six. By hand: the far rows' KL is token-weighted across ranks (row 1's one token, row 2's two;
+    the dropped row 4 nowhere), the covered learned reward trust-weighted over rows 0, 3 and 5."""
+    import math
+
+    from multirank import run_ranks
+
+    (whole, trust), = run_ranks(_dp_coverage_worker)
+    split = run_ranks(_dp_coverage_worker, dp=2)
+    k3 = lambda d: math.exp(d) - 1 - d  # noqa: E731  (kl_k3 of the log-ratio d = ref - old)
+    assert trust[1] == trust[2] == trust[4] == 0 and min(trust[0], trust[3], trust[5]) > 0
+    assert whole["coverage/far_kl"] == pytest.approx((k3(math.log(2.0)) + 2 * k3(math.log(3.0))) / 3)
+    assert whole["coverage/far_share"] == pytest.approx(2 / 5)
+    covered = [(trust[i], r) for i, r in ((0, 0.2), (3, 0.1), (5, -0.4))]
+    assert whole["coverage/learned_reward"] == pytest.approx(sum(t * r for t, r in covered) /
+                                                             sum(t for t, _ in covered))
+    for metrics, _ in split:
+        assert metrics.keys() == whole.keys()
+        for key, value in whole.items():
+            if key != "perf/coverage_cached_prompts":  # each rank's own cache
+                assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

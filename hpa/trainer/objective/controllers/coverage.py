@@ -8,8 +8,9 @@ from typing import Dict
 
 import torch
 
-from hpa.algorithms.coverage import (EmbeddingCache, abstention_kl_weights, adapt_kl_boost, bank_center, calibrate,
-                                     coverage_trust, far_kl_sums, far_rows, knn_distance, trust_metrics, unique_rows)
+from hpa.algorithms.coverage import (TRUST_METRICS, EmbeddingCache, abstention_kl_weights, adapt_kl_boost,
+                                     bank_center, calibrate, coverage_trust, far_kl_sums, far_rows, knn_distance,
+                                     trust_stats, unique_rows)
 from hpa.config.algorithm import CoverageConfig
 from hpa.distributed import comm
 from hpa.reward.embeddings import chosen_embeddings, prompt_embeddings
@@ -17,18 +18,16 @@ from hpa.trainer.objective.controllers.base import Controller, ControllerInputs,
 from hpa.trainer.objective.weights import StepFactors
 
 
-def covered_learned_reward(batch, dp_group) -> float:
-    """The learned part of the rollouts' reward (r̂ minus the rule) averaged with their coverage trust as
-    weights, over the rows that train and the DP ranks (``coverage/learned_reward``, logged; NaN when no
-    row is covered). Not the gate's input: measured as one, it kept the gate open where every row's
-    learned reward closed it (docs/objective.md)."""
-    valid = batch.get("mask").sum(dim=1) > 0  # [b]
+def covered_reward_sums(batch, trust: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The learned part of the rollouts' reward (r̂ minus the rule) summed with each row's coverage trust
+    as its weight over the rows that train (``valid``), and the weights' sum: ``[sum, weight]`` (float64,
+    to be summed over DP ranks). Their ratio is ``coverage/learned_reward`` (logged; NaN when no row is
+    covered). Not the gate's input: measured as one, it kept the gate open where every row's learned
+    reward closed it (docs/objective.md). # [b], [b] bool -> [2]"""
     learned = torch.where(valid, batch.get("raw_rewards").double() - batch.get("rule_scores").double(),
                           torch.zeros((), dtype=torch.float64))  # [b]
-    weight = batch.get("learned_trust").double() * valid.double()  # [b]
-    sums = torch.stack([(weight * learned).sum(), weight.sum()]).cpu()
-    comm.all_reduce_sum(sums, dp_group)
-    return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+    weight = trust.double() * valid.double()  # [b]
+    return torch.stack([(weight * learned).sum(), weight.sum()])
 
 
 class CoverageTrust(Controller):
@@ -77,7 +76,9 @@ class CoverageTrust(Controller):
         """The trust of each row of a rollout batch ``[b]``: of its prompt (``space: prompt``, each distinct
         prompt embedded once) or of its prompt + response (``space: sequence``)."""
         if self.space == "prompt":
-            rows = [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids.cpu(), batch.prompt_mask.cpu())]
+            # one read of the device for both
+            ids, masks = torch.stack([batch.prompt_ids, batch.prompt_mask.to(batch.prompt_ids.dtype)]).cpu()
+            rows = [i[m.bool()].tolist() for i, m in zip(ids, masks)]
             prompts, where = unique_rows(rows)
             embeddings = self.cache.embed(prompts, lambda new: prompt_embeddings(
                 self.model_reward, new, pad_id=self.pad_id))  # [u, h]
@@ -93,31 +94,32 @@ class CoverageTrust(Controller):
         with self.timer("coverage"):
             trust = self.trust(batch)  # [b]
         batch.set("learned_trust", trust)
-        hold: Dict[str, float] = {}
+        mask, judged = batch.get("mask"), batch.extras.get("rule_judged")
+        valid = mask.sum(dim=1) > 0  # the rows that train (not dropped by the filter)
+        far_sums = torch.zeros(2, dtype=torch.float64, device=trust.device)
+        if self.kl_boost > 0:  # the far rows' KL (logged; the adaptive boost's input)
+            far_sums = far_kl_sums(batch.get("old_log_probs"), batch.get("ref_log_probs"), mask,
+                                   far_rows(trust, judged))
+        sums = comm.all_reduce_sum(torch.cat([covered_reward_sums(batch, trust, valid), far_sums]), self.dp_group)
+        rows = comm.all_gather_cat(torch.stack([trust.double(), valid.double()], dim=1), self.dp_group)  # [B, 2]
+        # every number logged below, and the adaptive boost's input, in the step's one read of the device
+        read = torch.cat([sums, trust_stats(rows[:, 0], rows[:, 1] > 0)]).cpu().tolist()
+        reward_sum, weight, kl_sum, kl_tokens, *stats = read
+        nan = float("nan")
+        metrics = {f"coverage/{k}": v for k, v in zip(TRUST_METRICS, stats)}
         if self.kl_boost > 0:
-            judged = batch.extras.get("rule_judged")
-            sums = torch.zeros(2, dtype=torch.float64)
-            if "old_log_probs" in batch.extras:  # the step's forwards set both (a test's batch may not)
-                sums = far_kl_sums(batch.get("old_log_probs"), batch.get("ref_log_probs"), batch.get("mask"),
-                                   far_rows(trust, judged)).cpu()
-            comm.all_reduce_sum(sums, self.dp_group)
-            far_kl = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+            far_kl = kl_sum / kl_tokens if kl_tokens > 0 else nan
             if self.kl_boost_target is not None:
                 self.kl_boost = adapt_kl_boost(self.kl_boost, far_kl, self.kl_boost_target,
                                                ceiling=self.kl_boost_ceiling)
             batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost, judged=judged,
                                                              shape=self.kl_boost_shape))
-            hold = {"coverage/kl_boost": self.kl_boost}
-            if sums[1] > 0:  # a step with no far row (every row covered or judged by a rule) logs none
-                hold["coverage/far_kl"] = far_kl
-        valid = batch.get("mask").sum(dim=1) > 0  # the rows that train (not dropped by the filter)
-        trust = comm.all_gather_cat(trust.float(), self.dp_group)[comm.all_gather_cat(valid.float(), self.dp_group) > 0]
-        nan = float("nan")
-        metrics = trust_metrics(trust) if trust.numel() else {
-            f"coverage/{k}": nan for k in ("trust_mean", "trust_p10", "trust_p90", "far_share")}
-        return {**metrics, **hold, "coverage/low": self.low, "coverage/high": self.high,
+            metrics["coverage/kl_boost"] = self.kl_boost
+            if kl_tokens > 0:  # a step with no far row (every row covered or judged by a rule) logs none
+                metrics["coverage/far_kl"] = far_kl
+        return {**metrics, "coverage/low": self.low, "coverage/high": self.high,
                 "perf/coverage_cached_prompts": float(len(self.cache)),  # a cache, not state: not resumed
-                "coverage/learned_reward": covered_learned_reward(batch, self.dp_group)}
+                "coverage/learned_reward": reward_sum / weight if weight > 0 else nan}
 
     def act(self, factors: StepFactors) -> StepFactors:
         return dataclasses.replace(factors, learned_trust=self.trust)
