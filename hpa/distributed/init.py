@@ -38,7 +38,7 @@ class LaunchEnv:
     world_size: int
     local_rank: int
     master_addr: str
-    master_port: int
+    master_port: int  # 0 for one process: it meets no one
     launcher: str  # "torchrun", "slurm" or "single"
 
 
@@ -87,10 +87,9 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
         return LaunchEnv(rank=_int_env(env, "SLURM_PROCID"), world_size=_int_env(env, "SLURM_NTASKS"),
                          local_rank=_int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
                          master_addr=addr, master_port=port, launcher="slurm")
-    # one process: any free local port will do, so several single-process jobs can share a machine
-    port = _int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else _free_port()
-    return LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=port,
-                     launcher="single")
+    # one process: no rendezvous, so no port (``initialize`` gives it a store in its own memory); several
+    # single-process jobs share a machine without racing for one
+    return LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, launcher="single")
 
 
 @contextlib.contextmanager
@@ -137,14 +136,6 @@ def megatron_fallback_note(device: torch.device) -> Optional[str]:
     return ("Transformer Engine and Apex are not installed: megatron's local layers, torch's norms and optimizers "
             "and its own multi-tensor kernels run in their place (slower on GPUs); `hpa doctor` prints the "
             "install command")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 TEST_MODEL_DEVICE_ENV = "HPA_TEST_MODEL_DEVICE"
@@ -198,6 +189,8 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234,
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
         store = _restart_safe_store(launch, timeout)
+        if launch.launcher == "single":  # no one to meet: a port found free may be taken before it is bound
+            store = dist.HashStore()
         dist.init_process_group(
             backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
             **({"store": store} if store is not None else

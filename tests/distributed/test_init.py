@@ -297,3 +297,27 @@ def test_the_optimizer_builds_under_an_nccl_layout():
     from multirank import run_ranks
 
     assert run_ranks(nccl_optimizer_worker) == [True]
+
+
+def test_one_process_needs_no_free_port():
+    """Several single-process jobs share a machine (``hpa ablate --parallel``, the re-drawn sweeps): a port
+    found free and then bound by another job before this one's rendezvous bound it failed the run with
+    EADDRINUSE (seen 2026-11-27 in a sweep). One process has no one to meet: it initialises without a port,
+    whatever ports are taken, the one ``MASTER_PORT`` names included."""
+    import socket
+
+    import torch.distributed as dist
+
+    from hpa.config.schema import ParallelConfig
+    from hpa.distributed import destroy, initialize
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for env in ({}, {"MASTER_PORT": str(port)}):
+            groups = initialize(ParallelConfig(backend="gloo"), launch=read_launch_env(env))
+            try:
+                assert groups.world_size == 1 and dist.get_world_size() == 1
+            finally:
+                destroy()
