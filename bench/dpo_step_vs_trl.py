@@ -100,7 +100,6 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -234,12 +233,6 @@ def _set_threads(threads: int) -> None:
     torch.manual_seed(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # ---------------------------------------------------------------------------------------------- hpa
 
 
@@ -300,7 +293,7 @@ def run_hpa(args, turn: "Turn") -> Dict:
     weights = objective.StepWeights(w_ppo=0.0, w_dpo=1.0, w_kl=0.0, lambda_token=0.0, lambda_semantic=0.0,
                                  entropy_coef=0.0, reward_kl_coef=0.0)
     groups = initialize(parallel, seed=args.seed, launch=LaunchEnv(
-        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=_free_port(), launcher="single"))
+        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, launcher="single"))
     try:
         policy = build_policy(model_cfg, parallel, groups)
         reference = build_reference(model_cfg, parallel, groups)

@@ -185,14 +185,13 @@ def _probe(config: str, overrides) -> dict:
 
     from hpa.config import load_config
     from hpa.distributed import LaunchEnv, destroy, initialize
-    from hpa.distributed.init import _free_port
     from hpa.models import build_policy
 
     cfg = load_config(config, overrides)
     try:
         groups = initialize(cfg.parallel, launch=LaunchEnv(rank=0, world_size=1, local_rank=0,
-                                                           master_addr="127.0.0.1", master_port=_free_port(),
-                                                           launcher="torchrun"))
+                                                           master_addr="127.0.0.1", master_port=0,
+                                                           launcher="single"))
     except Exception as err:  # noqa: BLE001 -- reported in the JSON, and the check fails
         return {"error": f"initialise: {err}"}
     try:

@@ -158,12 +158,11 @@ def main(argv=None) -> dict:
     from hpa.config.schema import ModelConfig, ParallelConfig
     from hpa.distributed import LaunchEnv, destroy, initialize
     from hpa.models import build_policy
-    from hpa.distributed.init import _free_port as free_port
 
     torch.set_num_threads(1)
     groups = initialize(ParallelConfig(backend="gloo"),
                         launch=LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                                         master_port=free_port(), launcher="torchrun"))
+                                         master_port=0, launcher="single"))
     try:
         cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                           num_query_groups=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,

@@ -50,7 +50,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -107,12 +106,6 @@ def make_prompts(args) -> List[List[int]]:
     return [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _synchronize(args) -> None:
     if args.device == "cuda":
         import torch
@@ -142,7 +135,7 @@ class HpaSide:
         parallel = ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                   backend="nccl" if args.device == "cuda" else "gloo")
         self.groups = initialize(parallel, seed=args.seed, launch=LaunchEnv(
-            rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=_free_port(),
+            rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
             launcher="single"))
         self.model = build_policy(model_cfg, parallel, self.groups)
         self.model_cfg = model_cfg
