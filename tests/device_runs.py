@@ -41,13 +41,12 @@ def _save_initial_policy(path: Path) -> None:
     from hpa.distributed.init import TEST_MODEL_DEVICE_ENV
     from hpa.models import build_policy
     from hpa.models.weights import save_model_weights
-    from multirank import free_port
 
     mode = os.environ.pop(TEST_MODEL_DEVICE_ENV, None)
     try:
         cfg = load_config(None, [])
         groups = initialize(cfg.parallel, launch=LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                                                           master_port=free_port(), launcher="single"))
+                                                           master_port=0, launcher="single"))
         torch.manual_seed(0)
         save_model_weights(build_policy(cfg.model, cfg.parallel, groups), path, groups)
         destroy()

@@ -70,12 +70,11 @@ def in_process(fn, *args):
 
     from hpa.config.schema import ParallelConfig
     from hpa.distributed import LaunchEnv, destroy, initialize
-    from multirank import free_port
 
     if dist.is_initialized():
         return run_ranks(fn, args=args)[0]
     groups = initialize(ParallelConfig(backend="gloo"), launch=LaunchEnv(
-        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=free_port(), launcher="single"))
+        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, launcher="single"))
     try:
         return fn(groups, *args)
     finally:

@@ -188,9 +188,8 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234,
 
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
-        store = _restart_safe_store(launch, timeout)
-        if launch.launcher == "single":  # no one to meet: a port found free may be taken before it is bound
-            store = dist.HashStore()
+        # one process meets no one: a store in its own memory (a port found free may be taken before it is bound)
+        store = dist.HashStore() if launch.launcher == "single" else _restart_safe_store(launch, timeout)
         dist.init_process_group(
             backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
             **({"store": store} if store is not None else

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from multirank import free_port, run_ranks
+from multirank import run_ranks
 
 VOCAB = 70  # pads to 80 at TP1 and 96 at TP2 (divisible by 16 · TP)
 DIVISIBLE_BY = 16
@@ -107,7 +107,7 @@ def local_groups():
     if dist.is_initialized():
         pytest.skip("torch.distributed is already initialised in this process")
     groups = initialize(ParallelConfig(backend="gloo"), launch=LaunchEnv(
-        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=free_port(), launcher="single"))
+        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, launcher="single"))
     yield groups
     destroy()
 

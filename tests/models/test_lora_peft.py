@@ -11,7 +11,6 @@ import dataclasses
 import pytest
 import torch
 
-from multirank import free_port
 
 peft = pytest.importorskip("peft")
 
@@ -37,7 +36,7 @@ def groups():
     if dist.is_initialized():
         pytest.skip("torch.distributed is already initialised in this process")
     g = initialize(ParallelConfig(backend="gloo"), launch=LaunchEnv(
-        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=free_port(), launcher="single"))
+        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, launcher="single"))
     yield g
     destroy()
 
