@@ -215,6 +215,32 @@ class DPOConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    """SFT replay: the supervised examples of ``data.sft_path`` (those that made the start) replayed in every
+    step, their NLL per token added to the offline stream: InstructGPT's PPO-ptx (Ouyang et al. 2022, with
+    the SFT data in place of pre-training text) and OpenRLHF's ``ptx_coef``. Where the preference pairs
+    and the reward models have no support (a prompt kind without pairs), the step's only signal is then the
+    demonstrations, not the learned reward's extrapolation (docs/objective.md, "SFT replay").
+
+    The term is ``w_dpo · b · coef · NLL_replay``: it rides with the pair stream, under its weight and the
+    automatic balance's factor ``b``, as the RPO anchor does; ``w_dpo = 0`` for the whole run turns it off.
+    Each step draws ``trainer.replay_batch_size`` examples (over all DP ranks).
+
+    Attributes:
+        coef: γ, the weight of the replayed examples' NLL per token next to the DPO loss; 0 (default) is off.
+    """
+
+    coef: float = 0.0
+
+    def __post_init__(self):
+        check_range("coef", self.coef, low=0.0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef > 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class KLConfig:
     """KL to the reference: estimator, where it is applied, and its coefficient.
 
@@ -483,6 +509,7 @@ class AlgorithmConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     hpa: HPAConfig = field(default_factory=HPAConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     rollout_filter: RolloutFilterConfig = field(default_factory=RolloutFilterConfig)
 
     def __post_init__(self):

@@ -337,6 +337,7 @@ class TrainerConfig:
         global_batch_size: prompts per step over all DP ranks.
         micro_batch_size: rows (rollouts or preference pairs) per rank and pipeline micro-batch.
         preference_batch_size: preference pairs per step over all DP ranks.
+        replay_batch_size: SFT examples replayed per step over all DP ranks, with ``algorithm.replay.coef > 0``.
         ppo_epochs: passes over each step's rollouts.
         ppo_mini_batch_size: prompts per optimizer update within a step; null: one update per epoch.
         ppo_max_token_len_per_rank: token budget of a rollout micro-batch (rows regrouped to fit it); null:
@@ -356,6 +357,7 @@ class TrainerConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 1
     preference_batch_size: int = 8
+    replay_batch_size: int = 4
     ppo_epochs: int = 1
     ppo_mini_batch_size: Optional[int] = None
     ppo_max_token_len_per_rank: Optional[int] = None
@@ -367,6 +369,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         _positive(self, "total_steps", "global_batch_size", "micro_batch_size", "preference_batch_size",
+                  "replay_batch_size",
                   "ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_rank",
                   "log_prob_max_token_len_per_rank",
                   "max_steps_per_run")
@@ -643,6 +646,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _check_model_layout(cfg)
     _check_lengths(cfg)
     _check_trust(cfg)
+    _check_replay(cfg)
     check_lora(cfg)
     _check_rewards_and_filters(cfg)
     if world_size is not None:
@@ -679,6 +683,12 @@ def _check_lengths(cfg: Config) -> None:
     if cfg.guard.early_stop_on_hacking and (cfg.data.adversarial_prompt_path is None or t.eval_interval <= 0):
         raise ConfigError("guard.early_stop_on_hacking", "the reward-hacking monitor needs "
                           "data.adversarial_prompt_path and trainer.eval_interval > 0")
+
+
+def _check_replay(cfg: Config) -> None:
+    if cfg.algorithm.replay.enabled and cfg.data.sft_path is None:
+        raise ConfigError("algorithm.replay.coef", f"{cfg.algorithm.replay.coef} replays the SFT examples of "
+                          "data.sft_path, which is not set; set it to a {prompt, response} file or coef: 0")
 
 
 def _check_trust(cfg: Config) -> None:
@@ -730,7 +740,9 @@ def _check_data_parallel(cfg: Config, world_size: int) -> None:
     dp = data_parallel_size(cfg.parallel, world_size)
     for key, value in (("trainer.global_batch_size", cfg.trainer.global_batch_size),
                        ("sft.global_batch_size", cfg.sft.global_batch_size),
-                       ("trainer.preference_batch_size", cfg.trainer.preference_batch_size)):
+                       ("trainer.preference_batch_size", cfg.trainer.preference_batch_size),
+                       *((("trainer.replay_batch_size", cfg.trainer.replay_batch_size),)
+                         if cfg.algorithm.replay.enabled else ())):
         if value % dp:
             raise ConfigError(key, f"{value} is not divisible by the data-parallel size {dp} (world size "
                               f"{world_size} / TP·PP·CP); use a multiple of {dp}")

@@ -28,6 +28,8 @@ PATHS_READ = {
     "generate": (_TOKENIZER, *_POLICY, ("model.reference_path", "any")),
 }
 REQUIRED = {"sft": ("data.sft_path",), "serve": ("model.policy_path",), "generate": ("model.policy_path",)}
+# what a command reads only when a feature is on: (command, the feature's test, the path's entry)
+PATHS_READ_WHEN = (("train", lambda cfg: cfg.algorithm.replay.enabled, ("data.sft_path", "file")),)
 _KIND_WORD = {"file": "a file", "dir": "a directory", "any": "a file or directory"}
 
 
@@ -43,7 +45,8 @@ def check_paths(cfg: Config, command: str) -> None:
     for key in REQUIRED.get(command, ()):
         if _get(cfg, key) is None:
             raise ConfigError(key, f"hpa {command} reads it and it is not set; give a path")
-    for key, kind in PATHS_READ[command]:
+    when = tuple(entry for name, on, entry in PATHS_READ_WHEN if name == command and on(cfg))
+    for key, kind in PATHS_READ[command] + when:
         value = _get(cfg, key)
         values = value if isinstance(value, tuple) else (value,)
         for i, path in enumerate(values):

@@ -34,7 +34,7 @@ class MicroBatch:
 
     Attributes:
         kind: what the rows are: ``"rollout"``, ``"pairs"`` (``m`` chosen rows, then their ``m`` rejected
-            rows), ``"sft"`` or ``"rows"`` (anything else).
+            rows), ``"sft"``, ``"replay"`` (SFT examples replayed in an HPA step) or ``"rows"`` (anything else).
         input_ids, labels: ``[n, s]`` padded or ``[1, T]`` packed; ``labels[t]`` is the token after
             ``input_ids[t]`` within its row (pad after a row's last token).
         lengths: ``[n]`` int64, the positions of each row that enter the model when packed.

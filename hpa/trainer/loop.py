@@ -23,11 +23,11 @@ from hpa.config.schema import Config, to_dict
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
-from hpa.trainer import faults, phases, reference_cache
+from hpa.trainer import faults, micro_batches, phases, reference_cache
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter, device_timer, peak_memory_gb, update_perf
 from hpa.trainer.heldout import heldout_nll
-from hpa.trainer.objective import ControllerInputs, Controllers, WeightSchedules, describe
+from hpa.trainer.objective import ControllerInputs, Controllers, WeightSchedules, active_terms, describe
 from hpa.trainer.rollout_step import NoRollouts, RolloutStep, generate
 from hpa.trainer.run_control import RunControl, write_exit_status
 from hpa.trainer.setup import build_run
@@ -80,6 +80,7 @@ class HPATrainer:
         self.control = RunControl(cfg.trainer, cfg.guard, self.guard, run_dir, is_main=groups.is_main)
         trainables = {"policy": p.policy, **({"critic": p.critic} if p.critic is not None else {})}
         parts = {"guard": self.guard, "prompt_sampler": p.prompt_sampler, "pair_sampler": p.pair_sampler,
+                 **({"replay_sampler": p.replay_sampler} if p.replay_sampler is not None else {}),
                  "reward": p.reward, "policy_sched": p.policy.scheduler, "monitor": p.evaluator,
                  **({"critic_sched": p.critic.scheduler} if p.critic is not None else {}), **self.controllers.state_parts()}
         self.state = RunState(cfg, groups, trainables, parts, self.guard)
@@ -88,7 +89,7 @@ class HPATrainer:
         if groups.is_main:
             start = self.weights.at(progress(self.state.step, cfg.trainer.total_steps), self.controllers.factors())
             logger.info("the objective at step %d:\n%s", self.state.step,
-                        describe(start.scheduled(), start.factors.scales()))
+                        describe(start.scheduled(), start.factors.scales(), active_terms(cfg.algorithm)))
         self.metrics = MetricsWriter(run_dir, cfg.logging, is_main=groups.is_main, run_config=to_dict(cfg),
                                      resume_step=self.state.step + 1 if resumed else None,
                                      total_steps=cfg.trainer.total_steps)
@@ -191,6 +192,7 @@ class HPATrainer:
         batch, metrics, weights = self.rollouts.collect(weights)
         with self.timer("reference"):
             pairs = self.step_pairs()
+        pairs = pairs + self.step_replay()
         faults.maybe_kill(step + 1, self.groups.rank)
         with self.timer("update_actor"):
             metrics.update(phases.update_policy(
@@ -208,6 +210,14 @@ class HPATrainer:
         indices = p.pair_sampler.next_batch()
         cached = self.ref_log_probs[indices] if self.ref_log_probs is not None else None
         return phases.preference_micro_batches([p.pairs[i] for i in indices], p.reference, self.ctx, cached)
+
+    def step_replay(self):
+        """This step's replayed SFT examples as replay micro-batches (``algorithm.replay``; none when it is off)."""
+        p = self.parts
+        if p.replay_sampler is None:
+            return []
+        return micro_batches.sft_micro_batches([p.replay[i] for i in p.replay_sampler.next_batch()], self.ctx.batching,
+                                               kind="replay")
 
     def generate(self, prompt_ids, params):
         return generate(self.parts, self.ctx, prompt_ids, params)

@@ -2,7 +2,8 @@
 
 A rollout micro-batch carries the training sequences of its rows plus every per-row tensor the policy
 and critic losses read (``ROLLOUT_ROW_KEYS``, taken from the ``RolloutBatch``); a pair micro-batch
-carries ``m`` preference pairs as ``2m`` rows (chosen rows, then rejected rows). Every DP rank gets the
+carries ``m`` preference pairs as ``2m`` rows (chosen rows, then rejected rows); a replay micro-batch carries SFT
+examples, one a row. Every DP rank gets the
 same number of micro-batches, as megatron's pipeline schedule and DDP require.
 """
 
@@ -67,8 +68,9 @@ def chosen_micro_batches(examples, batching: Batching) -> List[MicroBatch]:
     return collate("rows", rows, chunks(len(examples), batching.micro_batch_size), packed=batching.packed)
 
 
-def sft_micro_batches(examples, batching: Batching) -> List[MicroBatch]:
-    """SFT examples -> micro-batches with ``input_ids``/``labels`` and ``label_mask`` rows."""
+def sft_micro_batches(examples, batching: Batching, kind: str = "sft") -> List[MicroBatch]:
+    """SFT examples -> micro-batches with ``input_ids``/``labels`` and ``label_mask`` rows (``kind``: ``sft`` for
+    ``hpa sft``, ``replay`` for the SFT replay of an HPA step)."""
     rows = TokenRows.next_token([e.input_ids for e in examples], [e.response_mask for e in examples],
                                 batching.pad_id)
-    return collate("sft", rows, chunks(len(examples), batching.micro_batch_size), packed=batching.packed)
+    return collate(kind, rows, chunks(len(examples), batching.micro_batch_size), packed=batching.packed)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from hpa.config.schema import Config, heldout_pairs_needed
-from hpa.data.preferences import PreferenceDataset
+from hpa.data.preferences import PreferenceDataset, SFTDataset
 from hpa.data.prompts import PromptDataset
 from hpa.data.sampler import DistributedBatchSampler
 from hpa.data.tokenizer import build_tokenizer
@@ -37,6 +37,8 @@ class RunParts:
         engine: the rollout engine on the policy's weights.
         reward: the shaped reward (rule rewards and the reward-model ensemble, with uncertainty shaping).
         model_reward: the reward-model ensemble alone (the learned reward), None without reward models.
+        replay, replay_sampler: the SFT examples replayed in every step and their sampler, with
+            ``algorithm.replay`` on; else None.
     """
 
     tokenizer: object
@@ -52,6 +54,8 @@ class RunParts:
     reward: object
     evaluator: Evaluator
     model_reward: Optional[object] = None
+    replay: Optional[SFTDataset] = None
+    replay_sampler: Optional[DistributedBatchSampler] = None
 
 
 def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
@@ -70,6 +74,12 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
 
     prompt_sampler = sampler(len(prompts), t.global_batch_size, seed)
     pair_sampler = sampler(len(pairs), t.preference_batch_size, seed + 1)
+    replay = replay_sampler = None
+    if cfg.algorithm.replay.enabled:  # the SFT examples, replayed in every step (algorithm.replay)
+        replay = SFTDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
+        if len(replay) == 0:
+            raise ValueError(f"algorithm.replay: no SFT example left in data.sft_path {cfg.data.sft_path}")
+        replay_sampler = sampler(len(replay), t.replay_batch_size, seed + 2)
     policy, reference, critic = build_models(cfg, groups)
     engine = build_rollout_engine(cfg.rollout, unwrap(policy.model), groups, TokenizerInfo.from_tokenizer(tokenizer),
                                   model_cfg=cfg.model, checkpoint_path=cfg.model.policy_path)
@@ -87,7 +97,8 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
                                             packed=t.sequence_packing))
     return RunParts(tokenizer=tokenizer, prompts=prompts, pairs=pairs, heldout_pairs=heldout, prompt_sampler=prompt_sampler,
                     pair_sampler=pair_sampler, policy=policy, reference=reference, critic=critic, engine=engine,
-                    reward=reward, evaluator=evaluator, model_reward=model_reward)
+                    reward=reward, evaluator=evaluator, model_reward=model_reward, replay=replay,
+                    replay_sampler=replay_sampler)
 
 
 def build_models(cfg: Config, groups: ParallelGroups):

@@ -123,6 +123,7 @@ CROSS_SECTION = [
     (["algorithm.hpa.coverage.enabled=true", HELDOUT, "algorithm.advantage.per_component=true"],
      "algorithm.hpa.coverage.enabled"),
     (["reward.shaping.diversity_source=reward_model"], "reward.shaping.diversity_source"),
+    (["algorithm.replay.coef=0.5", "data.sft_path=null"], "algorithm.replay.coef"),
     (["algorithm.advantage.per_component=true", "reward.shaping.normalize=true"], "algorithm.advantage.per_component"),
     (["algorithm.rollout_filter.name=dapo_groups", "rollout.n=1"], "algorithm.rollout_filter.name"),
     (["algorithm.rollout_filter.name=reward_above_mean_std", "algorithm.rollout_filter.scope=group", "rollout.n=1"],
@@ -160,6 +161,11 @@ def test_world_size_checks_need_a_world_size_and_refuse_zero(capsys):
     with pytest.raises(ConfigError, match="data-parallel size 2") as err:
         load_config(None, ["trainer.global_batch_size=9"], world_size=2)
     assert err.value.source == "command line"
+    # the replayed SFT examples are split over the DP ranks only when the replay is on
+    load_config(None, ["trainer.replay_batch_size=3"], world_size=2)
+    with pytest.raises(ConfigError, match="data-parallel size 2") as err:
+        load_config(None, ["trainer.replay_batch_size=3", "algorithm.replay.coef=0.5"], world_size=2)
+    assert err.value.key == "trainer.replay_batch_size"
     with pytest.raises(ConfigError, match="world-size"):
         load_config(None, world_size=0)
     for bad in ("0", "-1", "x"):

@@ -78,25 +78,40 @@ def _setup(groups):
             start += m
         return mbs
 
-    return AlgorithmConfig(), policy, rollout_mbs, pair_mbs
+    from hpa.data.preferences import SFTExample
+    from hpa.engine.batching import Batching
+    from hpa.trainer.micro_batches import sft_micro_batches
+
+    examples = [SFTExample(prompt_ids=[3, 4], response_ids=[23, 24, 25]), SFTExample(prompt_ids=[26], response_ids=[27]),
+                SFTExample(prompt_ids=[28, 29, 30], response_ids=[31, 32])]
+
+    def replay_mbs(size, kind="replay"):
+        return sft_micro_batches(examples, Batching(micro_batch_size=size, pad_id=0), kind=kind)
+
+    return AlgorithmConfig(), policy, rollout_mbs, pair_mbs, replay_mbs
 
 
 def gradients_worker(groups):
+    import dataclasses
+
+    from hpa.config.algorithm import ReplayConfig
     from hpa.trainer import objective
     from hpa.engine.step import forward_backward
 
-    algo, policy, rollout_mbs, pair_mbs = _setup(groups)
+    algo, policy, rollout_mbs, pair_mbs, replay_mbs = _setup(groups)
 
     def grad(w_ppo, w_dpo, w_kl, rollout_size=4, pair_size=3, with_rollouts=True, with_pairs=True, entropy=0.01,
-             is_weight=None):
+             is_weight=None, replay_size=0, coef=0.0, pairs_factor=1.0):
         weights = objective.StepWeights(w_ppo=w_ppo, w_dpo=w_dpo, w_kl=w_kl, lambda_token=0.7, lambda_semantic=0.5,
-                                        entropy_coef=entropy, reward_kl_coef=0.0)
+                                        entropy_coef=entropy, reward_kl_coef=0.0,
+                                        factors=objective.StepFactors(pairs=pairs_factor))
         r = rollout_mbs(rollout_size) if with_rollouts else []
         for mb in r if is_weight is not None else []:
             mb["is_weights"] = torch.full_like(mb["mask"], is_weight) * mb["mask"]
-        p = pair_mbs(pair_size) if with_pairs else []
+        p = (pair_mbs(pair_size) if with_pairs else []) + (replay_mbs(replay_size) if replay_size else [])
         counts = objective.global_counts(r, p, groups)
-        loss_fn = objective.make_policy_loss(algo, weights, counts, groups, vocab_size=VOCAB, temperature=1.0)
+        loss_fn = objective.make_policy_loss(dataclasses.replace(algo, replay=ReplayConfig(coef=coef)), weights,
+                                             counts, groups, vocab_size=VOCAB, temperature=1.0)
         policy.zero_grad_buffer()
         records = forward_backward(policy, r + p, loss_fn, groups, capture_hidden=True)
         flat = torch.cat([prm.main_grad.flatten().clone() for prm in policy.parameters()])
@@ -114,6 +129,28 @@ def gradients_worker(groups):
     out["dpo_unit"], out["dpo_metrics"] = grad(0.0, 1.0, 0.0, with_rollouts=False)
     out["pg_plain"], _ = grad(0.4, 0.0, 0.0, with_pairs=False, entropy=0.0)
     out["pg_is_2"], _ = grad(0.4, 0.0, 0.0, with_pairs=False, entropy=0.0, is_weight=2.0)
+    # the SFT replay: its own part, split over micro-batches, in the mixed step, under the balance's factor
+    out["replay_unit"], out["replay_metrics"] = grad(0.0, 1.0, 0.0, with_rollouts=False, with_pairs=False,
+                                                     replay_size=3, coef=1.0)
+    out["replay_split"], out["replay_split_metrics"] = grad(0.0, 0.5, 0.0, with_rollouts=False, with_pairs=False,
+                                                             replay_size=1, coef=0.5, pairs_factor=2.0)
+    out["mixed_replay"], _ = grad(0.4, 0.4, 0.2, replay_size=2, coef=0.5)
+    out["mixed_replay_off"], _ = grad(0.4, 0.4, 0.2, replay_size=2, coef=0.0)
+    # hpa sft's loss on the same examples: the NLL per response token, summed over micro-batches
+    from hpa.engine.head import label_log_probs
+
+    mbs = replay_mbs(2, kind="sft")
+    tokens = sum(float(mb["label_mask"].sum()) for mb in mbs)
+
+    def sft_nll(batch, logits, hidden):
+        logp = label_log_probs(batch, logits, groups.tp_group, vocab_size=VOCAB)
+        share = -(logp * batch["label_mask"]).sum() / tokens
+        return share, {"sft/nll": share.detach()}
+
+    policy.zero_grad_buffer()
+    records = forward_backward(policy, mbs, sft_nll, groups)
+    out["sft_grad"] = torch.cat([prm.main_grad.flatten().clone() for prm in policy.parameters()]).numpy()
+    out["sft_nll"] = objective.step_metrics(records, groups, share_keys=frozenset({"sft/nll"}))["sft/nll"]
     return out
 
 
@@ -148,6 +185,19 @@ def test_importance_weights_reach_the_policy_loss(grads):
     a constant weight of 2 doubles the policy-gradient step."""
     assert np.abs(grads["pg_plain"]).max() > 0
     np.testing.assert_allclose(grads["pg_is_2"], 2.0 * grads["pg_plain"], atol=1e-7)
+
+
+def test_the_sft_replay_is_hpa_sfts_loss_weighted_and_split_freely(grads):
+    """The replay term (``algorithm.replay``) on the SFT examples is ``hpa sft``'s NLL per token (value and
+    gradient) times ``w_dpo · b · coef``; over three micro-batches as over one; in a mixed step it adds its own
+    part and nothing else, and with coef 0 it is absent."""
+    assert grads["replay_metrics"]["replay/nll"] == pytest.approx(grads["sft_nll"], rel=1e-6)
+    np.testing.assert_allclose(grads["replay_unit"], grads["sft_grad"], atol=1e-7)
+    assert np.abs(grads["replay_unit"]).max() > 0
+    assert grads["replay_split_metrics"]["replay/nll"] == pytest.approx(grads["sft_nll"], rel=1e-6)
+    np.testing.assert_allclose(grads["replay_split"], 0.5 * 2.0 * 0.5 * grads["replay_unit"], atol=1e-7)
+    np.testing.assert_allclose(grads["mixed_replay"], grads["mixed"] + 0.4 * 0.5 * grads["replay_unit"], atol=1e-6)
+    np.testing.assert_allclose(grads["mixed_replay_off"], grads["mixed"], atol=1e-7)
 
 
 def test_dpo_loss_metric_is_the_pair_mean(grads):

@@ -8,11 +8,11 @@ from hpa.trainer.objective.controllers import (CONTROLLERS, Controller, Controll
                                                GradientBalance, StepSignals)
 from hpa.trainer.objective.loss import SHARE_KEYS, average, make_critic_loss, make_policy_loss, step_metrics
 from hpa.trainer.objective.streams import STREAMS, GlobalCounts, global_counts
-from hpa.trainer.objective.terms import GROUPS, TERMS, Term, describe, hpa_objective
+from hpa.trainer.objective.terms import GROUPS, TERMS, Term, active_terms, describe, hpa_objective
 from hpa.trainer.objective.weights import StepFactors, StepWeights, WeightSchedules
 
 __all__ = [
     "CONTROLLERS", "Controller", "ControllerInputs", "Controllers", "GradientBalance", "StepSignals", "SHARE_KEYS", "average",
     "make_critic_loss", "make_policy_loss", "step_metrics", "STREAMS", "GlobalCounts", "global_counts", "GROUPS",
-    "TERMS", "Term", "describe", "hpa_objective", "StepFactors", "StepWeights", "WeightSchedules",
+    "TERMS", "Term", "active_terms", "describe", "hpa_objective", "StepFactors", "StepWeights", "WeightSchedules",
 ]

@@ -29,6 +29,7 @@ class GlobalCounts:
     sequences: float
     pairs: float
     chosen_tokens: float = 1.0  # response tokens of the pairs' chosen rows (the anchor's normaliser)
+    replay_tokens: float = 1.0  # response tokens of the replayed SFT examples (the replay term's normaliser)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +67,10 @@ def prepare_rollout(batch: MicroBatch, logits, hidden, groups: ParallelGroups, v
             "pooled": mean_pool(batch.unpack(hidden).float(), batch["pool_mask"])}
 
 
-def prepare_pairs(batch: MicroBatch, logits, hidden, groups: ParallelGroups, vocab_size: int,
-                  temperature: float) -> Dict[str, torch.Tensor]:
-    """Per-token log-probs ``[2m, s]`` at temperature 1 (the chosen rows, then the rejected ones)."""
+def prepare_labels(batch: MicroBatch, logits, hidden, groups: ParallelGroups, vocab_size: int,
+                   temperature: float) -> Dict[str, torch.Tensor]:
+    """Per-token log-probs of the labels ``[rows, s]`` at temperature 1: a pair micro-batch's chosen rows, then
+    its rejected ones; a replay micro-batch's SFT examples."""
     return {"token_log_probs": label_log_probs(batch, logits, groups.tp_group, vocab_size=vocab_size)}  # [2m, s]
 
 
@@ -76,10 +78,15 @@ def _chosen_tokens(mb: MicroBatch) -> float:
     return float(mb["label_mask"][:mb.num_rows // 2].sum())
 
 
+def _label_tokens(mb: MicroBatch) -> float:
+    return float(mb["label_mask"].sum())
+
+
 STREAMS: Dict[str, Stream] = {s.name: s for s in (
     Stream("rollout", prepare_rollout, {"tokens": lambda mb: float(mb["mask"].sum()),
                                         "sequences": lambda mb: float((mb["mask"].sum(dim=1) > 0).sum())}),
-    Stream("pairs", prepare_pairs, {"pairs": lambda mb: mb.num_rows / 2, "chosen_tokens": _chosen_tokens}),
+    Stream("pairs", prepare_labels, {"pairs": lambda mb: mb.num_rows / 2, "chosen_tokens": _chosen_tokens}),
+    Stream("replay", prepare_labels, {"replay_tokens": _label_tokens}),
 )}
 
 
@@ -95,7 +102,7 @@ def global_counts(rollout_mbs: Sequence[MicroBatch], offline_mbs: Sequence[Micro
                   groups: ParallelGroups) -> GlobalCounts:
     """The ``GlobalCounts`` of one mini-batch: each stream's counts of its micro-batches, summed over DP
     (at least 1, so an absent stream divides nothing by 0). ``offline_mbs``: the micro-batches of every
-    stream but the rollouts (the pairs, ...), each counted by its own stream (its ``kind``)."""
+    stream but the rollouts (the pairs, the replayed SFT examples), each counted by its own stream (its ``kind``)."""
     by_stream = {name: [] for name in STREAMS}
     by_stream["rollout"] = [MicroBatch.of(mb) for mb in rollout_mbs]
     for mb in offline_mbs:

@@ -1,9 +1,9 @@
 """The table of the objective's terms (``TERMS``): the step's loss is computed from it and nowhere else::
 
-    L = w_ppo·(L_ppo + L_ent) + w_dpo·b·(L_dpo + α·NLL_chosen) + w_kl·L_hier_kl
+    L = w_ppo·(L_ppo + L_ent) + w_dpo·b·(L_dpo + α·NLL_chosen) + w_kl·L_hier_kl + w_dpo·b·γ·NLL_replay
 
 Each entry owns everything about its term: the stream whose micro-batches carry it (``stream``: the
-step's rollouts or the offline pairs, ``hpa.trainer.objective.streams``), its per-micro-batch loss
+step's rollouts, the offline pairs or the replayed SFT examples, ``hpa.trainer.objective.streams``), its per-micro-batch loss
 (``loss``: ``loss(batch, outputs, inputs) -> (value, metrics)``, the value already normalised by its
 global count), the scheduled step weight that multiplies it (``weight``, a ``StepWeights`` field), the
 global count it is normalised by (``normaliser``, a ``GlobalCounts`` field), the controller factor that
@@ -12,7 +12,8 @@ of a globally normalised loss (``shares``: summed over micro-batches, not averag
 automatic balance's factor on the pair stream (1 unless ``algorithm.hpa.balance``); the trust gate does
 not scale a loss: it weights the learned component of the advantages the PPO term reads.
 ``L_ent = -c·H`` belongs to the PPO weight (it keeps the policy PPO updates exploring), so ``w_ppo = 0``
-removes both and ``w_ppo = w_kl = 0`` is plain DPO. The tensor math of each loss is ``hpa.algorithms``.
+removes both and ``w_ppo = w_kl = 0`` is plain DPO. The SFT replay (``algorithm.replay``, γ its ``coef``; off by
+default) is part of the offline stream as the anchor is: under ``w_dpo`` and ``b``. The tensor math of each loss is ``hpa.algorithms``.
 
 A micro-batch carries one stream; the terms of the other streams are left out of its values: they
 contribute nothing and are not logged.
@@ -21,7 +22,7 @@ contribute nothing and are not logged.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -85,6 +86,14 @@ def dpo_term(batch: MicroBatch, out, inputs: LossInputs):
     return loss, metrics
 
 
+def replay_term(batch: MicroBatch, out, inputs: LossInputs):
+    """γ·NLL per token of the replayed SFT examples (``algorithm.replay``): the anchor's math on every row of
+    the micro-batch, normalised by the replayed tokens of the whole step (all micro-batches and DP ranks)."""
+    loss, m = anchor_nll(out["token_log_probs"], batch["label_mask"], alpha=inputs.algo.replay.coef,
+                         num_global_tokens=inputs.counts.replay_tokens, dp_size=1)
+    return loss, {"replay/nll": m["anchor_nll"]}
+
+
 @dataclasses.dataclass(frozen=True)
 class Term:
     """One term of the objective (see the module docstring); ``source`` and ``scaled_by`` describe it in
@@ -116,8 +125,15 @@ TERMS: Tuple[Term, ...] = (
          source="kl.hierarchical_kl"),
     Term("entropy", "rollout", entropy_term, "w_ppo", "tokens", shares=("actor/entropy",), scaled_by="entropy_coef",
          source="ppo.entropy_bonus"),
+    Term("replay", "replay", replay_term, "w_dpo", "replay_tokens", factor="pairs", shares=("replay/nll",),
+         scaled_by="balance factor, replay.coef", source="dpo.anchor_nll"),
 )
 GROUPS = tuple(STREAMS)
+
+
+def active_terms(algo) -> Tuple[Term, ...]:
+    """The terms a run with ``algo`` (an ``AlgorithmConfig``) can compute: the SFT replay only when it is on."""
+    return tuple(t for t in TERMS if t.name != "replay" or algo.replay.enabled)
 
 
 def hpa_objective(values: Mapping[str, Optional[torch.Tensor]], weights: Mapping[str, float], *,
@@ -159,12 +175,13 @@ def hpa_objective(values: Mapping[str, Optional[torch.Tensor]], weights: Mapping
     return total, metrics
 
 
-def describe(weights: Mapping[str, float], factors: Optional[Mapping[str, float]] = None) -> str:
-    """The table of terms with this step's weights and factors (a Markdown table, logged when a run starts);
+def describe(weights: Mapping[str, float], factors: Optional[Mapping[str, float]] = None,
+             terms: Sequence[Term] = TERMS) -> str:
+    """The table of ``terms`` with this step's weights and factors (a Markdown table, logged when a run starts);
     the trust gate's ``learned_advantage`` is shown on the term its advantages feed (``ppo``)."""
     scale = dict(factors or {})
     lines = ["| term | group | weight | normaliser | scaled by | source |", "| --- | --- | --- | --- | --- | --- |"]
-    for t in TERMS:
+    for t in terms:
         w = weights[t.weight] * scale.get(t.factor, 1.0)
         gate = scale.get("learned_advantage") if t.name == "ppo" else None
         extra = f" (gate {gate:.3g})" if gate is not None else ""

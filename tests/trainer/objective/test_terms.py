@@ -62,6 +62,26 @@ def test_the_table_lists_every_term_with_its_group_weight_and_normaliser():
     assert "| dpo | pairs | w_dpo = 0.8 |" in text and "(gate 0.5)" in text
 
 
+def test_the_replay_term_is_listed_only_when_it_is_on():
+    from hpa.config.algorithm import AlgorithmConfig, ReplayConfig
+    from hpa.trainer.objective import active_terms, describe
+
+    off, on = AlgorithmConfig(), AlgorithmConfig(replay=ReplayConfig(coef=0.5))
+    assert [t.name for t in active_terms(off)] == ["ppo", "dpo", "hier_kl", "entropy"]
+    assert [t.name for t in active_terms(on)][-1] == "replay"
+    assert "| replay |" not in describe(W, {"pairs": 2.0}, active_terms(off))
+    assert "| replay | replay | w_dpo = 0.8 | replay_tokens |" in describe(W, {"pairs": 2.0}, active_terms(on))
+
+
+def test_the_replay_coefficient_refuses_a_negative_value():
+    from hpa.config import ConfigError
+    from hpa.config.algorithm import ReplayConfig
+
+    with pytest.raises(ConfigError, match="coef"):
+        ReplayConfig(coef=-0.1)
+    assert not ReplayConfig().enabled and ReplayConfig(coef=0.1).enabled
+
+
 def test_end_to_end_gradients_flow_to_every_component():
     torch.manual_seed(0)
     b, r, h = 3, 4, 5
