@@ -213,6 +213,14 @@ def render() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m hpa.config.reference [PAGE]   (PAGE: the file to write, e.g. docs/configuration.md; " \
+            "none: print the page)\n"
+    if argv and argv[0] in ("-h", "--help"):
+        sys.stdout.write(usage)
+        return 0
+    if argv and argv[0].startswith("-"):
+        sys.stderr.write(f"unknown option {argv[0]}\n{usage}")
+        return 2
     text = render()
     if argv:
         with open(argv[0], "w", encoding="utf-8") as f:

@@ -81,3 +81,15 @@ def test_descriptions_come_from_docstring_or_comments():
 def test_an_undocumented_key_stops_the_generator():
     with pytest.raises(ConfigError, match="new_key.*has no description.*hpa.config.reference"):
         list(entries(_Undocumented))
+
+
+def test_an_option_is_not_taken_for_the_page_to_write(tmp_path, monkeypatch, capsys):
+    """``python -m hpa.config.reference --help`` prints the usage; it once wrote the page to a file named
+    ``--help``."""
+    from hpa.config.reference import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--help"]) == 0 and "docs/configuration.md" in capsys.readouterr().out
+    assert main(["--page"]) == 2 and "--page" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert main(["out.md"]) == 0 and (tmp_path / "out.md").read_text() == render()
