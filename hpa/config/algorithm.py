@@ -224,7 +224,10 @@ class ReplayConfig:
 
     The term is ``w_dpo · b · coef · NLL_replay``: it rides with the pair stream, under its weight and the
     automatic balance's factor ``b``, as the RPO anchor does; ``w_dpo = 0`` for the whole run turns it off.
-    Each step draws ``trainer.replay_batch_size`` examples (over all DP ranks).
+    Each step draws ``trainer.replay_batch_size`` examples (over all DP ranks). Not OpenRLHF's numerics: its
+    actor adds ``ptx_coef ×`` the token-mean LM loss of a pre-training batch on every token, with a weight of
+    its own; here the NLL is over the response tokens only (the prompt is context, as in ``hpa sft``), per
+    token over the whole step's replayed responses, and weighted with the pair stream.
 
     Attributes:
         coef: γ, the weight of the replayed examples' NLL per token next to the DPO loss; 0 (default) is off.
