@@ -1,5 +1,6 @@
-"""Phases of an HPA step called alone (one process, no model): each reads the step's RolloutBatch and
-writes its results back to it, against hand-computed values."""
+"""Phases of an HPA step called alone (no model): each reads the step's RolloutBatch and writes its results
+back to it, against hand-computed values. One process, except the coverage step's DP reduction
+(``test_the_coverage_metrics_over_dp_ranks_are_one_ranks_over_the_whole_batch``, two gloo ranks, multirank)."""
 
 import types
 
