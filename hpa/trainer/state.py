@@ -71,6 +71,10 @@ class RunState:
         state = self.ckpt.load(path, self._models())
         self.step, self.last_eval = state["step"], state["last_eval"]
         for name, part in self.parts.items():
+            if name not in state:  # the run that saved it had no such part (a feature turned on since)
+                logger.warning("%s holds no state for %r (the run that saved it did not have it): it starts fresh",
+                               path, name)
+                continue
             part.load_state_dict(state[name])
 
     def resume(self) -> bool:
