@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from hpa.config.schema import Config, heldout_pairs_needed
+from hpa.config.errors import ConfigError
 from hpa.data.preferences import PreferenceDataset, SFTDataset
 from hpa.data.prompts import PromptDataset
 from hpa.data.sampler import DistributedBatchSampler
@@ -68,18 +69,19 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
                if heldout_pairs_needed(cfg) else None)
     seed = cfg.data.seed if cfg.data.seed is not None else t.seed
 
-    def sampler(n: int, batch_size: int, seed: int) -> DistributedBatchSampler:
-        return DistributedBatchSampler(n, global_batch_size=batch_size, dp_rank=groups.dp_rank,
-                                       dp_size=groups.data_parallel_size, seed=seed, shuffle=cfg.data.shuffle)
+    def sampler(n: int, batch_size: int, seed: int, key: str, path: str) -> DistributedBatchSampler:
+        return make_sampler(n, batch_size, seed, groups, shuffle=cfg.data.shuffle, key=key, path=path)
 
-    prompt_sampler = sampler(len(prompts), t.global_batch_size, seed)
-    pair_sampler = sampler(len(pairs), t.preference_batch_size, seed + 1)
+    prompt_sampler = sampler(len(prompts), t.global_batch_size, seed, "trainer.global_batch_size", cfg.data.prompt_path)
+    pair_sampler = sampler(len(pairs), t.preference_batch_size, seed + 1, "trainer.preference_batch_size",
+                           cfg.data.preference_path)
     replay = replay_sampler = None
     if cfg.algorithm.replay.enabled:  # the SFT examples, replayed in every step (algorithm.replay)
         replay = SFTDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
         if len(replay) == 0:
             raise ValueError(f"algorithm.replay: no SFT example left in data.sft_path {cfg.data.sft_path}")
-        replay_sampler = sampler(len(replay), t.replay_batch_size, seed + 2)
+        replay_sampler = sampler(len(replay), t.replay_batch_size, seed + 2, "trainer.replay_batch_size",
+                                 cfg.data.sft_path)
     policy, reference, critic = build_models(cfg, groups)
     engine = build_rollout_engine(cfg.rollout, unwrap(policy.model), groups, TokenizerInfo.from_tokenizer(tokenizer),
                                   model_cfg=cfg.model, checkpoint_path=cfg.model.policy_path)
@@ -99,6 +101,18 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
                     pair_sampler=pair_sampler, policy=policy, reference=reference, critic=critic, engine=engine,
                     reward=reward, evaluator=evaluator, model_reward=model_reward, replay=replay,
                     replay_sampler=replay_sampler)
+
+
+def make_sampler(n: int, batch_size: int, seed: int, groups, *, shuffle: bool, key: str,
+                 path: str) -> DistributedBatchSampler:
+    """The sampler of ``n`` examples read from ``path`` in global batches of ``batch_size`` (the config's ``key``);
+    a dataset that cannot fill one batch is a ``ConfigError`` naming the key and the file."""
+    try:
+        return DistributedBatchSampler(n, global_batch_size=batch_size, dp_rank=groups.dp_rank,
+                                       dp_size=groups.data_parallel_size, seed=seed, shuffle=shuffle)
+    except ValueError as exc:
+        raise ConfigError(key, f"{exc} (the examples kept from {path}; the rejects file says what was dropped)") \
+            from None
 
 
 def build_models(cfg: Config, groups: ParallelGroups):

@@ -1,4 +1,5 @@
-"""``RunState.restore`` over its parts (no model): what a checkpoint holds is loaded part by part."""
+"""A run's state without a model: ``RunState.restore`` loads what a checkpoint holds part by part, and the
+samplers ``hpa.trainer.setup`` builds name the key and the file of a dataset too small for its batch."""
 
 import logging
 import types
@@ -46,3 +47,18 @@ def test_every_part_the_checkpoint_holds_is_restored(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hpa"):
         state.restore(tmp_path / "step_3")
     assert (a.value, b.value) == (5, 6) and "starts fresh" not in caplog.text
+
+
+@pytest.mark.parametrize("key", ["trainer.global_batch_size", "trainer.preference_batch_size",
+                                 "trainer.replay_batch_size"])
+def test_a_dataset_smaller_than_its_batch_names_the_key_and_the_file(key):
+    """A run's samplers name the batch-size key and the file when the data cannot fill one batch (the sampler's
+    own message named neither)."""
+    from hpa.config import ConfigError
+    from hpa.trainer.setup import make_sampler
+
+    groups = types.SimpleNamespace(dp_rank=0, data_parallel_size=1)
+    with pytest.raises(ConfigError, match=r"2 samples, fewer than one global batch of 4.*data/x\.jsonl") as err:
+        make_sampler(2, 4, 0, groups, shuffle=True, key=key, path="data/x.jsonl")
+    assert err.value.key == key
+    assert make_sampler(4, 4, 0, groups, shuffle=True, key=key, path="data/x.jsonl").next_batch() is not None
