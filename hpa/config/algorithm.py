@@ -223,7 +223,7 @@ class ReplayConfig:
     demonstrations, not the learned reward's extrapolation (docs/objective.md, "SFT replay").
 
     The term is ``w_dpo · b · coef · NLL_replay``: it rides with the pair stream, under its weight and the
-    automatic balance's factor ``b``, as the RPO anchor does; ``w_dpo = 0`` for the whole run turns it off.
+    automatic balance's factor ``b``, as the RPO anchor does; ``w_dpo = 0`` weights it 0.
     Each step draws ``trainer.replay_batch_size`` examples (over all DP ranks). Not OpenRLHF's numerics: its
     actor adds ``ptx_coef ×`` the token-mean LM loss of a pre-training batch on every token, with a weight of
     its own; here the NLL is over the response tokens only (the prompt is context, as in ``hpa sft``), per
