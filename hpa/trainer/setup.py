@@ -78,8 +78,6 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
     replay = replay_sampler = None
     if cfg.algorithm.replay.enabled:  # the SFT examples, replayed in every step (algorithm.replay)
         replay = SFTDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
-        if len(replay) == 0:
-            raise ValueError(f"algorithm.replay: no SFT example left in data.sft_path {cfg.data.sft_path}")
         replay_sampler = sampler(len(replay), t.replay_batch_size, seed + 2, "trainer.replay_batch_size",
                                  cfg.data.sft_path)
     policy, reference, critic = build_models(cfg, groups)

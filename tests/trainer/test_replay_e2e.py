@@ -36,9 +36,3 @@ def test_a_replay_run_logs_its_term_and_resumes_exactly(demo):
             if key in steps[step]:
                 assert resumed[step][key] == pytest.approx(steps[step][key], rel=1e-6, abs=1e-6), (step, key)
 
-
-def test_without_the_replay_no_term_is_logged(demo):
-    output = []
-    records = launch(demo, demo / "replay_off", 1, ["trainer.total_steps=1"], output=output)
-    assert "| replay |" not in output[0]
-    assert all("replay/nll" not in r for r in records)

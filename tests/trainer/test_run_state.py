@@ -61,4 +61,6 @@ def test_a_dataset_smaller_than_its_batch_names_the_key_and_the_file(key):
     with pytest.raises(ConfigError, match=r"2 samples, fewer than one global batch of 4.*data/x\.jsonl") as err:
         make_sampler(2, 4, 0, groups, shuffle=True, key=key, path="data/x.jsonl")
     assert err.value.key == key
+    with pytest.raises(ConfigError, match=r"0 samples"):  # a file with no example kept (all rejected)
+        make_sampler(0, 4, 0, groups, shuffle=True, key=key, path="data/x.jsonl")
     assert make_sampler(4, 4, 0, groups, shuffle=True, key=key, path="data/x.jsonl").next_batch() is not None

@@ -34,17 +34,18 @@ def adversarial(demo):
 
 @pytest.fixture(scope="module")
 def runs(demo):
-    dp2 = launch(demo, demo / "tp1_pp1_dp2", 2, [adversarial(demo)])
+    output = []
+    dp2 = launch(demo, demo / "tp1_pp1_dp2", 2, [adversarial(demo)], output=output)
     # truncated IS on here only: on CPU the rollout and training log-probs agree to ~1e-6, so the
     # weights are ~1 and the metrics must still equal the TP1 run's
     tp2pp2dp2 = launch(demo, demo / "tp2_pp2_dp2", 8, ["parallel.tensor_model_parallel_size=2",
                                                           "parallel.pipeline_model_parallel_size=2",
                                                           "algorithm.ppo.rollout_is_threshold=2.0", adversarial(demo)])
-    return dp2, tp2pp2dp2
+    return dp2, tp2pp2dp2, output[0]
 
 
 def test_metrics_file_has_every_key(runs):
-    dp2, _ = runs
+    dp2, _, log = runs
     assert [r["step"] for r in dp2] == [0, 1, 2]
     for key in REQUIRED_KEYS:
         assert key in dp2[-1], key
@@ -61,12 +62,16 @@ def test_metrics_file_has_every_key(runs):
         per_category = [record[f"eval/score/{c}"] for c in ("add", "copy", "reverse")]
         assert record["eval/score"] == pytest.approx(sum(per_category) / 3, abs=1e-9)
         assert all(4 * v == pytest.approx(round(4 * v), abs=1e-9) for v in per_category)
+    # the objective's table at the start lists the default's terms; the SFT replay (off by default) has no row
+    # and logs nothing
+    assert "| ppo | rollout | w_ppo" in log and "| dpo | pairs | w_dpo" in log
+    assert "| replay |" not in log and all("replay/nll" not in r for r in dp2)
 
 
 def test_evaluation_starts_at_the_reference_and_is_layout_invariant(runs):
     """At step 0 the policy is the reference: the eval KL is exactly 0 and the monitor's gap has not
     grown; evaluation metrics agree between TP1xDP2 and TP2xPP2xDP2."""
-    dp2, tp2pp2 = runs
+    dp2, tp2pp2, _ = runs
     assert dp2[0]["eval/kl"] == 0.0 and dp2[0]["hacking/gap_growth"] == 0.0
     assert dp2[0]["hacking/length_ratio"] == 1.0
     assert dp2[-1]["eval/kl"] != 0.0  # two updates later the policy has moved
@@ -92,7 +97,7 @@ def test_reward_hacking_alert_stops_training_when_asked(demo):
 @pytest.mark.parametrize("key", ["reward/raw_mean", "response_length/mean", "dpo/loss", "kl/token", "kl/semantic",
                                  "actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "rollout/logprob_diff_max"])
 def test_tp2_pp2_matches_tp1(runs, key):
-    dp2, tp2pp2 = runs
+    dp2, tp2pp2, _ = runs
     for a, b in zip(dp2[1:], tp2pp2[1:]):
         assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), (a["step"], key)
 

@@ -97,7 +97,8 @@ def replay_term(batch: MicroBatch, out, inputs: LossInputs):
 @dataclasses.dataclass(frozen=True)
 class Term:
     """One term of the objective (see the module docstring); ``source`` and ``scaled_by`` describe it in
-    the table logged at the start of a run."""
+    the table logged at the start of a run; ``enabled(algo)`` says whether a run with ``algo`` (an
+    ``AlgorithmConfig``) computes it at all (an optional term, off by default, has no row and no stream)."""
 
     name: str
     stream: str
@@ -108,6 +109,7 @@ class Term:
     shares: Tuple[str, ...] = ()
     scaled_by: str = ""
     source: str = ""
+    enabled: Callable[[object], bool] = lambda algo: True
 
     @property
     def group(self) -> str:
@@ -126,14 +128,16 @@ TERMS: Tuple[Term, ...] = (
     Term("entropy", "rollout", entropy_term, "w_ppo", "tokens", shares=("actor/entropy",), scaled_by="entropy_coef",
          source="ppo.entropy_bonus"),
     Term("replay", "replay", replay_term, "w_dpo", "replay_tokens", factor="pairs", shares=("replay/nll",),
-         scaled_by="balance factor, replay.coef", source="dpo.anchor_nll"),
+         scaled_by="balance factor, replay.coef", source="dpo.anchor_nll",
+         enabled=lambda algo: algo.replay.enabled),
 )
 GROUPS = tuple(STREAMS)
 
 
 def active_terms(algo) -> Tuple[Term, ...]:
-    """The terms a run with ``algo`` (an ``AlgorithmConfig``) can compute: the SFT replay only when it is on."""
-    return tuple(t for t in TERMS if t.name != "replay" or algo.replay.enabled)
+    """The terms a run with ``algo`` (an ``AlgorithmConfig``) computes (``Term.enabled``): the SFT replay only
+    when it is on."""
+    return tuple(t for t in TERMS if t.enabled(algo))
 
 
 def hpa_objective(values: Mapping[str, Optional[torch.Tensor]], weights: Mapping[str, float], *,
