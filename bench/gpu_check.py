@@ -9,8 +9,9 @@ MFU (real and padded tokens), the rollout's generated tokens per second, the mea
 ``packing``: the update's tokens per second and pad share packed against padded; ``phases``: each phase's
 seconds per step (rollout, old-policy forward, reference forward, update), the update's tokens/s and each
 forward-only pass's tokens/s and MFU, packed and padded; ``syncs``: the host-device syncs that
-``torch.cuda.set_sync_debug_mode("warn")`` reported over each whole run (start-up included) per step, and
-the sites with the most (``sites_on``/``sites_off``, ``path:line`` in hpa, its patches or megatron);
+``torch.cuda.set_sync_debug_mode("warn")`` reported per step over steps 2 to N of each run (``per_step_on``,
+``per_step_off``; start-up and the first step, ``startup_on``/``startup_off``, and what runs after the last
+step's record are counted apart, as the rates leave the first step out), and the sites with the most (``sites_on``/``sites_off``, ``path:line`` in hpa, its patches or megatron);
 ``decode``: whether each step's rollout ran the graph decode (``rollout/decode_graph``) and the captures of the
 run against the buckets used; ``packing_probe``: the same random rows packed and padded through the model
 and hpa's label head in bf16 (the log-prob gap, the varlen kernel's calls) and a causality probe (one token
@@ -52,17 +53,20 @@ def main(argv=None) -> int:
     overrides = _demo_task(run, args.steps)
     base = [o for o in overrides if not o.startswith("trainer.run_dir=")]
     # the config packs: the first run checks packing (varlen attention), the second is the padded reference
-    rc, syncs_on, sites_on = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *overrides]))
+    rc, syncs_on, sites_on = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *overrides]),
+                                             StepClock(run / "train" / "metrics.jsonl"))
     if rc != 0:
         print(json.dumps({"ok": False, "failed": ["hpa train (packed, the config's) failed: see the log above"]}))
         return 1
     steps, timed = _steps(run / "train")
     padded_overrides = base + [f"trainer.run_dir={run / 'train_padded'}", "trainer.sequence_packing=false"]
-    rc, syncs_off, sites_off = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *padded_overrides]))
+    rc, syncs_off, sites_off = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *padded_overrides]),
+                                               StepClock(run / "train_padded" / "metrics.jsonl"))
     padded_steps, padded_timed = _steps(run / "train_padded") if rc == 0 else ([], [])
     figures = _figures(args.config, overrides, steps, timed, padded_timed, torch.cuda.is_available())
     figures["packing"]["padded_run_ok"] = rc == 0
     figures["syncs"] = {"per_step_on": _per_step(syncs_on, steps), "per_step_off": _per_step(syncs_off, padded_steps),
+                        "startup_on": _startup(syncs_on), "startup_off": _startup(syncs_off),
                         "sites_on": sites_on, "sites_off": sites_off}
     figures["decode"] = decode_figures(steps)
     figures["packing_probe"] = _probe(args.config, overrides)
@@ -128,7 +132,8 @@ def _token_budget(args, base, run: Path) -> dict:
     budget_dir = run / "train_budget"
     budget_overrides = base + [f"trainer.run_dir={budget_dir}", "trainer.sequence_packing=true",
                                f"trainer.ppo_max_token_len_per_rank={args.tokens_per_micro_batch}"]
-    rc, syncs_budget, _ = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *budget_overrides]))
+    rc, syncs_budget, _ = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *budget_overrides]),
+                                          StepClock(budget_dir / "metrics.jsonl"))
     budget_steps, budget_timed = _steps(budget_dir) if rc == 0 else ([], [])
     values = [r["perf/mfu"] for r in budget_timed if isinstance(r.get("perf/mfu"), (int, float))]
     return {"ok": rc == 0, "tokens_per_micro_batch": args.tokens_per_micro_batch,
@@ -279,11 +284,12 @@ def phase_figures(records) -> dict:
     return out
 
 
-def _counting_syncs(fn):
-    """``(fn(), host-device syncs during it, {site: syncs})``: ``torch.cuda.set_sync_debug_mode("warn")`` warns
-    once per sync; the site is the innermost frame of hpa, its patches or megatron (``path:line``). Autograd runs
-    on this thread meanwhile, so a backward's syncs are counted and placed too (a sync inside a C++ autograd node
-    is placed at the ``backward()`` call). ``None`` for the count without CUDA."""
+def _counting_syncs(fn, clock=lambda: 0):
+    """``(fn(), {clock(): host-device syncs}, {site: syncs})``: ``torch.cuda.set_sync_debug_mode("warn")`` warns
+    once per sync; each is counted under the value ``clock()`` has then (a run's ``StepClock``: the steps
+    recorded so far) and placed at the innermost frame of hpa, its patches or megatron (``path:line``). Autograd
+    runs on this thread meanwhile, so a backward's syncs are counted and placed too (a sync inside a C++ autograd
+    node is placed at the ``backward()`` call). ``None`` for the counts without CUDA."""
     import collections
     import traceback
     import warnings
@@ -292,11 +298,12 @@ def _counting_syncs(fn):
 
     if not torch.cuda.is_available():
         return fn(), None, {}
-    sites = collections.Counter()
+    sites, counts = collections.Counter(), collections.Counter()
 
     def record(message, *args, **kwargs):
         if "synchroniz" in str(message):
             sites[_site(traceback.extract_stack()[:-1])] += 1
+            counts[clock()] += 1
 
     with warnings.catch_warnings(), torch.autograd.set_multithreading_enabled(False):
         warnings.simplefilter("always")
@@ -306,7 +313,7 @@ def _counting_syncs(fn):
             rc = fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return rc, sum(sites.values()), dict(sites.most_common(12))
+    return rc, dict(counts), dict(sites.most_common(12))
 
 
 def _site(stack) -> str:
@@ -345,11 +352,46 @@ def sync_probe(model, groups, vocab_size: int, seed: int = 0) -> dict:
 
     _, fwd, fwd_sites = _counting_syncs(forward)
     _, bwd, bwd_sites = _counting_syncs(lambda: out["loss"].backward())
-    return {"forward": fwd, "backward": bwd, "forward_sites": fwd_sites, "backward_sites": bwd_sites}
+    return {"forward": sum(fwd.values()), "backward": sum(bwd.values()), "forward_sites": fwd_sites,
+            "backward_sites": bwd_sites}
 
 
-def _per_step(count, steps):
-    return count / len(steps) if count is not None and steps else None
+class StepClock:
+    """The training steps a run has recorded so far in its ``metrics.jsonl`` (0 through start-up and the first
+    step; k while step k + 1 runs); the file is read again only when its size changed."""
+
+    def __init__(self, path: Path):
+        self.path, self.size, self.steps = Path(path), -1, 0
+
+    def __call__(self) -> int:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+        if size != self.size:
+            self.size, self.steps = size, sum(1 for r in _records(self.path.read_text()) if r.get("step", 0) >= 1)
+        return self.steps
+
+
+def _records(text: str):
+    for line in text.splitlines():
+        try:  # a line being written is not a record yet
+            yield json.loads(line)
+        except ValueError:
+            continue
+
+
+def _startup(counts):
+    """The syncs of start-up and the first step (``StepClock`` 0)."""
+    return None if counts is None else counts.get(0, 0)
+
+
+def _per_step(counts, steps):
+    """Syncs per step over steps 2 to N (``counts``: by the steps recorded when each happened, ``StepClock``):
+    start-up with the first step (0) and what runs after the last step's record (N) left out."""
+    if counts is None or len(steps) < 2:
+        return None
+    return sum(counts.get(k, 0) for k in range(1, len(steps))) / (len(steps) - 1)
 
 
 def _steps(run_dir: Path):

@@ -285,8 +285,29 @@ def test_gpu_check_phase_figures_and_sync_count_run_without_a_gpu():
          "old_policy_mfu": 0.2 / 6, "reference_mfu": 0.2 / 3})
     if not torch.cuda.is_available():
         assert gpu_check._counting_syncs(lambda: 7) == (7, None, {})
-        assert gpu_check._per_step(None, [{}]) is None
-    assert gpu_check._per_step(12, [{}, {}, {}]) == 4.0
+    assert gpu_check._per_step(None, [{}, {}]) is None
+    # per step over steps 2..N: start-up with step 1 (clock 0) and after the last record (clock N) left out
+    assert gpu_check._per_step({0: 500, 1: 12, 2: 8, 3: 40}, [{}, {}, {}]) == 10.0
+    assert gpu_check._per_step({0: 500}, [{}]) is None
+
+
+def test_gpu_check_counts_each_sync_under_the_steps_recorded_so_far(tmp_path):
+    """``StepClock`` reads the run's metrics file: 0 before it exists and while only the start (step 0) is
+    recorded, then the number of training steps; a line still being written does not count."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    path = tmp_path / "metrics.jsonl"
+    clock = gpu_check.StepClock(path)
+    assert clock() == 0
+    path.write_text('{"step": 0, "eval/score": 0.4}\n')
+    assert clock() == 0
+    path.write_text('{"step": 0}\n{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    assert clock() == 1
+    path.write_text('{"step": 0}\n{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n')
+    assert clock() == 2
     # a sync's site: the innermost frame of hpa, its patches or megatron, from that folder
     frame = lambda path, line: type("F", (), {"filename": path, "lineno": line})  # noqa: E731
     stack = [frame("/x/site-packages/megatron/core/utils.py", 7), frame("/repo/hpa/engine/step.py", 3),
