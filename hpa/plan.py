@@ -397,19 +397,9 @@ def rollout_batch(cfg: Config, dp: int) -> Tuple[int, int]:
             cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
 
 
-# the static and graph decode's buckets (the native engine, ``hpa.rollout.megatron_engine``, imports these: the
-# planner imports neither torch nor megatron, and the plan's cache is the engine's)
-SLOT_BLOCK = 128  # cache slots are a multiple of this (or the model's context)
-
-
-def row_bucket(n: int) -> int:
-    """The power of two at or above ``n``: the rows of a static (or graph) decode step."""
-    return 1 << (n - 1).bit_length()
-
-
-def slot_bucket(n: int, max_sequence_length: int, block: int = SLOT_BLOCK) -> int:
-    """``n`` rounded up to a multiple of ``block``, at most ``max_sequence_length``: the cache slots."""
-    return min(-(-n // block) * block, max_sequence_length)
+# the graph decode's buckets (``hpa.rollout.megatron_engine``: ``row_bucket``, ``slot_bucket``; restated
+# here so the planner imports neither torch nor megatron; tests/test_plan.py checks the two agree)
+GRAPH_SLOT_BLOCK = 128
 
 
 def graph_decode(cfg: Config, tp: int, pp: int) -> bool:
@@ -419,8 +409,9 @@ def graph_decode(cfg: Config, tp: int, pp: int) -> bool:
 
 
 def graph_bucket(rows: int, positions: int, max_sequence_length: int) -> Tuple[int, int]:
-    """``(rows, slots)`` of the graph decode's bucket: ``row_bucket`` rows, ``slot_bucket`` slots."""
-    return row_bucket(rows), slot_bucket(positions, max_sequence_length)
+    """``(rows, slots)`` of the graph decode's bucket: rows up to a power of two, slots up to a multiple of
+    ``GRAPH_SLOT_BLOCK`` (at most the model's context)."""
+    return 1 << (rows - 1).bit_length(), min(-(-positions // GRAPH_SLOT_BLOCK) * GRAPH_SLOT_BLOCK, max_sequence_length)
 
 
 def rollout_cache_shape(cfg: Config, tp: int, pp: int, dp: int) -> Tuple[int, int]:

@@ -717,16 +717,14 @@ def test_a_bad_reward_model_record_is_a_config_error(tmp_path, capsys):
 
 
 def test_graph_buckets_are_the_engines():
-    """The planner sizes the graph decode's cache by the engine's own bucket arithmetic (one definition, in the
-    planner, which imports no torch): rows up to a power of two, slots up to a multiple of 128 or the context."""
-    from hpa import plan
-    from hpa.rollout import megatron_engine as me
+    """The planner restates the graph decode's bucket arithmetic (it imports no megatron): the same numbers."""
+    from hpa.plan import graph_bucket
+    from hpa.rollout.megatron_engine import SLOT_BLOCK, row_bucket, slot_bucket
 
-    assert (me.row_bucket, me.slot_bucket) == (plan.row_bucket, plan.slot_bucket) and me.SLOT_BLOCK == 128
-    assert [plan.row_bucket(n) for n in (1, 2, 3, 5, 64, 65, 1000)] == [1, 2, 4, 8, 64, 128, 1024]
-    cases = ((1, 4096), (40, 64), (128, 4096), (129, 4096), (3000, 2048))
-    assert [plan.slot_bucket(p, c) for p, c in cases] == [128, 64, 128, 256, 2048]
-    assert plan.slot_bucket(14, 64, block=8) == 16 and plan.graph_bucket(65, 129, 4096) == (128, 256)
+    for rows in (1, 2, 3, 5, 64, 65, 1000):
+        for positions, context in ((1, 4096), (40, 64), (128, 4096), (129, 4096), (3000, 2048)):
+            assert graph_bucket(rows, positions, context) == (row_bucket(rows), slot_bucket(positions, context))
+    assert SLOT_BLOCK == 128
 
 
 def test_graph_decode_keeps_its_bucket_through_training():

@@ -72,7 +72,6 @@ import torch.nn.functional as F
 
 from hpa.distributed.groups import ParallelGroups
 from hpa.models.builders import compute_device
-from hpa.plan import SLOT_BLOCK, row_bucket, slot_bucket  # the buckets the planner sizes the cache by
 
 from .base import (FINISH_LENGTH, FINISH_STOP, GenerationStopped, RolloutBatch, RolloutEngine, SamplingParams,
                    TokenizerInfo, prompt_token_lists)
@@ -85,6 +84,17 @@ logger = logging.getLogger(__name__)
 KV_CACHE_MODES = ("hpa", "megatron", "none")
 DECODE_MODES = ("auto", "eager", "static", "graph")
 FINISHED_CHECK_EVERY = 8  # static decode: steps between the host reads of "has every row finished"
+SLOT_BLOCK = 128  # static decode: cache slots are a multiple of this (or the model's context)
+
+
+def row_bucket(n: int) -> int:
+    """The power of two at or above ``n``: the rows of a static decode step."""
+    return 1 << (n - 1).bit_length()
+
+
+def slot_bucket(n: int, max_sequence_length: int) -> int:
+    """``n`` rounded up to a multiple of ``SLOT_BLOCK``, at most ``max_sequence_length``: the cache slots."""
+    return min(-(-n // SLOT_BLOCK) * SLOT_BLOCK, max_sequence_length)
 
 
 def bucket_for(buckets, rows: int, slots: int) -> Tuple[int, int]:
@@ -245,7 +255,7 @@ class MegatronRolloutEngine(RolloutEngine):
         which)."""
         static = None
         if self.decode != "eager":
-            static = self._static_step(row_bucket(b), slot_bucket(total, self.max_sequence_length, SLOT_BLOCK))
+            static = self._static_step(row_bucket(b), slot_bucket(total, self.max_sequence_length))
         self.decoded = self.decode
         if static is not None:
             return _StaticDecoding(self, static, total)
