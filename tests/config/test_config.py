@@ -267,12 +267,15 @@ def test_trust_parts_default_on_where_they_apply(cfg_file):
 
 def test_the_recipe_preset_turns_every_trust_part_off(cfg_file):
     from hpa.config.presets import with_preset
-    from hpa.config.schema import component_advantages, trust_gate_enabled
+    from hpa.config.schema import component_advantages, coverage_enabled, trust_gate_enabled
 
     overrides = ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]", "data.heldout_preference_path=h.jsonl"]
     cfg = load_config(cfg_file, with_preset("recipe", overrides))
     assert cfg.algorithm.dpo.rpo_alpha is None and not cfg.algorithm.hpa.balance.enabled
     assert not component_advantages(cfg) and not trust_gate_enabled(cfg)
+    # the coverage trust and its hold on the far rows (on by default since 2026-11-27) follow the
+    # per-component advantages: off here too, where the defaults have them on
+    assert not coverage_enabled(cfg) and coverage_enabled(load_config(cfg_file, overrides))
     assert (cfg.algorithm.hpa.w_ppo.value, cfg.algorithm.hpa.w_dpo.value) == (0.4, 0.4)
     # the user's overrides come after the preset's
     assert load_config(cfg_file, with_preset("recipe", ["algorithm.dpo.rpo_alpha=0.5"])).algorithm.dpo.rpo_alpha == 0.5
