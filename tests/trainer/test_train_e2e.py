@@ -103,7 +103,7 @@ def test_tp2_pp2_matches_tp1(runs, key):
 
 
 def test_rollout_logprobs_match_training_forward(runs):
-    for run in runs:
+    for run in runs[:2]:  # the dp2 and tp2pp2dp2 metrics (runs[2] is the dp2 log)
         for record in run[1:]:
             assert record["rollout/logprob_diff_max"] < 1e-4
     for record in runs[1][1:]:
