@@ -93,6 +93,10 @@ def _edges(gpt, groups: ParallelGroups):
 
 
 def _gpt(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):
+    """The GPTModel with every weight in ``params_dtype``. megatron's local spec builds its torch norms without
+    a dtype (fp32) and leaves the cast to ``Float16Module`` (``module.bfloat16()``), which hpa does not wrap
+    models in; cast as it does, or every norm of a bf16 run takes torch's unfused path (bf16 input, fp32
+    weight) and megatron's plain mixed-precision optimizer cannot map the fp32 ones' state in a checkpoint."""
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(model, parallel, groups)
@@ -110,7 +114,7 @@ def _gpt(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):
         position_embedding_type="rope",
         rotary_base=int(model.rotary_base),
         pg_collection=groups.pg_collection,
-    ).to(compute_device(groups))
+    ).to(device=compute_device(groups), dtype=config.params_dtype)
 
 
 def build_policy(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):

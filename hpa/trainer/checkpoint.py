@@ -169,6 +169,26 @@ def restore_steps(optimizer) -> None:
                     part.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
+# megatron's DDP keeps one buffer per (parameter, gradient) dtype, and a distributed optimizer saves each
+_FP32_BUFFER = "dtype_(torch.float32, torch.float32)"
+
+
+def check_fp32_norm_buffer(directory: Path, model) -> None:
+    """Raise ``CheckpointError`` when ``directory`` (a model's part of a run checkpoint that failed to load) holds
+    a distributed optimizer's buffer of fp32 weights and ``model`` has no fp32 weight: saved by an hpa from
+    before 2026-11-28, whose bf16/fp16 models kept the local spec's norm weights in fp32."""
+    from megatron.core import dist_checkpointing
+
+    if any(p.dtype == torch.float32 for p in model.parameters()):
+        return
+    if any(_FP32_BUFFER in key for key in dist_checkpointing.load_tensors_metadata(str(directory))):
+        raise CheckpointError(
+            f"{directory}: its distributed-optimizer state holds the norms' weights in an fp32 buffer of their "
+            f"own (hpa before 2026-11-28 left them in fp32 in a 16-bit model); today's model holds them in "
+            f"{next(model.parameters()).dtype}, so that state does not load. Start a new run from its weights "
+            f"instead (model.policy_path or model.critic_path={directory}); its optimizer then starts afresh")
+
+
 def verify(directory: Path) -> Dict:
     """The manifest of ``directory`` after checking every file; raises CheckpointError naming the first bad one."""
     manifest_path = directory / MANIFEST
@@ -322,6 +342,7 @@ class CheckpointManager:
     def load(self, path: Path, models: Dict[str, Tuple]) -> Dict:
         """Restore models, optimizers and this rank's RNG from ``path``; return the run state."""
         from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.core import CheckpointingException
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
         for name, (model, optimizer) in models.items():
@@ -332,7 +353,11 @@ class CheckpointManager:
             prime_for_load(optimizer)
             sharded = {"model": model_sd,
                        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
-            loaded = dist_checkpointing.load(sharded, str(path / name), strict=StrictHandling.RAISE_ALL)
+            try:
+                loaded = dist_checkpointing.load(sharded, str(path / name), strict=StrictHandling.RAISE_ALL)
+            except CheckpointingException:
+                check_fp32_norm_buffer(path / name, model)
+                raise
             unwrap(model).load_state_dict(loaded["model"], strict=False)
             with torch.no_grad():  # the distributed optimizer copies into its main params, which may be leaves
                 optimizer.load_state_dict(loaded["optimizer"])
