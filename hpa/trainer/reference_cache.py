@@ -13,7 +13,8 @@ pipeline stage writes them (forward passes hand every stage the last stage's res
 holds the whole table ``[N, 2]``, gathered over DP: across epochs the pair sampler hands any pair to any rank.
 Like a checkpoint, the directory is written as ``.tmp`` and renamed when complete. At start-up the main rank
 verifies the manifest and compares the key: a match is reused (whatever the DP size); a changed key rebuilds
-it, and so does a corrupt or truncated file, with a warning naming it. The values are those of
+it, and so does a corrupt or truncated file, with a warning naming it (the reference's fingerprint in the key,
+``weights_digest``, changed on 2026-11-28: a cache built before is rebuilt once). The values are those of
 ``phases.reference_pair_log_probs``, the live path's own function, so cached and live are the same bits.
 """
 
@@ -75,16 +76,74 @@ def _pairs_digest(pairs: Sequence) -> str:
 
 def weights_digest(model, groups: ParallelGroups) -> str:
     """sha256 of a model's weights under its layout: each rank hashes its shard, the digests of the
-    (pipeline stage, TP rank) shards are hashed together (DP replicas hold the same shards)."""
-    h = hashlib.sha256()
-    for name, tensor in sorted(unwrap(model).state_dict().items()):
-        # a LoRA reference is the base with the adapters off: the (trained) adapters are not its weights
-        if not isinstance(tensor, torch.Tensor) or name.endswith("_extra_state") or is_adapter_key(name):
-            continue
-        h.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
-        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    (pipeline stage, TP rank) shards are hashed together (DP replicas hold the same shards).
+
+    Each tensor is reduced to two 64-bit sums on its own device (``_word_sums``); the shard's ``[T, 2]`` sums
+    come to the host in one copy and are hashed with every tensor's name, dtype and shape."""
+    weights = [(name, tensor) for name, tensor in sorted(unwrap(model).state_dict().items())
+               # a LoRA reference is the base with the adapters off: the (trained) adapters are not its weights
+               if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state") and not is_adapter_key(name)]
+    h = hashlib.sha256("\n".join(f"{name} {t.dtype} {tuple(t.shape)}" for name, t in weights).encode())
+    if weights:
+        tables: Dict[torch.device, torch.Tensor] = {}  # the factors, as many as the longest chunk needs
+        longest = min(_CHUNK, max(t.numel() * t.element_size() for _, t in weights) // 4 + 3)
+        sums = [_word_sums(t, tables, longest) for _, t in weights]
+        h.update(torch.stack([s.to(sums[0].device) for s in sums]).cpu().numpy().tobytes())  # [T, 2]: one copy
     shards = sorted(set(comm.all_gather_objects((groups.pp_rank, groups.tp_rank, h.hexdigest()), None)))
     return hashlib.sha256(json.dumps(shards).encode()).hexdigest()
+
+
+_CHUNK = 1 << 20  # words a step: the int64 temporaries of one tensor stay at a few times 8 MiB
+_SEEDS = (0x1F83D9ABFB41BD6B, 0x5BE0CD19137E2179)  # one per sum (sha512's initial words, as int64)
+_MIX = (-0x40A7B892E31B1A47, -0x6B2FB644ECCEEE15)  # splitmix64's multipliers, as int64
+
+
+def _to_int64(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _odd_mix(x: int) -> int:
+    """splitmix64's finaliser of a host integer, made odd, as int64."""
+    x &= (1 << 64) - 1
+    for shift, multiplier in zip((30, 27), _MIX):
+        x = ((x ^ (x >> shift)) * multiplier) & ((1 << 64) - 1)
+    return _to_int64((x ^ (x >> 31)) | 1)
+
+
+def _factor_table(length: int, device: torch.device) -> torch.Tensor:
+    """``[len(_SEEDS), length]`` int64: the same finaliser of ``position + seed`` on the device (int64 wraps;
+    torch's ``>>`` is arithmetic, the masks make it logical)."""
+    rows = []
+    for seed in _SEEDS:
+        x = torch.arange(length, dtype=torch.int64, device=device) + seed
+        for shift, multiplier in zip((30, 27), _MIX):
+            x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * multiplier
+        rows.append((x ^ ((x >> 31) & ((1 << 33) - 1))) | 1)
+    return torch.stack(rows)
+
+
+def _word_sums(tensor: torch.Tensor, tables: Dict[torch.device, torch.Tensor], table_length: int) -> torch.Tensor:
+    """``[2]`` int64 on the tensor's device, no read back to the host: the tensor's bytes read as int32 words
+    (its last ``nbytes % 4`` bytes one word each, a chunk of their own) in chunks of ``_CHUNK`` words;
+    ``sum_j g_j * sum_i word_ji * f_i`` modulo 2**64 for each of two seeds, with odd factors ``f_i`` by place
+    in the chunk (``tables[device]``, built once a digest, ``table_length`` of them) and ``g_j`` by chunk. A
+    product of odd numbers is odd, so a change of any one word changes both sums."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.device not in tables:
+        tables[data.device] = _factor_table(table_length, data.device)
+    table = tables[data.device]
+    whole = data.numel() // 4 * 4
+    if data.storage_offset() % 4:  # a view at an odd place in its storage: int32 words need an aligned copy
+        data = data.clone()
+    words = data[:whole].view(torch.int32)
+    parts = [words[i:i + _CHUNK] for i in range(0, words.numel(), _CHUNK)] + [data[whole:]]
+    sums = torch.zeros(len(_SEEDS), dtype=torch.int64, device=data.device)
+    for j, part in enumerate(parts):
+        if part.numel():
+            chunk = (part.to(torch.int64) * table[:, :part.numel()]).sum(dim=1)  # [2]
+            sums = sums + chunk * _odd_mix(j)
+    return sums
 
 
 def load_or_build(directory: Path, key: Dict, pairs: Sequence, compute: Callable[[list], torch.Tensor],

@@ -275,3 +275,111 @@ def test_a_key_with_a_tuple_is_reused_after_its_json_round_trip(tmp_path):
     first = reference_cache.load_or_build(tmp_path / "cache", key, [0, 1, 2], compute, groups)
     again = reference_cache.load_or_build(tmp_path / "cache", key, [0, 1, 2], compute, groups)
     assert calls == [3] and torch.equal(first, again)
+
+
+# ------------------------------------------------------------------------------------------------
+# weights_digest in one process: the reference's fingerprint in the cache's key
+
+LARGE = (1 << 20) + 5  # more elements than one chunk of the device-side hash
+
+
+class _Weights:
+    """What ``weights_digest`` reads of a model: its state dict."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def state_dict(self):
+        return dict(self.tensors)
+
+
+def _weights(num_layers=2, large=LARGE):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"embedding.word_embeddings.weight": torch.randn(6, 4, generator=g),
+               "decoder.final_layernorm.weight": torch.randn(7, generator=g).bfloat16(),  # 14 bytes: not whole words
+               "output_layer.weight": torch.randn(large, generator=g),
+               "decoder.counts": torch.arange(5, dtype=torch.uint8)}
+    for i in range(num_layers):
+        tensors[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.randn(3, 5, generator=g).bfloat16()
+    return tensors
+
+
+_ONE_RANK = types.SimpleNamespace(pp_rank=0, tp_rank=0)
+
+
+def _digest(tensors):
+    from hpa.trainer.reference_cache import weights_digest
+
+    return weights_digest(_Weights(tensors), _ONE_RANK)
+
+
+def _flipped(tensors, name, index, bit=0):
+    """``tensors`` with one bit of one element of ``name`` flipped."""
+    out = {k: v.clone() for k, v in tensors.items()}
+    t = out[name]
+    words = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).reshape(-1)
+    words[index] ^= 1 << bit
+    return out
+
+
+def test_the_weights_digest_is_the_same_in_another_process(tmp_path):
+    import subprocess
+    import sys
+
+    torch.save(_weights(), tmp_path / "w.pt")
+    code = ("import sys, torch, types; sys.path[:0] = ['.', 'tests', 'tests/trainer']; "
+            "from test_reference_cache import _digest; "
+            f"print(_digest(torch.load({str(tmp_path / 'w.pt')!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "2"})
+    assert out.stdout.strip() == _digest(_weights()) == _digest(_weights())
+
+
+def test_the_weights_digest_changes_with_any_one_element():
+    weights = _weights()
+    base = _digest(weights)
+    flips = [("embedding.word_embeddings.weight", 0, 0), ("embedding.word_embeddings.weight", 23, 31),
+             ("decoder.final_layernorm.weight", 3, 0), ("decoder.final_layernorm.weight", 6, 0),  # the last: a tail
+             ("decoder.final_layernorm.weight", 6, 15), ("output_layer.weight", LARGE - 1, 0),
+             ("output_layer.weight", 1 << 20, 0), ("decoder.counts", 4, 7),
+             ("decoder.layers.1.mlp.linear_fc1.weight", 14, 0)]
+    digests = [_digest(_flipped(weights, *flip)) for flip in flips]
+    assert base not in digests and len(set(digests)) == len(flips)
+    swapped = dict(weights)
+    swapped["decoder.layers.0.mlp.linear_fc1.weight"], swapped["decoder.layers.1.mlp.linear_fc1.weight"] = \
+        weights["decoder.layers.1.mlp.linear_fc1.weight"], weights["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert _digest(swapped) != base
+    as_fp32 = {**weights, "decoder.final_layernorm.weight": weights["decoder.final_layernorm.weight"].float()}
+    assert _digest(as_fp32) != base  # the same values in another dtype
+
+
+def test_the_weights_digest_leaves_out_the_adapters():
+    weights = _weights()
+    adapters = {"decoder.layers.0.self_attention.linear_qkv_lora.A": torch.randn(4, 4),
+                "decoder.layers.0.self_attention.linear_qkv_lora.B": torch.zeros(4, 4)}
+    assert _digest({**weights, **adapters}) == _digest(weights)
+
+
+def test_the_weights_digest_reads_the_device_once_however_many_tensors():
+    """One device-to-host copy for the whole shard (it was one a tensor, a full copy of the shard on the host),
+    and the digest of the weights on the device is that of the same weights on the host."""
+    from hpa.distributed.device_mode import StrictDeviceMode, on_device
+    from hpa.distributed.sync_ops import SyncOps
+
+    counts = {}
+    for num_layers in (1, 20):
+        host = _weights(num_layers, large=1000)
+        with StrictDeviceMode(torch.device("lazy", 0)):
+            device = {k: on_device(v) for k, v in host.items()}
+            with SyncOps() as syncs:
+                digest = _digest(device)
+        counts[num_layers] = syncs.count
+        assert digest == _digest(host)
+    assert counts == {1: 1, 20: 1}, counts
+
+
+def test_a_weight_that_starts_mid_word_in_its_storage_hashes_as_its_copy():
+    """A view at an odd place in its storage (a parameter in a flat buffer) reads as the same words as its copy."""
+    storage = torch.arange(11, dtype=torch.int16)
+    assert _digest({"w": storage[1:]}) == _digest({"w": storage[1:].clone()})
+    assert _digest({"w": storage[1:]}) != _digest({"w": storage[:-1]})
