@@ -11,15 +11,15 @@ seconds per step (rollout, old-policy forward, reference forward, update), the u
 forward-only pass's tokens/s and MFU, packed and padded; ``syncs``: the host-device syncs that
 ``torch.cuda.set_sync_debug_mode("warn")`` reported per step over steps 2 to N of each run (``per_step_on``,
 ``per_step_off``; start-up and the first step, ``startup_on``/``startup_off``, and what runs after the last
-step's record are counted apart, as the rates leave the first step out), and the sites with the most (``sites_on``/``sites_off``, ``path:line`` in hpa, its patches or megatron);
-``decode``: whether each step's rollout ran the graph decode (``rollout/decode_graph``) and the captures of the
-run against the buckets used; ``packing_probe``: the same random rows packed and padded through the model
-and hpa's label head in bf16 (the log-prob gap, the varlen kernel's calls) and a causality probe (one token
-changed: nothing before it and no other row may move) and ``syncs``, a packed training micro-batch's syncs in
-its forward and its backward (``sync_probe``); ``failed``: the checks that did not pass (``ok`` is
-true when none). The first step (CUDA warm-up, allocator growth) is left out of the rates. With
-``--tokens-per-micro-batch N``, ``token_budget``: the packed run again with
-``trainer.ppo_max_token_len_per_rank=N``.
+step's record are counted apart, as the rates leave the first step out), and the sites with the most
+(``sites_on``/``sites_off``, ``path:line`` in hpa, its patches or megatron); ``decode``: whether each step's
+rollout ran the graph decode (``rollout/decode_graph``) and the captures of the run against the buckets used;
+``packing_probe``: the same random rows packed and padded through the model and hpa's label head in bf16 (the
+log-prob gap, the varlen kernel's calls) and a causality probe (one token changed: nothing before it and no
+other row may move) and ``syncs``, a packed training micro-batch's syncs in its forward and its backward
+(``sync_probe``); ``failed``: the checks that did not pass (``ok`` is true when none). The first step (CUDA
+warm-up, allocator growth) is left out of the rates. With ``--tokens-per-micro-batch N``, ``token_budget``: the
+packed run again with ``trainer.ppo_max_token_len_per_rank=N``.
 
 Ran on one H100 (docs/gpu.md, "GPU check") and, with packing, the probe, the decode checks and the sync sites,
 on one H200 (2026-11-27).

@@ -8,8 +8,8 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from hpa.config.schema import Config, heldout_pairs_needed
 from hpa.config.errors import ConfigError
+from hpa.config.schema import Config, heldout_pairs_needed
 from hpa.data.preferences import PreferenceDataset, SFTDataset
 from hpa.data.prompts import PromptDataset
 from hpa.data.sampler import DistributedBatchSampler

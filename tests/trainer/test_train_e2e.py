@@ -3,6 +3,7 @@ metrics, the metrics file holds every documented key, and resumable pieces are i
 
 import json
 import math
+from typing import List, NamedTuple
 
 import pytest
 
@@ -32,8 +33,16 @@ def adversarial(demo):
     return f"data.adversarial_prompt_path={demo / 'data' / 'adversarial_prompts.jsonl'}"
 
 
+class Runs(NamedTuple):
+    """The two runs' metrics (one record a step) and the TP1xDP2 run's log."""
+
+    dp2: List[dict]
+    tp2pp2dp2: List[dict]
+    dp2_log: str
+
+
 @pytest.fixture(scope="module")
-def runs(demo):
+def runs(demo) -> Runs:
     output = []
     dp2 = launch(demo, demo / "tp1_pp1_dp2", 2, [adversarial(demo)], output=output)
     # truncated IS on here only: on CPU the rollout and training log-probs agree to ~1e-6, so the
@@ -41,11 +50,11 @@ def runs(demo):
     tp2pp2dp2 = launch(demo, demo / "tp2_pp2_dp2", 8, ["parallel.tensor_model_parallel_size=2",
                                                           "parallel.pipeline_model_parallel_size=2",
                                                           "algorithm.ppo.rollout_is_threshold=2.0", adversarial(demo)])
-    return dp2, tp2pp2dp2, output[0]
+    return Runs(dp2=dp2, tp2pp2dp2=tp2pp2dp2, dp2_log=output[0])
 
 
 def test_metrics_file_has_every_key(runs):
-    dp2, _, log = runs
+    dp2, log = runs.dp2, runs.dp2_log
     assert [r["step"] for r in dp2] == [0, 1, 2]
     for key in REQUIRED_KEYS:
         assert key in dp2[-1], key
@@ -71,7 +80,7 @@ def test_metrics_file_has_every_key(runs):
 def test_evaluation_starts_at_the_reference_and_is_layout_invariant(runs):
     """At step 0 the policy is the reference: the eval KL is exactly 0 and the monitor's gap has not
     grown; evaluation metrics agree between TP1xDP2 and TP2xPP2xDP2."""
-    dp2, tp2pp2, _ = runs
+    dp2, tp2pp2 = runs.dp2, runs.tp2pp2dp2
     assert dp2[0]["eval/kl"] == 0.0 and dp2[0]["hacking/gap_growth"] == 0.0
     assert dp2[0]["hacking/length_ratio"] == 1.0
     assert dp2[-1]["eval/kl"] != 0.0  # two updates later the policy has moved
@@ -97,19 +106,19 @@ def test_reward_hacking_alert_stops_training_when_asked(demo):
 @pytest.mark.parametrize("key", ["reward/raw_mean", "response_length/mean", "dpo/loss", "kl/token", "kl/semantic",
                                  "actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "rollout/logprob_diff_max"])
 def test_tp2_pp2_matches_tp1(runs, key):
-    dp2, tp2pp2, _ = runs
+    dp2, tp2pp2 = runs.dp2, runs.tp2pp2dp2
     for a, b in zip(dp2[1:], tp2pp2[1:]):
         assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), (a["step"], key)
 
 
 def test_rollout_logprobs_match_training_forward(runs):
-    for run in runs[:2]:  # the dp2 and tp2pp2dp2 metrics (runs[2] is the dp2 log)
+    for run in (runs.dp2, runs.tp2pp2dp2):
         for record in run[1:]:
             assert record["rollout/logprob_diff_max"] < 1e-4
-    for record in runs[1][1:]:
+    for record in runs.tp2pp2dp2[1:]:
         assert record["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
         assert record["rollout/is_truncated_frac"] == 0.0
-    assert "rollout/is_weight_mean" not in runs[0][-1]
+    assert "rollout/is_weight_mean" not in runs.dp2[-1]
 
 
 def test_token_budget_micro_batches_give_the_same_step(demo):
