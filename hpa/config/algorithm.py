@@ -214,6 +214,9 @@ class DPOConfig:
             )
 
 
+DEFAULT_REPLAY_COEF = 0.5  # algorithm.replay.coef where data.sft_path is given and the key is left unset
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
     """SFT replay: the supervised examples of ``data.sft_path`` (those that made the start) replayed in every
@@ -230,17 +233,20 @@ class ReplayConfig:
     token over the whole step's replayed responses, and weighted with the pair stream.
 
     Attributes:
-        coef: γ, the weight of the replayed examples' NLL per token next to the DPO loss; 0 (default) is off.
+        coef: γ, the weight of the replayed examples' NLL per token next to the DPO loss; 0 is off. None
+            (default since 2026-11-28): ``DEFAULT_REPLAY_COEF`` (0.5) when ``data.sft_path`` is given, else
+            0; the root ``Config`` resolves it, so a loaded config always holds a number (docs/results.md).
     """
 
-    coef: float = 0.0
+    coef: Optional[float] = None
 
     def __post_init__(self):
-        check_range("coef", self.coef, low=0.0)
+        if self.coef is not None:
+            check_range("coef", self.coef, low=0.0)
 
     @property
     def enabled(self) -> bool:
-        return self.coef > 0
+        return self.coef is not None and self.coef > 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -394,6 +400,14 @@ class CoverageConfig:
             checkpoints). The hold then follows how far the other terms push the far rows: released
             where they stay near the start, held where they drift. Needs ``kl_boost > 0`` and shape
             ``far``. A probe, not a default (docs/results.md).
+        hold_min_skill: hold the far rows only where the start did well there, as its demonstrations
+            measure it. At start-up the start decodes greedily the prompt of every example of
+            ``data.sft_path`` that no pair covers (trust 0; sharded over DP); its skill is the share of them
+            it answers exactly as demonstrated (every token and the EOS). Below this share the boost is 0
+            for the run: there is little to keep, and a hold would pin what the start got wrong (with the SFT
+            replay on, the demonstrations then teach it). Logged as ``coverage/start_skill`` and
+            ``coverage/kl_boost``; saved in checkpoints. None, no ``data.sft_path``, or no far example: the
+            boost is ``kl_boost`` throughout. Default 0.6 (docs/results.md).
     """
 
     enabled: Optional[bool] = None
@@ -405,9 +419,12 @@ class CoverageConfig:
     kl_boost: float = 100.0
     kl_boost_shape: str = "far"
     kl_boost_target: Optional[float] = None
+    hold_min_skill: Optional[float] = 0.6
 
     def __post_init__(self):
         check_choice("space", self.space, COVERAGE_SPACES)
+        if self.hold_min_skill is not None:
+            check_range("hold_min_skill", self.hold_min_skill, low=0.0, high=1.0)
         check_range("kl_boost", self.kl_boost, low=0.0)
         check_choice("kl_boost_shape", self.kl_boost_shape, KL_BOOST_SHAPES)
         if self.kl_boost_target is not None:

@@ -2,7 +2,7 @@
 
 ``recipe`` is the HPA recipe as published (w_ppo = w_dpo = 0.4, w_kl = 0.2) without the parts hpa adds
 by default to decide how far the learned reward is trusted: the preference anchor, per-component
-advantages, the trust gate and the automatic balance (docs/results.md).
+advantages, the trust gate and the automatic balance, and the SFT replay (docs/results.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hpa.config.errors import ConfigError, closest
 
 PRESETS: Dict[str, Tuple[str, ...]] = {
     "recipe": ("algorithm.dpo.rpo_alpha=null", "algorithm.advantage.per_component=false",
-               "algorithm.hpa.gate.enabled=false", "algorithm.hpa.balance.enabled=false"),
+               "algorithm.hpa.gate.enabled=false", "algorithm.hpa.balance.enabled=false", "algorithm.replay.coef=0.0"),
 }
 
 

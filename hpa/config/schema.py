@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from .algorithm import GATE_SIGNALS_ON_REWARD_MODELS, AlgorithmConfig
+from .algorithm import DEFAULT_REPLAY_COEF, GATE_SIGNALS_ON_REWARD_MODELS, AlgorithmConfig
 from .data import DataConfig
 from .errors import ConfigError, check_choice, check_range
 from .reward import RewardConfig, check_diversity_source
@@ -623,6 +623,13 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
 
+    def __post_init__(self):
+        # algorithm.replay.coef None: replay the demonstrations whenever the run is given them
+        if self.algorithm.replay.coef is None:
+            coef = DEFAULT_REPLAY_COEF if self.data.sft_path is not None else 0.0
+            object.__setattr__(self, "algorithm", dataclasses.replace(
+                self.algorithm, replay=dataclasses.replace(self.algorithm.replay, coef=coef)))
+
 
 def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
     model_parallel = (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
@@ -804,6 +811,14 @@ def coverage_enabled(cfg: Config) -> bool:
     if enabled is not None:
         return enabled
     return component_advantages(cfg) and bool(cfg.reward.model_paths) and cfg.data.heldout_preference_path is not None
+
+
+def demonstrations_needed(cfg: Config) -> bool:
+    """Whether the run reads ``data.sft_path``: for the SFT replay, or for the coverage trust's measure of the
+    start's skill where no pair covers a prompt (``algorithm.hpa.coverage.hold_min_skill``, with a boost)."""
+    c = cfg.algorithm.hpa.coverage
+    return cfg.algorithm.replay.enabled or (cfg.data.sft_path is not None and coverage_enabled(cfg)
+                                            and c.kl_boost > 0 and c.hold_min_skill is not None)
 
 
 def heldout_pairs_needed(cfg: Config) -> bool:

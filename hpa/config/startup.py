@@ -11,7 +11,7 @@ import os
 from typing import List, Mapping, Optional, Tuple
 
 from .errors import ConfigError
-from .schema import Config
+from .schema import Config, demonstrations_needed
 
 # what each command reads: (dotted key, "file" | "dir" | "any"); an unset optional key is skipped
 _TOKENIZER = ("data.tokenizer_path", "any")
@@ -29,7 +29,7 @@ PATHS_READ = {
 }
 REQUIRED = {"sft": ("data.sft_path",), "serve": ("model.policy_path",), "generate": ("model.policy_path",)}
 # what a command reads only when a feature is on: (command, the feature's test, the path's entry)
-PATHS_READ_WHEN = (("train", lambda cfg: cfg.algorithm.replay.enabled, ("data.sft_path", "file")),)
+PATHS_READ_WHEN = (("train", demonstrations_needed, ("data.sft_path", "file")),)
 _KIND_WORD = {"file": "a file", "dir": "a directory", "any": "a file or directory"}
 
 

@@ -69,7 +69,8 @@ class HPATrainer:
         self.controllers = Controllers(cfg, ControllerInputs(
             groups=groups, pad_id=p.tokenizer.pad_id, timer=self.timer, tokenizer=p.tokenizer, pairs=p.pairs,
             heldout_pairs=p.heldout_pairs, model_reward=p.model_reward, generate=self.generate,
-            policy_nll=lambda examples: heldout_nll(p.policy.model, examples, self.ctx)))
+            policy_nll=lambda examples: heldout_nll(p.policy.model, examples, self.ctx),
+            demonstrations=p.demonstrations))
         # w_ppo = 0 for the whole run: plain DPO, which spends no rollouts (the KL and entropy terms,
         # which live on rollouts, go with them)
         pairs_only = not any(v > 0 for v in cfg.algorithm.hpa.w_ppo.used_values())

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from hpa.config.errors import ConfigError
-from hpa.config.schema import Config, heldout_pairs_needed
+from hpa.config.schema import Config, demonstrations_needed, heldout_pairs_needed
 from hpa.data.preferences import PreferenceDataset, SFTDataset
 from hpa.data.prompts import PromptDataset
 from hpa.data.sampler import DistributedBatchSampler
@@ -40,6 +40,9 @@ class RunParts:
         model_reward: the reward-model ensemble alone (the learned reward), None without reward models.
         replay, replay_sampler: the SFT examples replayed in every step and their sampler, with
             ``algorithm.replay`` on; else None.
+        demonstrations: the SFT examples of ``data.sft_path`` when the run reads them (the replay, or the
+            coverage trust's measure of the start's skill, ``algorithm.hpa.coverage.hold_min_skill``); else
+            None.
     """
 
     tokenizer: object
@@ -57,6 +60,7 @@ class RunParts:
     model_reward: Optional[object] = None
     replay: Optional[SFTDataset] = None
     replay_sampler: Optional[DistributedBatchSampler] = None
+    demonstrations: Optional[SFTDataset] = None
 
 
 def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
@@ -75,9 +79,11 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
     prompt_sampler = sampler(len(prompts), t.global_batch_size, seed, "trainer.global_batch_size", cfg.data.prompt_path)
     pair_sampler = sampler(len(pairs), t.preference_batch_size, seed + 1, "trainer.preference_batch_size",
                            cfg.data.preference_path)
-    replay = replay_sampler = None
+    replay = replay_sampler = demonstrations = None
+    if demonstrations_needed(cfg):
+        demonstrations = SFTDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
     if cfg.algorithm.replay.enabled:  # the SFT examples, replayed in every step (algorithm.replay)
-        replay = SFTDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
+        replay = demonstrations
         replay_sampler = sampler(len(replay), t.replay_batch_size, seed + 2, "trainer.replay_batch_size",
                                  cfg.data.sft_path)
     policy, reference, critic = build_models(cfg, groups)
@@ -98,7 +104,8 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
     return RunParts(tokenizer=tokenizer, prompts=prompts, pairs=pairs, heldout_pairs=heldout, prompt_sampler=prompt_sampler,
                     pair_sampler=pair_sampler, policy=policy, reference=reference, critic=critic, engine=engine,
                     reward=reward, evaluator=evaluator, model_reward=model_reward, replay=replay,
-                    replay_sampler=replay_sampler)
+                    replay_sampler=replay_sampler, demonstrations=demonstrations)
+
 
 
 def make_sampler(n: int, batch_size: int, seed: int, groups, *, shuffle: bool, key: str,

@@ -246,3 +246,42 @@ def test_a_negative_guard_threshold_is_refused():
     with pytest.raises(ConfigError, match="serve.kl_threshold"):
         load_config(None, ["serve.kl_threshold=-0.5"])
     assert load_config(None, ["serve.kl_threshold=0"]).serve.kl_threshold == 0
+
+
+def test_the_replay_follows_the_demonstrations_by_default(tmp_path):
+    """``algorithm.replay.coef`` left unset (None): 0.5 when ``data.sft_path`` is given, else 0 (off); a set
+    value wins either way, and the recipe preset (the peers' objectives in ``hpa ablate``) turns it off. The
+    loaded config holds the number, and so does the resolved file a run writes (it reloads to the same)."""
+    from hpa.config.load import write_resolved
+    from hpa.config.presets import with_preset
+
+    demo = tmp_path / "sft.jsonl"
+    demo.write_text('{"prompt": "a", "response": "b"}\n')
+    assert load_config(None, []).algorithm.replay.coef == 0.0 and not load_config(None, []).algorithm.replay.enabled
+    given = load_config(None, [f"data.sft_path={demo}"])
+    assert given.algorithm.replay.coef == 0.5 and given.algorithm.replay.enabled
+    assert load_config(None, [f"data.sft_path={demo}", "algorithm.replay.coef=0"]).algorithm.replay.coef == 0.0
+    assert load_config(None, [f"data.sft_path={demo}", "algorithm.replay.coef=0.2"]).algorithm.replay.coef == 0.2
+    assert load_config(None, with_preset("recipe", [f"data.sft_path={demo}"])).algorithm.replay.coef == 0.0
+    resolved = write_resolved(given, tmp_path / "run")
+    assert load_config(resolved, []).algorithm.replay.coef == 0.5
+    assert load_config(resolved, ["data.sft_path=null", "algorithm.replay.coef=null"]).algorithm.replay.coef == 0.0
+
+
+def test_the_start_skill_hold_checks_its_share_and_reads_the_demonstrations(tmp_path):
+    """``algorithm.hpa.coverage.hold_min_skill`` is a share in [0, 1] (NaN refused), null turns it off; a
+    training run given ``data.sft_path`` reads it (the replay and the skill), so a missing file is an error
+    naming the key before anything is built."""
+    for bad in ("1.5", "-0.1", ".nan"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"algorithm.hpa.coverage.hold_min_skill={bad}"])
+        assert err.value.key == "algorithm.hpa.coverage.hold_min_skill"
+    assert load_config(None, ["algorithm.hpa.coverage.hold_min_skill=null"]).algorithm.hpa.coverage.hold_min_skill is None
+    data = []
+    for key in ("tokenizer_path", "prompt_path", "preference_path", "eval_prompt_path"):  # the other files are there
+        (tmp_path / key).write_text("{}\n")
+        data.append(f"data.{key}={tmp_path / key}")
+    load_config(None, data, command="train")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*data, f"data.sft_path={tmp_path / 'missing.jsonl'}"], command="train")
+    assert err.value.key == "data.sft_path"

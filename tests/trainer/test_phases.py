@@ -345,6 +345,129 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
     assert m["coverage/far_kl"] == pytest.approx(1 - math.log(2.0))
 
 
+def _greedy_generate(answers, eos=2, width=4):
+    """A scripted ``generate``: each prompt (by its last token) answered with ``answers[last token]`` then EOS
+    (``None``: cut at ``width`` tokens without one, finish ``length``); records the sampling params."""
+    calls = []
+
+    def generate(prompts, params):
+        calls.append((list(prompts), params))
+        rows = []
+        for p in prompts:
+            answer = answers.get(p[-1], [])
+            rows.append((list(answer) + [eos], "stop") if answer is not None else ([5] * width, "length"))
+        r = max(len(t) for t, _ in rows)
+        ids = torch.tensor([t + [0] * (r - len(t)) for t, _ in rows])
+        mask = torch.tensor([[1.0] * len(t) + [0.0] * (r - len(t)) for t, _ in rows])
+        p_ids = torch.tensor([[p[-1]] for p in prompts])
+        return RolloutBatch(p_ids, torch.ones_like(p_ids), ids, mask, torch.zeros_like(mask),
+                            [f for _, f in rows], torch.arange(len(prompts)))
+
+    generate.calls = calls
+    return generate
+
+
+def test_greedy_match_share_counts_answers_as_demonstrated():
+    """The start's skill on demonstrations: the share of examples whose response it decodes greedily token for
+    token; a final EOS on either side does not count, a longer or shorter answer misses, a response cut at
+    ``max_new_tokens`` (no EOS) matches nothing. Sampled greedily (temperature 0, one each)."""
+    from hpa.data.preferences import SFTExample
+    from hpa.trainer.objective.controllers.coverage import greedy_match_share
+
+    groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
+    rollout = load_config(None, []).rollout
+    demos = [SFTExample(prompt_ids=[1], response_ids=[6, 7, 2]),  # answered [6, 7] + EOS: a match
+             SFTExample(prompt_ids=[3], response_ids=[6, 7]),  # demonstrated without an EOS: still a match
+             SFTExample(prompt_ids=[4], response_ids=[6, 2]),  # answered [6, 7]: too long
+             SFTExample(prompt_ids=[5], response_ids=[5, 5, 5, 5]),  # cut at the length: no answer
+             SFTExample(prompt_ids=[6], response_ids=[7, 2])]  # answered [6]: wrong
+    generate = _greedy_generate({1: [6, 7], 3: [6, 7], 4: [6, 7], 5: None, 6: [6]})
+    share, n = greedy_match_share(demos, generate, rollout, groups, eos_id=2)
+    assert (share, n) == (pytest.approx(2 / 5), 5)
+    (prompts, params), = generate.calls
+    assert prompts == [[1], [3], [4], [5], [6]] and params.temperature == 0.0 and params.n == 1
+    # DP rank 1 of 2 answers every other example, padded to the same count as rank 0 (the pad not counted)
+    rank1 = types.SimpleNamespace(dp_group=None, data_parallel_size=2, dp_rank=1)
+    generate = _greedy_generate({1: [6, 7], 3: [6, 7], 4: [6, 7], 5: None, 6: [6]})
+    share, n = greedy_match_share(demos, generate, rollout, rank1, eos_id=2)
+    assert (share, n) == (pytest.approx(1 / 2), 2) and generate.calls[0][0] == [[3], [5], [1]]
+    assert greedy_match_share([], generate, rollout, groups, eos_id=2)[1] == 0
+
+
+def test_the_far_rows_are_held_only_where_the_start_did_well():
+    """``coverage.hold_min_skill`` (default 0.6): at start-up the start answers the demonstrations whose prompts
+    no pair covers (trust 0; a covered prompt's demonstration is not asked); below the share the boost is 0
+    for the run (the far rows' KL weighs 1, as a covered row's), at or above it the far rows are held with
+    ``1 + kl_boost``. The skill and the boost are logged; the skill is saved, and a restore decides from the
+    saved one (the start as measured when the run began); a checkpoint from before keeps what start-up
+    measured. Without demonstrations nothing is measured and the far rows are held."""
+    from hpa.data.preferences import PreferenceExample, SFTExample
+    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+
+    base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
+            "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false")
+    cfg = load_config(None, list(base))
+    assert cfg.algorithm.hpa.coverage.hold_min_skill == 0.6
+    prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
+    pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
+    heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
+               for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
+    # five far demonstrations (prompt 3, no pair) and one on the covered prompt 1, which the start gets wrong
+    demos = [SFTExample(prompt_ids=[3], response_ids=[6, 2]) for _ in range(5)] + \
+        [SFTExample(prompt_ids=[1], response_ids=[7, 7, 2])]
+    tokenizer = types.SimpleNamespace(eos_id=2)
+    groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
+
+    def controller(answers, demonstrations=demos):
+        generate = _greedy_generate(answers)
+        run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
+                               heldout_pairs=heldout, tokenizer=tokenizer, generate=generate,
+                               demonstrations=demonstrations)
+        return CoverageTrust(cfg.algorithm.hpa.coverage, run, cfg.rollout), generate
+
+    def observe(coverage):
+        batch = _component_batch([0.0] * 4, [0.2, 0.9, 1.3, 0.1], [0, 0, 1, 1])
+        batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])  # prompt 1 covered, prompt 3 far
+        batch.set("raw_rewards", torch.tensor([0.2, 0.9, 1.3, 0.1]))
+        return batch, coverage.update(StepSignals(batch=batch))
+
+    skilled, generate = controller({3: [6], 1: [8]})  # every far demonstration answered as shown
+    assert [p for p, _ in generate.calls] == [[[3]] * 5]  # only the far ones asked
+    batch, m = observe(skilled)
+    assert m["coverage/start_skill"] == 1.0 and m["coverage/kl_boost"] == 100.0
+    assert batch.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
+    unskilled, _ = controller({3: [8], 1: [7, 7]})  # none of them
+    batch, m = observe(unskilled)
+    assert m["coverage/start_skill"] == 0.0 and m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras
+    assert batch.get("learned_trust")[2:].tolist() == [0.0, 0.0]  # the far rows still get no learned advantage
+    # three of five: 0.6, held (at the share); two of five: not
+    assert controller({3: [6]}, demos[:3] + [SFTExample(prompt_ids=[3], response_ids=[9, 2])] * 2)[0].kl_boost == 100.0
+    assert controller({3: [6]}, demos[:2] + [SFTExample(prompt_ids=[3], response_ids=[9, 2])] * 3)[0].kl_boost == 0.0
+    # saved, restored from the saved skill; a checkpoint from before keeps what start-up measured
+    state = unskilled.state_dict()
+    assert state["start_skill"] == 0.0 and "kl_boost" not in state
+    restored, _ = controller({3: [6]})
+    assert restored.kl_boost == 100.0
+    restored.load_state_dict(state)
+    assert restored.kl_boost == 0.0 and observe(restored)[1]["coverage/start_skill"] == 0.0
+    back, _ = controller({3: [8]})
+    back.load_state_dict(skilled.state_dict())
+    assert back.kl_boost == 100.0
+    old, _ = controller({3: [8]})
+    old.load_state_dict({"low": state["low"], "high": state["high"]})
+    assert old.kl_boost == 0.0
+    # no demonstrations, or none far, or the option off: nothing measured, the far rows held
+    for run_demos in (None, demos[5:]):
+        plain, generate = controller({3: [8]}, run_demos)
+        batch, m = observe(plain)
+        assert generate.calls == [] and "coverage/start_skill" not in m and "start_skill" not in plain.state_dict()
+        assert batch.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
+    off = load_config(None, [*base, "algorithm.hpa.coverage.hold_min_skill=null"])
+    run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout,
+                           tokenizer=tokenizer, generate=_greedy_generate({3: [8]}), demonstrations=demos)
+    assert CoverageTrust(off.algorithm.hpa.coverage, run, off.rollout).kl_boost == 100.0
+
+
 def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     """A split-like run (a rule and a reward model): ``score`` marks the rows whose prompt has a ground truth
     (``rule_judged``), and the coverage trust's KL boost leaves those rows at weight 1 even where no pair

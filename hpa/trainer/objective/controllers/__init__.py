@@ -38,7 +38,7 @@ CONTROLLERS: Dict[str, ControllerEntry] = {
                                   trust_gate_enabled),
     "balance": ControllerEntry(lambda cfg, run: GradientBalance(cfg.algorithm.hpa.balance.measure_steps),
                                lambda cfg: cfg.algorithm.hpa.balance.enabled),
-    "coverage": ControllerEntry(lambda cfg, run: CoverageTrust(cfg.algorithm.hpa.coverage, run),
+    "coverage": ControllerEntry(lambda cfg, run: CoverageTrust(cfg.algorithm.hpa.coverage, run, cfg.rollout),
                                 coverage_enabled),
 }
 

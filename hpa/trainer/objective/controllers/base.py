@@ -43,6 +43,8 @@ class ControllerInputs:
         model_reward: the reward-model ensemble, None without reward models.
         generate: ``(prompt_ids, SamplingParams) -> RolloutBatch`` on the policy's current weights.
         policy_nll: the policy's NLL per token of a pair set's chosen responses (the same on every rank).
+        demonstrations: the SFT examples of ``data.sft_path`` (what the start was trained on), None when the
+            run reads none.
     """
 
     groups: ParallelGroups
@@ -54,6 +56,7 @@ class ControllerInputs:
     model_reward: Optional[object] = None
     generate: Optional[Callable] = None
     policy_nll: Optional[Callable[[Sequence], float]] = None
+    demonstrations: Optional[Sequence] = None
 
 
 class Controller:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -12,10 +12,50 @@ from hpa.algorithms.coverage import (TRUST_METRICS, EmbeddingCache, abstention_k
                                      bank_center, calibrate, coverage_trust, far_kl_sums, far_rows, knn_distance,
                                      trust_stats, unique_rows)
 from hpa.config.algorithm import CoverageConfig
+from hpa.config.schema import RolloutConfig
 from hpa.distributed import comm
 from hpa.reward.embeddings import chosen_embeddings, prompt_embeddings
+from hpa.rollout.base import SamplingParams
 from hpa.trainer.objective.controllers.base import Controller, ControllerInputs, StepSignals
 from hpa.trainer.objective.weights import StepFactors
+
+
+def demonstrated_answers(batch, eos_id: int) -> List[Tuple[int, ...]]:
+    """Each row's sampled response as token ids, without a final EOS (``RolloutBatch``: right-padded, the
+    mask 1 on sampled tokens including the EOS); a row that did not stop (``length``) is None: it gave no
+    answer."""
+    ids, mask = batch.response_ids.cpu(), batch.response_mask.cpu()
+    out = []
+    for row, m, reason in zip(ids, mask, batch.finish_reasons):
+        tokens = row[m.bool()].tolist()
+        out.append(tuple(tokens[:-1] if tokens and tokens[-1] == eos_id else tokens) if reason == "stop" else None)
+    return out
+
+
+def greedy_match_share(examples: Sequence, generate: Callable, rollout: RolloutConfig, groups, *,
+                       eos_id: int) -> Tuple[float, int]:
+    """The share of ``examples`` (SFT examples: ``prompt_ids``, ``response_ids``) whose response the policy
+    decodes greedily, token for token (a final EOS on either side ignored; a response cut at
+    ``rollout.max_new_tokens`` matches nothing), and how many were measured. The examples are sharded over DP
+    (the same work on every rank) and the counts reduced, so every rank returns the same two numbers.
+    ``generate``: ``(prompt_ids, SamplingParams) -> RolloutBatch`` on the policy's current weights."""
+    n = len(examples)
+    if n == 0:
+        return float("nan"), 0
+    per_rank = -(-n // groups.data_parallel_size)
+    mine = list(examples[groups.dp_rank::groups.data_parallel_size])
+    counted = len(mine)
+    mine = (mine + list(examples[:1]) * per_rank)[:per_rank]  # equal work on every rank (repeats not counted)
+    batch = generate([e.prompt_ids for e in mine], SamplingParams.from_config(rollout, n=1, temperature=0.0))
+    answers = demonstrated_answers(batch, eos_id)
+    hits = 0
+    for row, answer in zip(batch.group_ids.tolist(), answers):
+        if row < counted:
+            want = list(mine[row].response_ids)
+            want = tuple(want[:-1] if want and want[-1] == eos_id else want)
+            hits += int(answer == want)
+    sums = comm.all_reduce_sum(torch.tensor([float(hits), float(counted)], dtype=torch.float64), groups.dp_group)
+    return float(sums[0] / sums[1]), int(sums[1])
 
 
 def covered_reward_sums(batch, trust: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -49,11 +89,15 @@ class CoverageTrust(Controller):
     (``coverage/kl_boost``). With
     ``kl_boost_target`` the boost adapts to that KL each step before the weights are written
     (``adapt_kl_boost``); it is then run state (saved; a checkpoint without it resumes at ``kl_boost``).
+    With ``hold_min_skill`` and demonstrations (``data.sft_path``), the start's skill where no pair covers a
+    prompt is measured once at start-up (``greedy_match_share`` over the examples whose prompts have trust 0)
+    and the boost is 0 for the run where it falls below; both are run state (saved; a checkpoint without
+    them keeps what start-up measured, which is the same start).
     """
 
     name, observes = "coverage", "rollouts"
 
-    def __init__(self, c: CoverageConfig, run: ControllerInputs):
+    def __init__(self, c: CoverageConfig, run: ControllerInputs, rollout: Optional[RolloutConfig] = None):
         self.k, self.space, self.model_reward, self.pad_id = c.k, c.space, run.model_reward, run.pad_id
         self.dp_group, self.timer = run.groups.dp_group, run.timer
         self.kl_boost, self.kl_boost_shape, self.cache = c.kl_boost, c.kl_boost_shape, EmbeddingCache()
@@ -65,6 +109,37 @@ class CoverageTrust(Controller):
                                         margin=c.margin)
         logging.getLogger("hpa").info("coverage trust (%s space): %d rows in the bank; trust 1 up to distance "
                                       "%.4g, 0 from %.4g", self.space, self.bank.shape[0], self.low, self.high)
+        self.start_skill, self.far_demonstrations, self.min_skill = float("nan"), 0, c.hold_min_skill
+        self.config_boost = c.kl_boost
+        if self.kl_boost > 0 and c.hold_min_skill is not None and run.demonstrations:
+            self._measure_start_skill(run, rollout)
+
+    def _measure_start_skill(self, run: ControllerInputs, rollout: RolloutConfig) -> None:
+        """The start's greedy match share on the demonstrations no pair covers; the boost is 0 below
+        ``hold_min_skill``. No far demonstration: nothing measured, the boost stays."""
+        examples = list(run.demonstrations)
+        trust = self._prompt_trust([e.prompt_ids for e in examples])  # [n]
+        far = [e for e, t in zip(examples, trust.tolist()) if t <= 0]
+        log = logging.getLogger("hpa")
+        if not far:
+            log.info("coverage trust: no demonstration (data.sft_path) lies where no pair covers; the far rows are "
+                     "held with boost %g", self.kl_boost)
+            return
+        with self.timer("coverage"):
+            self.start_skill, self.far_demonstrations = greedy_match_share(far, run.generate, rollout, run.groups,
+                                                                           eos_id=run.tokenizer.eos_id)
+        held, min_skill = self.holds(), self.min_skill
+        log.info("coverage trust: the start answers %.3f of the %d demonstrations no pair covers as demonstrated "
+                 "(greedy); %s", self.start_skill, self.far_demonstrations,
+                 f"at least {min_skill:g}: the far rows are held (boost {self.kl_boost:g})" if held else
+                 f"below {min_skill:g}: the far rows are not held (boost 0)")
+        if not held:
+            self.kl_boost = 0.0
+
+    def holds(self) -> bool:
+        """Whether the far rows are held: always, unless the start's skill was measured and is below
+        ``hold_min_skill``."""
+        return not self.start_skill < self.min_skill if self.min_skill is not None else True
 
     def _embed_pairs(self, examples) -> torch.Tensor:
         if self.space == "prompt":  # every pair's prompt (a prompt with more pairs weighs more), each embedded once
@@ -78,16 +153,21 @@ class CoverageTrust(Controller):
         if self.space == "prompt":
             # one read of the device for both
             ids, masks = torch.stack([batch.prompt_ids, batch.prompt_mask.to(batch.prompt_ids.dtype)]).cpu()
-            rows = [i[m.bool()].tolist() for i, m in zip(ids, masks)]
-            prompts, where = unique_rows(rows)
-            embeddings = self.cache.embed(prompts, lambda new: prompt_embeddings(
-                self.model_reward, new, pad_id=self.pad_id))  # [u, h]
+            return self._prompt_trust([i[m.bool()].tolist() for i, m in zip(ids, masks)]).to(batch.response_ids.device)
         else:
             embeddings = self.model_reward.sequence_embeddings(batch.response_ids, batch.response_mask,
                                                                batch.prompt_ids, batch.prompt_mask)  # [b, h]
             where = torch.arange(embeddings.shape[0])
         trust = coverage_trust(knn_distance(embeddings, self.bank, self.k, center=self.center), self.low, self.high)
         return trust[where].to(batch.response_ids.device)
+
+    def _prompt_trust(self, rows) -> torch.Tensor:
+        """The trust of each prompt (token ids) alone, each distinct prompt embedded once. # -> [n]"""
+        prompts, where = unique_rows(rows)
+        embeddings = self.cache.embed(prompts, lambda new: prompt_embeddings(
+            self.model_reward, new, pad_id=self.pad_id))  # [u, h]
+        return coverage_trust(knn_distance(embeddings, self.bank, self.k, center=self.center), self.low,
+                              self.high)[where]
 
     def update(self, s: StepSignals) -> Dict[str, float]:
         batch = s.batch
@@ -107,6 +187,8 @@ class CoverageTrust(Controller):
         reward_sum, weight, kl_sum, kl_tokens, *stats = read
         nan = float("nan")
         metrics = {f"coverage/{k}": v for k, v in zip(TRUST_METRICS, stats)}
+        if self.start_skill == self.start_skill:  # measured (hold_min_skill): the boost it set, 0 included
+            metrics["coverage/start_skill"], metrics["coverage/kl_boost"] = self.start_skill, self.kl_boost
         if self.kl_boost > 0:
             far_kl = kl_sum / kl_tokens if kl_tokens > 0 else nan
             if self.kl_boost_target is not None:
@@ -128,9 +210,14 @@ class CoverageTrust(Controller):
         state = {"low": self.low, "high": self.high}
         if self.kl_boost_target is not None:  # adapted: run state; a constant boost is the config's
             state["kl_boost"] = self.kl_boost
+        if self.start_skill == self.start_skill:  # measured once, on the start: run state
+            state["start_skill"] = self.start_skill
         return state
 
     def load_state_dict(self, state: Dict) -> None:
         self.low, self.high = state["low"], state["high"]
-        if self.kl_boost_target is not None:  # adapted: run state (a checkpoint from before resumes at kl_boost)
+        if "start_skill" in state:  # the start's skill as measured when the run began (not the resumed policy's)
+            self.start_skill = state["start_skill"]
+            self.kl_boost = self.config_boost if self.holds() else 0.0
+        if self.kl_boost_target is not None and self.holds():  # adapted (a checkpoint from before resumes at kl_boost)
             self.kl_boost = state.get("kl_boost", self.kl_boost)
