@@ -69,11 +69,12 @@ def test_reward_models_and_directories_name_their_key(data, tmp_path):
         check_paths(cfg, "train")
     with pytest.raises(ConfigError, match="data.sft_path.*not set"):
         check_paths(load_config(None, [*data, "data.sft_path=null"]), "sft")
-    # train reads the SFT examples only to replay them (algorithm.replay)
+    # train reads the SFT examples to replay them (algorithm.replay, on by default when they are given) and to
+    # measure the start's skill where no pair covers (coverage.hold_min_skill); with neither it does not
     gone = f"data.sft_path={tmp_path / 'gone.jsonl'}"
-    check_paths(load_config(None, [*data, gone]), "train")
+    check_paths(load_config(None, [*data, gone, "algorithm.replay.coef=0"]), "train")
     with pytest.raises(ConfigError, match=r"data\.sft_path.*does not exist"):
-        check_paths(load_config(None, [*data, gone, "algorithm.replay.coef=0.5"]), "train")
+        check_paths(load_config(None, [*data, gone]), "train")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"reward\.model_paths\[0\].*not a reward model checkpoint"):
         check_paths(load_config(None, [*data, f"reward.model_paths=[{tmp_path / 'empty'}]"]), "train")

@@ -164,7 +164,7 @@ def test_world_size_checks_need_a_world_size_and_refuse_zero(capsys):
     # the replayed SFT examples are split over the DP ranks only when the replay is on
     load_config(None, ["trainer.replay_batch_size=3"], world_size=2)
     with pytest.raises(ConfigError, match="data-parallel size 2") as err:
-        load_config(None, ["trainer.replay_batch_size=3", "algorithm.replay.coef=0.5"], world_size=2)
+        load_config(None, ["trainer.replay_batch_size=3", "data.sft_path=sft.jsonl"], world_size=2)
     assert err.value.key == "trainer.replay_batch_size"
     with pytest.raises(ConfigError, match="world-size"):
         load_config(None, world_size=0)
