@@ -402,8 +402,9 @@ class CoverageConfig:
             ``far``. A probe, not a default (docs/results.md).
         hold_min_skill: hold the far rows only where the start did well there, as its demonstrations
             measure it. At start-up the start decodes greedily the prompt of every example of
-            ``data.sft_path`` that no pair covers (trust 0; sharded over DP); its skill is the share of them
-            it answers exactly as demonstrated (every token and the EOS). Below this share the boost is 0
+            ``data.sft_path`` that no pair covers (trust 0; at most 512 of them out of at most 8,192 examples,
+            evenly spaced; sharded over DP); its skill is the share of them it answers exactly as
+            demonstrated (every token and the EOS). Below this share the boost is 0
             for the run: there is little to keep, and a hold would pin what the start got wrong (with the SFT
             replay on, the demonstrations then teach it). Logged as ``coverage/start_skill`` and
             ``coverage/kl_boost``; saved in checkpoints. None, no ``data.sft_path``, or no far example: the

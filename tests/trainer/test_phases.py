@@ -462,6 +462,12 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
         batch, m = observe(plain)
         assert generate.calls == [] and "coverage/start_skill" not in m and "start_skill" not in plain.state_dict()
         assert batch.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
+    # a large SFT set: at most SKILL_EXAMPLES far demonstrations are asked, in one call, evenly spaced
+    from hpa.trainer.objective.controllers.coverage import SKILL_EXAMPLES
+    many = [SFTExample(prompt_ids=[3], response_ids=[6 if i % 2 else 9, 2]) for i in range(SKILL_EXAMPLES + 300)]
+    large, generate = controller({3: [6]}, many)
+    assert [len(p) for p, _ in generate.calls] == [SKILL_EXAMPLES] and large.far_demonstrations == SKILL_EXAMPLES
+    assert 0.4 < large.start_skill < 0.6
     off = load_config(None, [*base, "algorithm.hpa.coverage.hold_min_skill=null"])
     run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout,
                            tokenizer=tokenizer, generate=_greedy_generate({3: [8]}), demonstrations=demos)

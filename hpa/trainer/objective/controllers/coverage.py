@@ -20,7 +20,20 @@ from hpa.trainer.objective.controllers.base import Controller, ControllerInputs,
 from hpa.trainer.objective.weights import StepFactors
 
 
-def demonstrated_answers(batch, eos_id: int) -> List[Tuple[int, ...]]:
+# the start's skill (``coverage.hold_min_skill``) is measured on at most this many demonstrations no pair covers,
+# out of at most SKILL_CANDIDATES examples of data.sft_path (each an evenly spaced subset, the file's order):
+# one greedy generate call of SKILL_EXAMPLES / DP rows a rank and one reward-model forward per candidate prompt,
+# whatever the size of the SFT set
+SKILL_EXAMPLES, SKILL_CANDIDATES = 512, 8192
+
+
+def evenly_spaced(items: Sequence, limit: int) -> list:
+    """``items`` when there are at most ``limit``, else ``limit`` of them at even spacing, in order."""
+    n = len(items)
+    return list(items) if n <= limit else [items[i * n // limit] for i in range(limit)]
+
+
+def demonstrated_answers(batch, eos_id: int) -> List[Optional[Tuple[int, ...]]]:
     """Each row's sampled response as token ids, without a final EOS (``RolloutBatch``: right-padded, the
     mask 1 on sampled tokens including the EOS); a row that did not stop (``length``) is None: it gave no
     answer."""
@@ -117,9 +130,9 @@ class CoverageTrust(Controller):
     def _measure_start_skill(self, run: ControllerInputs, rollout: RolloutConfig) -> None:
         """The start's greedy match share on the demonstrations no pair covers; the boost is 0 below
         ``hold_min_skill``. No far demonstration: nothing measured, the boost stays."""
-        examples = list(run.demonstrations)
+        examples = evenly_spaced(run.demonstrations, SKILL_CANDIDATES)
         trust = self._prompt_trust([e.prompt_ids for e in examples])  # [n]
-        far = [e for e, t in zip(examples, trust.tolist()) if t <= 0]
+        far = evenly_spaced([e for e, t in zip(examples, trust.tolist()) if t <= 0], SKILL_EXAMPLES)
         log = logging.getLogger("hpa")
         if not far:
             log.info("coverage trust: no demonstration (data.sft_path) lies where no pair covers; the far rows are "
