@@ -407,8 +407,8 @@ class CoverageConfig:
             demonstrated (every token and the EOS). Below this share the boost is 0
             for the run: there is little to keep, and a hold would pin what the start got wrong (with the SFT
             replay on, the demonstrations then teach it). Logged as ``coverage/start_skill`` and
-            ``coverage/kl_boost``; saved in checkpoints. None, no ``data.sft_path``, or no far example: the
-            boost is ``kl_boost`` throughout. Default 0.6 (docs/results.md).
+            ``coverage/kl_boost``; saved in checkpoints. None, no ``data.sft_path``, or fewer than 32 far
+            examples: the boost is ``kl_boost`` throughout. Default 0.6 (docs/results.md).
     """
 
     enabled: Optional[bool] = None

@@ -412,8 +412,8 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
     heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
                for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
-    # five far demonstrations (prompt 3, no pair) and one on the covered prompt 1, which the start gets wrong
-    demos = [SFTExample(prompt_ids=[3], response_ids=[6, 2]) for _ in range(5)] + \
+    # forty far demonstrations (prompt 3, no pair) and one on the covered prompt 1, which the start gets wrong
+    demos = [SFTExample(prompt_ids=[3], response_ids=[6, 2]) for _ in range(40)] + \
         [SFTExample(prompt_ids=[1], response_ids=[7, 7, 2])]
     tokenizer = types.SimpleNamespace(eos_id=2)
     groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
@@ -432,7 +432,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
         return batch, coverage.update(StepSignals(batch=batch))
 
     skilled, generate = controller({3: [6], 1: [8]})  # every far demonstration answered as shown
-    assert [p for p, _ in generate.calls] == [[[3]] * 5]  # only the far ones asked
+    assert [p for p, _ in generate.calls] == [[[3]] * 40]  # only the far ones asked
     batch, m = observe(skilled)
     assert m["coverage/start_skill"] == 1.0 and m["coverage/kl_boost"] == 100.0
     assert batch.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
@@ -440,9 +440,13 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     batch, m = observe(unskilled)
     assert m["coverage/start_skill"] == 0.0 and m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras
     assert batch.get("learned_trust")[2:].tolist() == [0.0, 0.0]  # the far rows still get no learned advantage
-    # three of five: 0.6, held (at the share); two of five: not
-    assert controller({3: [6]}, demos[:3] + [SFTExample(prompt_ids=[3], response_ids=[9, 2])] * 2)[0].kl_boost == 100.0
-    assert controller({3: [6]}, demos[:2] + [SFTExample(prompt_ids=[3], response_ids=[9, 2])] * 3)[0].kl_boost == 0.0
+    # 24 of 40: 0.6, held (at the share); 23 of 40: not
+    wrong = SFTExample(prompt_ids=[3], response_ids=[9, 2])
+    assert controller({3: [6]}, demos[:24] + [wrong] * 16)[0].kl_boost == 100.0
+    assert controller({3: [6]}, demos[:23] + [wrong] * 17)[0].kl_boost == 0.0
+    # fewer than SKILL_MIN_EXAMPLES far demonstrations decide nothing: held, whatever the start answers
+    few, generate = controller({3: [8]}, demos[:31])
+    assert few.kl_boost == 100.0 and generate.calls == [] and "start_skill" not in few.state_dict()
     # saved, restored from the saved skill; a checkpoint from before keeps what start-up measured
     state = unskilled.state_dict()
     assert state["start_skill"] == 0.0 and "kl_boost" not in state
@@ -457,7 +461,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     old.load_state_dict({"low": state["low"], "high": state["high"]})
     assert old.kl_boost == 0.0
     # no demonstrations, or none far, or the option off: nothing measured, the far rows held
-    for run_demos in (None, demos[5:]):
+    for run_demos in (None, demos[40:]):
         plain, generate = controller({3: [8]}, run_demos)
         batch, m = observe(plain)
         assert generate.calls == [] and "coverage/start_skill" not in m and "start_skill" not in plain.state_dict()

@@ -25,6 +25,8 @@ from hpa.trainer.objective.weights import StepFactors
 # one greedy generate call of SKILL_EXAMPLES / DP rows a rank and one reward-model forward per candidate prompt,
 # whatever the size of the SFT set
 SKILL_EXAMPLES, SKILL_CANDIDATES = 512, 8192
+# fewer far demonstrations than this decide nothing (a share of a handful is noise): the far rows stay held
+SKILL_MIN_EXAMPLES = 32
 
 
 def evenly_spaced(items: Sequence, limit: int) -> list:
@@ -134,9 +136,9 @@ class CoverageTrust(Controller):
         trust = self._prompt_trust([e.prompt_ids for e in examples])  # [n]
         far = evenly_spaced([e for e, t in zip(examples, trust.tolist()) if t <= 0], SKILL_EXAMPLES)
         log = logging.getLogger("hpa")
-        if not far:
-            log.info("coverage trust: no demonstration (data.sft_path) lies where no pair covers; the far rows are "
-                     "held with boost %g", self.kl_boost)
+        if len(far) < SKILL_MIN_EXAMPLES:
+            log.info("coverage trust: %d demonstrations (data.sft_path) lie where no pair covers, fewer than %d; "
+                     "the far rows are held with boost %g", len(far), SKILL_MIN_EXAMPLES, self.kl_boost)
             return
         with self.timer("coverage"):
             self.start_skill, self.far_demonstrations = greedy_match_share(far, run.generate, rollout, run.groups,
