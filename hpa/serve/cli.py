@@ -23,6 +23,9 @@ from .scheduler import Scheduler
 from .serving import ServeState
 
 API_KEY_ENV = "HPA_SERVE_API_KEY"
+# how long uvicorn waits, past the engine's stop, for the cut requests' 503s to go out; a request task
+# still running after it is cancelled, which uvicorn answers with a bare 500
+CUT_ANSWER_GRACE_S = 5.0
 
 
 def _import_hf(cfg, groups, workdir: str):
@@ -107,14 +110,26 @@ def _loopback(host: str) -> bool:
 
 def _on_signals(server, scheduler, drain_timeout_s: float) -> None:
     """SIGTERM/SIGINT: stop accepting, drain until the deadline (then the engine stops and the cut requests
-    get 503); a second signal stops at once."""
+    get 503); a second signal stops the engine at once the same way, and uvicorn stops waiting for the
+    requests ``CUT_ANSWER_GRACE_S`` later (not at once: it would cancel the cut requests before their 503s
+    went out); a third exits at once."""
+    signals = []
+
+    def force_exit():
+        server.force_exit = True
+
     def stop(signum, frame):
-        if server.should_exit:
+        signals.append(signum)
+        if len(signals) == 1:
+            server.should_exit = True
+            scheduler.stop_at(time.monotonic() + drain_timeout_s)
+        elif len(signals) == 2:
             scheduler.stop_at(time.monotonic())
-            server.force_exit = True
-            return
-        server.should_exit = True
-        scheduler.stop_at(time.monotonic() + drain_timeout_s)
+            timer = threading.Timer(CUT_ANSWER_GRACE_S, force_exit)
+            timer.daemon = True
+            timer.start()
+        else:
+            force_exit()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -140,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # uvicorn waits a little past the drain deadline: the cut requests' 503s go out
     server = uvicorn.Server(uvicorn.Config(build_app(state, api_key=_api_key(s)), host=s.host, port=s.port,
                                            log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=s.drain_timeout_s + 5))
+                                           timeout_graceful_shutdown=s.drain_timeout_s + CUT_ANSWER_GRACE_S))
     http = threading.Thread(target=server.run, name="hpa-serve-http", daemon=True)
     http.start()
     while not server.started and http.is_alive():
