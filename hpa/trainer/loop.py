@@ -217,7 +217,7 @@ class HPATrainer:
         p = self.parts
         if p.replay_sampler is None:
             return []
-        return micro_batches.sft_micro_batches([p.replay[i] for i in p.replay_sampler.next_batch()], self.ctx.batching,
+        return micro_batches.sft_micro_batches([p.demonstrations[i] for i in p.replay_sampler.next_batch()], self.ctx.batching,
                                                kind="replay")
 
     def generate(self, prompt_ids, params):

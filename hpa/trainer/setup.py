@@ -38,11 +38,11 @@ class RunParts:
         engine: the rollout engine on the policy's weights.
         reward: the shaped reward (rule rewards and the reward-model ensemble, with uncertainty shaping).
         model_reward: the reward-model ensemble alone (the learned reward), None without reward models.
-        replay, replay_sampler: the SFT examples replayed in every step and their sampler, with
-            ``algorithm.replay`` on; else None.
         demonstrations: the SFT examples of ``data.sft_path`` when the run reads them (the replay, or the
             coverage trust's measure of the start's skill, ``algorithm.hpa.coverage.hold_min_skill``); else
             None.
+        replay_sampler: the sampler of the ``demonstrations`` replayed in every step, with
+            ``algorithm.replay`` on; else None.
     """
 
     tokenizer: object
@@ -58,9 +58,8 @@ class RunParts:
     reward: object
     evaluator: Evaluator
     model_reward: Optional[object] = None
-    replay: Optional[SFTDataset] = None
-    replay_sampler: Optional[DistributedBatchSampler] = None
     demonstrations: Optional[SFTDataset] = None
+    replay_sampler: Optional[DistributedBatchSampler] = None
 
 
 def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
@@ -79,12 +78,11 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
     prompt_sampler = sampler(len(prompts), t.global_batch_size, seed, "trainer.global_batch_size", cfg.data.prompt_path)
     pair_sampler = sampler(len(pairs), t.preference_batch_size, seed + 1, "trainer.preference_batch_size",
                            cfg.data.preference_path)
-    replay = replay_sampler = demonstrations = None
+    replay_sampler = demonstrations = None
     if demonstrations_needed(cfg):
         demonstrations = SFTDataset.from_config(cfg.data, tokenizer, rejects_dir=rejects)
     if cfg.algorithm.replay.enabled:  # the SFT examples, replayed in every step (algorithm.replay)
-        replay = demonstrations
-        replay_sampler = sampler(len(replay), t.replay_batch_size, seed + 2, "trainer.replay_batch_size",
+        replay_sampler = sampler(len(demonstrations), t.replay_batch_size, seed + 2, "trainer.replay_batch_size",
                                  cfg.data.sft_path)
     policy, reference, critic = build_models(cfg, groups)
     engine = build_rollout_engine(cfg.rollout, unwrap(policy.model), groups, TokenizerInfo.from_tokenizer(tokenizer),
@@ -103,8 +101,8 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
                                             packed=t.sequence_packing))
     return RunParts(tokenizer=tokenizer, prompts=prompts, pairs=pairs, heldout_pairs=heldout, prompt_sampler=prompt_sampler,
                     pair_sampler=pair_sampler, policy=policy, reference=reference, critic=critic, engine=engine,
-                    reward=reward, evaluator=evaluator, model_reward=model_reward, replay=replay,
-                    replay_sampler=replay_sampler, demonstrations=demonstrations)
+                    reward=reward, evaluator=evaluator, model_reward=model_reward,
+                    demonstrations=demonstrations, replay_sampler=replay_sampler)
 
 
 

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from hpa.config import load_config
+from hpa.config.schema import RolloutConfig
 from hpa.rollout.base import RolloutBatch
 from hpa.trainer import phases
 
 # one process: no DP group, DP size 1
 GROUPS = types.SimpleNamespace(dp_group=None, data_parallel_size=1)
+ROLLOUT = RolloutConfig()  # the coverage trust's sampling for the start's skill (greedy)
 
 
 def _ctx(*overrides):
@@ -185,7 +187,7 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
                      for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
     run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
                            heldout_pairs=heldout_pairs)
-    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, run)
+    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, run, ROLLOUT)
     assert 0 <= coverage.low < coverage.high
     rule, learned = [1.0, 0.0, 1.0, 0.0], [0.2, 0.9, 1.3, 0.1]
     batch = _component_batch(rule, learned, [0, 0, 1, 1])
@@ -211,7 +213,8 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     # the calibration constants are the controller's state; a restore keeps the saved ones
     state = coverage.state_dict()
     fresh = CoverageTrust(ctx.algorithm.hpa.coverage, ControllerInputs(
-        groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout_pairs[:2]))
+        groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout_pairs[:2]),
+        ROLLOUT)
     assert (fresh.low, fresh.high) != (state["low"], state["high"])
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
@@ -255,7 +258,7 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
 
     embedder = _CountingEmbedder()
     run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=embedder, pairs=pairs, heldout_pairs=heldout_pairs)
-    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, run)
+    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, run, ROLLOUT)
     start = embedder.prompts_embedded
     a = advantages([0.2, 0.9, 1.3, 0.1], ctx, coverage)
     assert embedder.prompts_embedded == start + 2  # prompts 1 and 3, once each
@@ -265,14 +268,14 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     assert a.get("advantages")[2:].abs().max() == 0 and a.get("advantages")[:2].abs().max() > 0
     # the KL boost: far rows' hierarchical KL counts 1 + kl_boost times, covered rows' 1 + kl_boost (1 - trust)
     boosted = _ctx(*base, "algorithm.hpa.coverage.kl_boost=4", "algorithm.hpa.coverage.kl_boost_shape=linear")
-    c = advantages([0.2, 0.9, 1.3, 0.1], boosted, CoverageTrust(boosted.algorithm.hpa.coverage, run))
+    c = advantages([0.2, 0.9, 1.3, 0.1], boosted, CoverageTrust(boosted.algorithm.hpa.coverage, run, ROLLOUT))
     trust = c.get("learned_trust")
     torch.testing.assert_close(c.get("kl_weights"), 1 + 4 * (1 - trust))
     assert c.get("kl_weights")[2:].tolist() == [5.0, 5.0]
     # shape far: only the rows without support (trust 0) are held; a covered row keeps 1. The boost is large
     # so that the covered prompt's small distrust (trust just under 1) would be plain under linear
     far = _ctx(*base, "algorithm.hpa.coverage.kl_boost=100000", "algorithm.hpa.coverage.kl_boost_shape=far")
-    f = advantages([0.2, 0.9, 1.3, 0.1], far, CoverageTrust(far.algorithm.hpa.coverage, run))
+    f = advantages([0.2, 0.9, 1.3, 0.1], far, CoverageTrust(far.algorithm.hpa.coverage, run, ROLLOUT))
     trust = f.get("learned_trust")
     assert trust[2:].tolist() == [0.0, 0.0] and 0 < trust[:2].min() and trust[:2].max() < 1
     assert f.get("kl_weights").tolist() == [1.0, 1.0, 100001.0, 100001.0]
@@ -312,7 +315,7 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
         return batch, coverage.update(StepSignals(batch=batch))
 
     adaptive = _ctx(*base, "algorithm.hpa.coverage.kl_boost_target=0.02").algorithm.hpa.coverage
-    cov = CoverageTrust(adaptive, run)
+    cov = CoverageTrust(adaptive, run, ROLLOUT)
     batch, m = observe(cov, math.log(2.0))  # far rows' k3 = 1 - ln 2 = 0.31 > 0.02: the error clips at +1
     grown = 100.0 * math.exp(0.2)
     assert m["coverage/far_kl"] == pytest.approx(1 - math.log(2.0)) and m["coverage/kl_boost"] == pytest.approx(grown)
@@ -325,7 +328,7 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
     torch.testing.assert_close(batch.get("kl_weights"), torch.tensor([1.0, 1.0, 1 + shrunk, 1 + shrunk]))
     # resumed: the adapted boost; a checkpoint from before the option: the configured one
     state = cov.state_dict()
-    resumed = CoverageTrust(adaptive, run)
+    resumed = CoverageTrust(adaptive, run, ROLLOUT)
     resumed.load_state_dict(state)
     assert resumed.kl_boost == pytest.approx(shrunk) and observe(resumed, 0.0)[1]["coverage/kl_boost"] == \
         pytest.approx(shrunk * math.exp(-0.2))
@@ -333,11 +336,11 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
     batch, m = observe(resumed, math.log(2.0), judged=True)
     assert "coverage/far_kl" not in m and m["coverage/kl_boost"] == pytest.approx(shrunk * math.exp(-0.2))
     assert batch.get("kl_weights").tolist() == [1.0, 1.0, 1.0, 1.0]
-    old_checkpoint = CoverageTrust(adaptive, run)
+    old_checkpoint = CoverageTrust(adaptive, run, ROLLOUT)
     old_checkpoint.load_state_dict({"low": state["low"], "high": state["high"]})
     assert old_checkpoint.kl_boost == 100.0
     # the default: constant, whatever the drift or a saved boost, and not saved (it is the config's)
-    constant = CoverageTrust(_ctx(*base).algorithm.hpa.coverage, run)
+    constant = CoverageTrust(_ctx(*base).algorithm.hpa.coverage, run, ROLLOUT)
     constant.load_state_dict(state)
     assert "kl_boost" in state and constant.state_dict() == {"low": state["low"], "high": state["high"]}
     batch, m = observe(constant, math.log(2.0))
@@ -516,7 +519,7 @@ def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     phases.score(batch, ["1 1", "2 2", None, None], reward, Tok(), ctx)
     assert batch.get("rule_judged").tolist() == [True, True, False, False]
     coverage = CoverageTrust(ctx.algorithm.hpa.coverage, ControllerInputs(
-        groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout))
+        groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout), ROLLOUT)
     coverage.update(StepSignals(batch=batch))
     assert batch.get("learned_trust").tolist() == [0.0] * 4
     assert batch.get("kl_weights").tolist() == [1.0, 1.0, 5.0, 5.0]
@@ -571,11 +574,11 @@ def test_the_coverage_update_reads_the_device_once_for_its_metrics(target):
         return b
 
     host = CoverageTrust(config, ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(),
-                                                  pairs=pairs, heldout_pairs=heldout))
+                                                  pairs=pairs, heldout_pairs=heldout), ROLLOUT)
     expected = host.update(StepSignals(batch=batch(False)))
     with StrictDeviceMode(device):
         coverage = CoverageTrust(config, ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_DeviceEmbedder(),
-                                                          pairs=pairs, heldout_pairs=heldout))
+                                                          pairs=pairs, heldout_pairs=heldout), ROLLOUT)
         on_dev = batch(True)
         with SyncOps() as syncs:
             metrics = coverage.update(StepSignals(batch=on_dev))
@@ -614,7 +617,7 @@ def _dp_coverage_worker(groups):
     drift = torch.tensor([0.0, math.log(2.0), math.log(3.0), 0.5, 9.0, 0.0])[rows]  # ref - old, per row
     batch.set("ref_log_probs", batch.get("old_log_probs") + drift[:, None])
     coverage = CoverageTrust(config, ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(),
-                                                      pairs=pairs, heldout_pairs=heldout))
+                                                      pairs=pairs, heldout_pairs=heldout), ROLLOUT)
     return coverage.update(StepSignals(batch=batch)), batch.get("learned_trust").tolist()
 
 

@@ -35,6 +35,12 @@ def evenly_spaced(items: Sequence, limit: int) -> list:
     return list(items) if n <= limit else [items[i * n // limit] for i in range(limit)]
 
 
+def without_final_eos(tokens: Sequence[int], eos_id: int) -> Tuple[int, ...]:
+    """``tokens`` as a tuple, a final EOS dropped: an answer as demonstrated or as decoded."""
+    tokens = tuple(tokens)
+    return tokens[:-1] if tokens and tokens[-1] == eos_id else tokens
+
+
 def demonstrated_answers(batch, eos_id: int) -> List[Optional[Tuple[int, ...]]]:
     """Each row's sampled response as token ids, without a final EOS (``RolloutBatch``: right-padded, the
     mask 1 on sampled tokens including the EOS); a row that did not stop (``length``) is None: it gave no
@@ -42,8 +48,7 @@ def demonstrated_answers(batch, eos_id: int) -> List[Optional[Tuple[int, ...]]]:
     ids, mask = batch.response_ids.cpu(), batch.response_mask.cpu()
     out = []
     for row, m, reason in zip(ids, mask, batch.finish_reasons):
-        tokens = row[m.bool()].tolist()
-        out.append(tuple(tokens[:-1] if tokens and tokens[-1] == eos_id else tokens) if reason == "stop" else None)
+        out.append(without_final_eos(row[m.bool()].tolist(), eos_id) if reason == "stop" else None)
     return out
 
 
@@ -66,9 +71,7 @@ def greedy_match_share(examples: Sequence, generate: Callable, rollout: RolloutC
     hits = 0
     for row, answer in zip(batch.group_ids.tolist(), answers):
         if row < counted:
-            want = list(mine[row].response_ids)
-            want = tuple(want[:-1] if want and want[-1] == eos_id else want)
-            hits += int(answer == want)
+            hits += int(answer == without_final_eos(mine[row].response_ids, eos_id))
     sums = comm.all_reduce_sum(torch.tensor([float(hits), float(counted)], dtype=torch.float64), groups.dp_group)
     return float(sums[0] / sums[1]), int(sums[1])
 
@@ -112,7 +115,7 @@ class CoverageTrust(Controller):
 
     name, observes = "coverage", "rollouts"
 
-    def __init__(self, c: CoverageConfig, run: ControllerInputs, rollout: Optional[RolloutConfig] = None):
+    def __init__(self, c: CoverageConfig, run: ControllerInputs, rollout: RolloutConfig):
         self.k, self.space, self.model_reward, self.pad_id = c.k, c.space, run.model_reward, run.pad_id
         self.dp_group, self.timer = run.groups.dp_group, run.timer
         self.kl_boost, self.kl_boost_shape, self.cache = c.kl_boost, c.kl_boost_shape, EmbeddingCache()
