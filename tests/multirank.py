@@ -5,6 +5,11 @@
 is gloo unless ``parallel_kwargs`` names another. The list
 of per-rank return values (indexed by global rank) comes back; an exception in any rank fails the
 test with that rank's traceback.
+
+The ranks are forks of a forkserver that imported torch, megatron-core and hpa once per session (with
+``spawn`` every rank of every test imported them again: about 4 s of CPU each, most of the tier's time);
+each rank gets the caller's environment as it is at the call. ``HPA_TEST_START_METHOD=spawn`` brings the old
+way back.
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ from typing import Any, Callable, List, Sequence
 
 import torch.multiprocessing as mp
 
+# forkserver: the server imports torch, megatron-core and hpa once; each rank is a fork of it (spawn
+# re-imported them in every rank of every test)
+START_METHOD = os.environ.get("HPA_TEST_START_METHOD", "forkserver")
+if START_METHOD == "forkserver":
+    mp.set_forkserver_preload(["torch", "megatron.core", "hpa.distributed", "hpa.trainer"])
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -29,7 +40,10 @@ def layout_id(tp: int = 1, pp: int = 1, dp: int = 1) -> str:
     return f"tp{tp}_pp{pp}_dp{dp}"
 
 
-def _worker(rank, world_size, port, tp, pp, fn, args, parallel_kwargs, out_dir):
+def _worker(rank, world_size, port, tp, pp, fn, args, parallel_kwargs, out_dir, environ=None):
+    if environ is not None:  # the caller's environment at the call (a forkserver child has the server's)
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     import torch
 
@@ -65,8 +79,8 @@ def run_ranks(fn: Callable, *, tp: int = 1, pp: int = 1, dp: int = 1, args: Sequ
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(_worker, args=(world_size, free_port(), tp, pp, fn, tuple(args),
-                                              parallel_kwargs or {}, out_dir),
-                               nprocs=world_size, join=True, start_method="spawn")
+                                              parallel_kwargs or {}, out_dir, dict(os.environ)),
+                               nprocs=world_size, join=True, start_method=START_METHOD)
         except mp.ProcessRaisedException as exc:
             raise AssertionError(f"a rank failed under {layout_id(tp, pp, dp)}:\n{exc}") from None
         results = []
