@@ -9,20 +9,14 @@ import types
 import pytest
 
 from hpa.serve import cli
-
-
-class _Scheduler:
-    deadline = None
-
-    def stop_at(self, deadline):
-        self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
+from hpa.serve.scheduler import Scheduler
 
 
 @pytest.fixture
 def handler(monkeypatch):
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(cli, "CUT_ANSWER_GRACE_S", 0.3, raising=False)
-    server, scheduler = types.SimpleNamespace(should_exit=False, force_exit=False), _Scheduler()
+    monkeypatch.setattr(cli, "CUT_ANSWER_GRACE_S", 0.3)
+    server, scheduler = types.SimpleNamespace(should_exit=False, force_exit=False), Scheduler(None, None)
     cli._on_signals(server, scheduler, drain_timeout_s=600.0)
     yield server, scheduler, signal.getsignal(signal.SIGTERM)
     for s, h in saved.items():

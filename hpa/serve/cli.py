@@ -23,8 +23,8 @@ from .scheduler import Scheduler
 from .serving import ServeState
 
 API_KEY_ENV = "HPA_SERVE_API_KEY"
-# how long uvicorn waits, past the engine's stop, for the cut requests' 503s to go out; a request task
-# still running after it is cancelled, which uvicorn answers with a bare 500
+# after a second signal stops the engine, how long uvicorn still waits for the cut requests' 503s to go out;
+# a request task still running then is cancelled, and uvicorn answers it with a bare 500
 CUT_ANSWER_GRACE_S = 5.0
 
 
@@ -113,17 +113,18 @@ def _on_signals(server, scheduler, drain_timeout_s: float) -> None:
     get 503); a second signal stops the engine at once the same way, and uvicorn stops waiting for the
     requests ``CUT_ANSWER_GRACE_S`` later (not at once: it would cancel the cut requests before their 503s
     went out); a third exits at once."""
-    signals = []
+    received = 0
 
     def force_exit():
         server.force_exit = True
 
     def stop(signum, frame):
-        signals.append(signum)
-        if len(signals) == 1:
+        nonlocal received
+        received += 1
+        if received == 1:
             server.should_exit = True
             scheduler.stop_at(time.monotonic() + drain_timeout_s)
-        elif len(signals) == 2:
+        elif received == 2:
             scheduler.stop_at(time.monotonic())
             timer = threading.Timer(CUT_ANSWER_GRACE_S, force_exit)
             timer.daemon = True

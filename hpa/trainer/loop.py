@@ -217,8 +217,8 @@ class HPATrainer:
         p = self.parts
         if p.replay_sampler is None:
             return []
-        return micro_batches.sft_micro_batches([p.demonstrations[i] for i in p.replay_sampler.next_batch()], self.ctx.batching,
-                                               kind="replay")
+        examples = [p.demonstrations[i] for i in p.replay_sampler.next_batch()]
+        return micro_batches.sft_micro_batches(examples, self.ctx.batching, kind="replay")
 
     def generate(self, prompt_ids, params):
         return generate(self.parts, self.ctx, prompt_ids, params)

@@ -2,7 +2,6 @@
 each rank sees the caller's environment at the call (the ranks are forks of a forkserver started earlier)."""
 
 import os
-
 import pickle
 
 import pytest
