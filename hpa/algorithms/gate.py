@@ -39,6 +39,12 @@ read on held-out preference pairs (never trained on). Four signals (``algorithm.
       ceiling = baseline + max(0, chosen - greedy)
       e_t = (R_t - ceiling) / margin - slack
 
+  Since 2026-11-28 the baseline is measured before the first update (``set_baseline``): the start policy
+  samples its rollouts to up to 1,024 training prompts (``baseline_prompts``), as every step samples. Five
+  batches were too few: one batch's mean learned reward moves by a quarter of a reward unit from step to step
+  on the demo tasks (the mix of prompt kinds), so the mean of five lay up to a margin or more from the
+  start's level, and by that draw the gate stayed open, or shut, for a whole run (docs/results.md).
+
 - ``heldout_nll``: the policy's per-token NLL of the held-out chosen responses against its best value
   so far, counted only while the learned reward rises:
 
@@ -127,6 +133,17 @@ class TrustGate:
             raise ValueError(f"the start_rollouts headroom must be finite, got chosen {chosen_reward}, greedy "
                              f"{greedy_reward}, margin {margin}")
         self.headroom, self.margin = max(0.0, float(chosen_reward) - float(greedy_reward)), float(margin)
+
+    def set_baseline(self, baseline: float) -> None:
+        """start_rollouts: the baseline measured before the first update (the start policy's sampled rollouts
+        on the training prompts, ``algorithm.hpa.gate.baseline_prompts``): the ceiling is known at once and
+        the EMA starts there, so the comparison starts at 0 excess; needs ``set_headroom`` first."""
+        if self.headroom is None:
+            raise RuntimeError("the start_rollouts gate needs set_headroom() before set_baseline()")
+        if not math.isfinite(baseline):
+            raise ValueError(f"the start_rollouts baseline must be finite, got {baseline}")
+        self.baseline = self.reward = float(baseline)
+        self.ceiling = self.baseline + self.headroom
 
     def update(self, nll: Optional[float], learned_reward: float) -> Dict[str, float]:
         """One step: the held-out NLL of the current policy (heldout_nll; None for reward_ceiling) and the

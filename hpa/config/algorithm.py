@@ -313,8 +313,15 @@ class TrustGateConfig:
         kp: proportional gain (λ per unit of violation beyond the slack).
         ki: integral gain (λ per unit of accumulated violation, one unit per step).
         reward_ema: smoothing of the learned reward (EMA factor).
-        baseline_steps: start_rollouts: the first updates whose rollouts' mean learned reward is the baseline
-            (the gate is open until then).
+        baseline_steps: start_rollouts with ``baseline_prompts`` 0: the first updates whose rollouts' mean
+            learned reward is the baseline (the gate is open until then).
+        baseline_prompts: start_rollouts: at start-up the start policy samples ``rollout.n`` responses (as
+            every step samples) to this many training prompts (evenly spaced over ``data.prompt_path``; all of
+            them when there are fewer), and their mean learned reward is the baseline; the gate acts from
+            the first update. 0: the first ``baseline_steps`` updates' batches are the baseline (the
+            behaviour before 2026-11-28: five batches are too few, their mean lies a margin or more from the
+            start's own level on the demo tasks, and the gate stayed open or shut for a whole run by that
+            draw, docs/results.md).
     """
 
     enabled: Optional[bool] = None
@@ -324,6 +331,7 @@ class TrustGateConfig:
     ki: float = 1.0
     reward_ema: float = 0.9
     baseline_steps: int = 5
+    baseline_prompts: int = 1024
 
     def __post_init__(self):
         check_choice("signal", self.signal, GATE_SIGNALS)
@@ -332,6 +340,7 @@ class TrustGateConfig:
         check_range("ki", self.ki, low=0.0)
         check_range("reward_ema", self.reward_ema, low=0.0, high=1.0, high_open=True)
         check_range("baseline_steps", self.baseline_steps, low=1)
+        check_range("baseline_prompts", self.baseline_prompts, low=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

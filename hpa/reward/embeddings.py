@@ -7,7 +7,8 @@ from a ``generate`` callable handed in, as the evaluator receives it.
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+import dataclasses
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,21 +55,36 @@ def greedy_and_sampled_reward(model_reward, tokenizer, examples, generate: Gener
     if not prompts:
         raise ValueError("the sampled_ceiling gate needs held-out preference pairs; data.heldout_preference_path "
                          "has none")
+    greedy = mean_learned_reward(model_reward, tokenizer, prompts, generate,
+                                 SamplingParams.from_config(rollout, n=1, temperature=0.0), groups)
+    sampled = mean_learned_reward(model_reward, tokenizer, prompts, generate,
+                                  SamplingParams.from_config(rollout, seed=rollout.seed + 7_919 + groups.dp_rank),
+                                  groups)
+    return greedy, sampled
+
+
+def mean_learned_reward(model_reward, tokenizer, prompts: Sequence[Sequence[int]], generate: Generate,
+                        params: SamplingParams, groups, *, prompts_per_call: Optional[int] = None) -> float:
+    """The reward models' mean score (the ensemble mean, as ``reward/learned_mean``) of the responses
+    ``generate`` gives ``prompts`` under ``params`` (``params.n`` a prompt). The prompts are sharded over DP
+    (``params`` carries each rank's seed) and the sums reduced, so every rank returns the same number.
+    ``prompts_per_call``: at most this many prompts a ``generate`` call on each rank (None: one call)."""
     per_rank = -(-len(prompts) // groups.data_parallel_size)
-    mine = prompts[groups.dp_rank::groups.data_parallel_size]
+    mine = list(prompts[groups.dp_rank::groups.data_parallel_size])
     counted = len(mine)
-    mine = (mine + prompts[:1] * per_rank)[:per_rank]  # equal work on every DP rank (the repeats not counted)
-    sums = torch.zeros(4, dtype=torch.float64)  # greedy sum, greedy rows, sampled sum, sampled rows
-    for i, params in enumerate((SamplingParams.from_config(rollout, n=1, temperature=0.0),
-                                SamplingParams.from_config(rollout, seed=rollout.seed + 7_919 + groups.dp_rank))):
-        batch = generate(mine, params)
+    mine = (mine + list(prompts[:1]) * per_rank)[:per_rank]  # equal work on every DP rank (the repeats not counted)
+    step = prompts_per_call or max(per_rank, 1)
+    sums = torch.zeros(2, dtype=torch.float64)  # sum, rows
+    for start in range(0, per_rank, step):
+        call = params if start == 0 else dataclasses.replace(params, seed=params.seed + start * 1_000_003)
+        batch = generate(mine[start:start + step], call)
         with torch.no_grad():
             scores = model_reward(RewardInputs.from_batch(batch, tokenizer, [None] * batch.batch_size))
-        counts = (batch.group_ids < counted).double()  # [rows]: rows of the counted prompts
-        sums[2 * i] += (scores.rewards.double().mean(dim=1).cpu() * counts.cpu()).sum()
-        sums[2 * i + 1] += counts.sum().cpu()
+        counts = (batch.group_ids + start < counted).double().cpu()  # [rows]: rows of the counted prompts
+        sums[0] += (scores.rewards.double().mean(dim=1).cpu() * counts).sum()
+        sums[1] += counts.sum()
     comm.all_reduce_sum(sums, groups.dp_group)
-    return float(sums[0] / sums[1]), float(sums[2] / sums[3])
+    return float(sums[0] / sums[1])
 
 
 def chosen_embeddings(model_reward, examples, *, pad_id: int, micro_batch_size: int = 64) -> torch.Tensor:

@@ -67,8 +67,8 @@ class HPATrainer:
                                                   pad_id=p.tokenizer.pad_id, timer=self.timer)
         self.weights = WeightSchedules(cfg.algorithm)
         self.controllers = Controllers(cfg, ControllerInputs(
-            groups=groups, pad_id=p.tokenizer.pad_id, timer=self.timer, tokenizer=p.tokenizer, pairs=p.pairs,
-            heldout_pairs=p.heldout_pairs, model_reward=p.model_reward, generate=self.generate,
+            groups=groups, pad_id=p.tokenizer.pad_id, timer=self.timer, tokenizer=p.tokenizer, prompts=p.prompts,
+            pairs=p.pairs, heldout_pairs=p.heldout_pairs, model_reward=p.model_reward, generate=self.generate,
             policy_nll=lambda examples: heldout_nll(p.policy.model, examples, self.ctx),
             demonstrations=p.demonstrations))
         # w_ppo = 0 for the whole run: plain DPO, which spends no rollouts (the KL and entropy terms,

@@ -218,3 +218,32 @@ def test_the_default_signal_is_the_configs_default():
     from hpa.config.algorithm import TrustGateConfig
 
     assert TrustGate().signal == TrustGateConfig().signal == "start_rollouts"
+
+
+def test_start_rollouts_with_a_measured_baseline_acts_from_the_first_update():
+    """``set_baseline`` (the start-up measurement, ``gate.baseline_prompts``): the ceiling is baseline +
+    headroom at once, the EMA starts at the baseline, and the first update is already compared; the saved
+    state restores it (a resumed run does not measure again: the saved baseline wins)."""
+    gate = start_gate(chosen=1.2, greedy=1.0, margin=0.25, steps=5)
+    gate.set_baseline(0.3)
+    assert gate.ceiling == pytest.approx(0.5) and gate.reward == pytest.approx(0.3)
+    m = gate.update(None, 1.5)  # EMA 0.9 * 0.3 + 0.1 * 1.5 = 0.42: below the ceiling
+    assert m["gate/baseline"] == pytest.approx(0.3) and m["gate/excess"] == pytest.approx((0.42 - 0.5) / 0.25)
+    m = gate.update(None, 2.0)  # EMA 0.578: 0.312 margins above, 0.292 beyond the slack
+    assert m["gate/error"] == pytest.approx(0.292) and m["gate/gate"] < 1.0
+    resumed = start_gate(chosen=1.2, greedy=1.0, margin=0.25, steps=5)
+    resumed.set_baseline(9.0)  # another start-up draw
+    resumed.load_state_dict(gate.state_dict())
+    assert resumed.update(None, 0.7) == gate.update(None, 0.7)
+    # an old run's state saved mid-way through its first batches keeps counting them
+    old = start_gate(steps=3)
+    old.update(None, 0.1)
+    again = start_gate(steps=3)
+    again.set_baseline(0.9)
+    again.load_state_dict(old.state_dict())
+    assert again.ceiling is None and again.update(None, 0.2)["gate/gate"] == 1.0
+    assert again.update(None, 0.3)["gate/baseline"] == pytest.approx(0.2)
+    with pytest.raises(RuntimeError, match="set_headroom"):
+        TrustGate(signal="start_rollouts").set_baseline(0.1)
+    with pytest.raises(ValueError, match="finite"):
+        gate.set_baseline(float("nan"))

@@ -149,14 +149,34 @@ def test_the_sampled_ceiling_gate_moves_the_ceiling_by_the_start_policys_greedy_
     assert state["trust_gate"]["offset"] == pytest.approx(offset, rel=1e-12)
 
 
+def test_the_start_rollouts_gate_measures_its_baseline_before_the_first_update(demo, ceiling_extra):
+    """The default signal and baseline (``gate.baseline_prompts``, 2026-11-28) under DP2: at start-up the start
+    policy's sampled rollouts on training prompts give the baseline, so the gate compares from the first
+    update: the ceiling is baseline + headroom at step 1 and the EMA moves from the baseline by the first
+    batch's learned reward; every step the same baseline; the baseline in the checkpoint."""
+    run_dir = demo / "trust_start_baseline"
+    default = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.gate.signal")]  # the default signal
+    steps = [r for r in launch(demo, run_dir, 2, default + ["trainer.total_steps=2",
+                                                           "algorithm.hpa.gate.baseline_prompts=48"]) if r["step"] > 0]
+    baseline, headroom = steps[0]["gate/baseline"], steps[0]["gate/headroom"]
+    assert math.isfinite(baseline) and headroom >= 0
+    assert steps[0]["gate/ceiling"] == pytest.approx(baseline + headroom, rel=1e-9)
+    assert steps[0]["gate/reward_ema"] == pytest.approx(0.9 * baseline + 0.1 * steps[0]["reward/learned_mean"])
+    assert math.isfinite(steps[0]["gate/error"])  # compared at the first update, not open by default
+    assert all(r["gate/baseline"] == baseline for r in steps)
+    state = torch.load(run_dir / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=False)
+    assert state["trust_gate"]["baseline"] == pytest.approx(baseline, rel=1e-12)
+
+
 def test_the_start_rollouts_gate_compares_the_rollouts_with_the_start_policys_own(demo, ceiling_extra):
-    """The default signal (``gate.signal=start_rollouts``, 2026-11-27) under DP2: the baseline is the mean of
+    """``gate.baseline_prompts=0`` (the baseline before 2026-11-28) under DP2: the baseline is the mean of
     the first ``baseline_steps`` steps' rollouts' learned reward (every rank the same: one gate), the ceiling
     that plus the held-out headroom (>= 0), the gate open until then; both in the checkpoint."""
     run_dir = demo / "trust_start_rollouts"
     default = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.gate.signal")]  # the default signal
     steps = [r for r in launch(demo, run_dir, 2, default + ["trainer.total_steps=3",
-                                                           "algorithm.hpa.gate.baseline_steps=2"]) if r["step"] > 0]
+                                                           "algorithm.hpa.gate.baseline_steps=2",
+                                                           "algorithm.hpa.gate.baseline_prompts=0"]) if r["step"] > 0]
     baseline = (steps[0]["reward/learned_mean"] + steps[1]["reward/learned_mean"]) / 2
     assert steps[0]["gate/gate"] == 1.0 and "gate/baseline" not in steps[0]
     headroom = steps[0]["gate/headroom"]

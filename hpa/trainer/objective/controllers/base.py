@@ -38,6 +38,7 @@ class ControllerInputs:
         pad_id: the tokenizer's pad id.
         timer: ``timer(name)`` adds a block's wall time to ``timing_s/<name>``.
         tokenizer: the run's tokenizer.
+        prompts: the training prompts (``data.prompt_path``).
         pairs: the training preference pairs (``data.preference_path``).
         heldout_pairs: the held-out pairs (``data.heldout_preference_path``), None when the run reads none.
         model_reward: the reward-model ensemble, None without reward models.
@@ -51,6 +52,7 @@ class ControllerInputs:
     pad_id: int
     timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
     tokenizer: object = None
+    prompts: Sequence = ()
     pairs: Sequence = ()
     heldout_pairs: Optional[Sequence] = None
     model_reward: Optional[object] = None

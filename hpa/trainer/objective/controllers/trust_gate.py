@@ -11,29 +11,35 @@ from typing import Callable, Dict, Optional
 from hpa.algorithms.gate import TrustGate
 from hpa.config.algorithm import TrustGateConfig
 from hpa.config.schema import RolloutConfig
-from hpa.reward.embeddings import greedy_and_sampled_reward, heldout_reward_ceiling
+from hpa.reward.embeddings import greedy_and_sampled_reward, heldout_reward_ceiling, mean_learned_reward
+from hpa.rollout.base import SamplingParams
 from hpa.trainer.objective.controllers.base import Controller, ControllerInputs, StepSignals
+from hpa.trainer.objective.controllers.coverage import evenly_spaced
 from hpa.trainer.objective.weights import StepFactors
 
 logger = logging.getLogger("hpa")
 
+# the start_rollouts baseline's generate calls: at most this many prompts each (rollout.n responses a prompt)
+BASELINE_PROMPTS_PER_CALL = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class GateSignal:
-    """What a trust-gate signal needs from the run: ``start(gate, run, rollout)`` once, at start-up, and
+    """What a trust-gate signal needs from the run: ``start(gate, run, rollout, g)`` once, at start-up, and
     ``measure(run)`` each step (the held-out NLL, or None)."""
 
-    start: Callable[[TrustGate, ControllerInputs, RolloutConfig], None]
+    start: Callable[[TrustGate, ControllerInputs, RolloutConfig, TrustGateConfig], None]
     measure: Callable[[ControllerInputs], Optional[float]]
 
 
-def _set_ceiling(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig) -> None:
+def _set_ceiling(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig, g: TrustGateConfig) -> None:
     gate.set_ceiling(*heldout_reward_ceiling(run.model_reward, run.heldout_pairs, pad_id=run.pad_id))
     logger.info("trust gate: the held-out chosen responses' learned reward is %.4f, margin %.4f", gate.ceiling,
                 gate.margin)
 
 
-def _set_sampled_ceiling(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig) -> None:
+def _set_sampled_ceiling(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig,
+                         g: TrustGateConfig) -> None:
     chosen, margin = heldout_reward_ceiling(run.model_reward, run.heldout_pairs, pad_id=run.pad_id)
     greedy, sampled = greedy_and_sampled_reward(run.model_reward, run.tokenizer, run.heldout_pairs, run.generate,
                                                 rollout, run.groups)
@@ -43,15 +49,28 @@ def _set_sampled_ceiling(gate: TrustGate, run: ControllerInputs, rollout: Rollou
                 "is %.4f", chosen, margin, greedy, sampled, gate.ceiling)
 
 
-def _set_headroom(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig) -> None:
+def _set_headroom(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig, g: TrustGateConfig) -> None:
     chosen, margin = heldout_reward_ceiling(run.model_reward, run.heldout_pairs, pad_id=run.pad_id)
     greedy, sampled = greedy_and_sampled_reward(run.model_reward, run.tokenizer, run.heldout_pairs, run.generate,
                                                 rollout, run.groups)
     gate.set_headroom(chosen, greedy, margin)
     logger.info("trust gate: on the held-out prompts the chosen responses' learned reward is %.4f (margin %.4f), "
                 "the start policy's greedy responses' %.4f (sampled %.4f): headroom %.4f above the start's own "
-                "rollouts on the training prompts (the first updates' batches)", chosen, margin, greedy, sampled,
-                gate.headroom)
+                "rollouts on the training prompts", chosen, margin, greedy, sampled, gate.headroom)
+    if not g.baseline_prompts:
+        logger.info("trust gate: the baseline is the first %d updates' rollouts", g.baseline_steps)
+        return
+    prompts = [e.prompt_ids for e in evenly_spaced(run.prompts, g.baseline_prompts)]
+    if not prompts:
+        raise ValueError("the start_rollouts gate's baseline needs training prompts (data.prompt_path has none)")
+    # the steps' seeds are rollout.seed + step * DP + rank: this stream lies far from them
+    params = SamplingParams.from_config(rollout, seed=rollout.seed + 2_000_003 + run.groups.dp_rank)
+    with run.timer("gate"):
+        baseline = mean_learned_reward(run.model_reward, run.tokenizer, prompts, run.generate, params, run.groups,
+                                       prompts_per_call=BASELINE_PROMPTS_PER_CALL)
+    gate.set_baseline(baseline)
+    logger.info("trust gate: the start policy's sampled rollouts on %d training prompts score %.4f (the "
+                "baseline); the ceiling is %.4f", len(prompts), baseline, gate.ceiling)
 
 
 def _heldout_nll(run: ControllerInputs) -> float:
@@ -63,7 +82,7 @@ GATE_SIGNAL_INPUTS: Dict[str, GateSignal] = {
     "reward_ceiling": GateSignal(start=_set_ceiling, measure=lambda run: None),
     "sampled_ceiling": GateSignal(start=_set_sampled_ceiling, measure=lambda run: None),
     "start_rollouts": GateSignal(start=_set_headroom, measure=lambda run: None),
-    "heldout_nll": GateSignal(start=lambda gate, run, rollout: None, measure=_heldout_nll),
+    "heldout_nll": GateSignal(start=lambda gate, run, rollout, g: None, measure=_heldout_nll),
 }
 
 
@@ -77,7 +96,7 @@ class TrustGateController(Controller):
         self.gate = TrustGate(signal=g.signal, slack=g.slack, kp=g.kp, ki=g.ki, reward_ema=g.reward_ema,
                               baseline_steps=g.baseline_steps)
         signal = GATE_SIGNAL_INPUTS[g.signal]
-        signal.start(self.gate, run, rollout)
+        signal.start(self.gate, run, rollout, g)
         self.measure = functools.partial(signal.measure, run)  # what it reads each step, nothing else of the run
 
     def update(self, s: StepSignals) -> Dict[str, float]:
