@@ -315,7 +315,8 @@ class TrustGateConfig:
         reward_ema: smoothing of the learned reward (EMA factor).
         baseline_steps: start_rollouts with ``baseline_prompts`` 0: the first updates whose rollouts' mean
             learned reward is the baseline (the gate is open until then).
-        baseline_prompts: start_rollouts: at start-up the start policy samples ``rollout.n`` responses (as
+        baseline_prompts: start_rollouts: at the first update, on the start weights (a resumed run keeps its
+            saved baseline and samples nothing), the start policy samples ``rollout.n`` responses (as
             every step samples) to this many training prompts (evenly spaced over ``data.prompt_path``; all of
             them when there are fewer), and their mean learned reward is the baseline; the gate acts from
             the first update. 0: the first ``baseline_steps`` updates' batches are the baseline (the

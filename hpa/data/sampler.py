@@ -14,13 +14,32 @@ without communication (rank and DP size are plain ints; no torch.distributed her
 The position is ``(epoch, step_in_epoch)`` of the global order: a sampler restored with
 ``load_state_dict`` yields exactly what the uninterrupted one would have, even under a different
 DP size (the global batches are the same, only their split changes).
+
+Two helpers for work measured once over a fixed list (the controllers' start-up measurements):
+``evenly_spaced`` takes a subset in the file's order, ``dp_share`` a DP rank's part of it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
+
+
+def evenly_spaced(items: Sequence, limit: int) -> list:
+    """``items`` when there are at most ``limit``, else ``limit`` of them at even spacing, in order."""
+    n = len(items)
+    return list(items) if n <= limit else [items[i * n // limit] for i in range(limit)]
+
+
+def dp_share(items: Sequence, dp_rank: int, dp_size: int) -> Tuple[list, int]:
+    """DP rank ``dp_rank``'s share of ``items`` (every ``dp_size``-th from ``dp_rank``), padded with repeats
+    of the first item to ``ceil(len(items) / dp_size)`` so every rank does the same work, and how many of
+    its entries are real (the first ``counted``; the repeats are not to be counted)."""
+    per_rank = -(-len(items) // dp_size)
+    mine = list(items[dp_rank::dp_size])
+    counted = len(mine)
+    return (mine + list(items[:1]) * per_rank)[:per_rank], counted
 
 
 class DistributedBatchSampler:

@@ -14,6 +14,7 @@ import torch
 
 from hpa.algorithms.coverage import unique_rows
 from hpa.data.collate import pad_left, pad_right
+from hpa.data.sampler import dp_share
 from hpa.distributed import comm
 from hpa.reward.shaping import RewardInputs
 from hpa.rollout.base import RolloutBatch, SamplingParams
@@ -69,13 +70,10 @@ def mean_learned_reward(model_reward, tokenizer, prompts: Sequence[Sequence[int]
     ``generate`` gives ``prompts`` under ``params`` (``params.n`` a prompt). The prompts are sharded over DP
     (``params`` carries each rank's seed) and the sums reduced, so every rank returns the same number.
     ``prompts_per_call``: at most this many prompts a ``generate`` call on each rank (None: one call)."""
-    per_rank = -(-len(prompts) // groups.data_parallel_size)
-    mine = list(prompts[groups.dp_rank::groups.data_parallel_size])
-    counted = len(mine)
-    mine = (mine + list(prompts[:1]) * per_rank)[:per_rank]  # equal work on every DP rank (the repeats not counted)
-    step = prompts_per_call or max(per_rank, 1)
+    mine, counted = dp_share(prompts, groups.dp_rank, groups.data_parallel_size)
+    step = prompts_per_call or max(len(mine), 1)
     sums = torch.zeros(2, dtype=torch.float64)  # sum, rows
-    for start in range(0, per_rank, step):
+    for start in range(0, len(mine), step):
         call = params if start == 0 else dataclasses.replace(params, seed=params.seed + start * 1_000_003)
         batch = generate(mine[start:start + step], call)
         with torch.no_grad():

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpa.data.sampler import DistributedBatchSampler
+from hpa.data.sampler import DistributedBatchSampler, dp_share, evenly_spaced
 
 
 def make(n=23, g=6, rank=0, dp=3, seed=7, shuffle=True):
@@ -88,3 +88,20 @@ def test_load_state_rejects_a_different_order():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DistributedBatchSampler(**kwargs)
+
+
+def test_evenly_spaced_keeps_a_short_list_and_spaces_a_long_one_in_order():
+    assert evenly_spaced([3, 1, 2], 5) == [3, 1, 2]
+    assert evenly_spaced(list(range(10)), 4) == [0, 2, 5, 7]
+    assert evenly_spaced(list(range(10)), 0) == []
+
+
+@pytest.mark.parametrize("n,dp", [(5, 2), (4, 2), (1, 3), (0, 2), (7, 3)])
+def test_dp_share_covers_every_item_once_with_equal_work(n, dp):
+    items = [f"x{i}" for i in range(n)]
+    shares = [dp_share(items, r, dp) for r in range(dp)]
+    assert len({len(mine) for mine, _ in shares}) == 1  # the same work on every rank
+    real = sorted(x for mine, counted in shares for x in mine[:counted])
+    assert real == sorted(items)  # every item counted once
+    for mine, counted in shares:
+        assert all(x == items[0] for x in mine[counted:])  # the pad: repeats of the first item

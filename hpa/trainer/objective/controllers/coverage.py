@@ -13,6 +13,7 @@ from hpa.algorithms.coverage import (TRUST_METRICS, EmbeddingCache, abstention_k
                                      trust_stats, unique_rows)
 from hpa.config.algorithm import CoverageConfig
 from hpa.config.schema import RolloutConfig
+from hpa.data.sampler import dp_share, evenly_spaced
 from hpa.distributed import comm
 from hpa.reward.embeddings import chosen_embeddings, prompt_embeddings
 from hpa.rollout.base import SamplingParams
@@ -27,12 +28,6 @@ from hpa.trainer.objective.weights import StepFactors
 SKILL_EXAMPLES, SKILL_CANDIDATES = 512, 8192
 # fewer far demonstrations than this decide nothing (a share of a handful is noise): the far rows stay held
 SKILL_MIN_EXAMPLES = 32
-
-
-def evenly_spaced(items: Sequence, limit: int) -> list:
-    """``items`` when there are at most ``limit``, else ``limit`` of them at even spacing, in order."""
-    n = len(items)
-    return list(items) if n <= limit else [items[i * n // limit] for i in range(limit)]
 
 
 def without_final_eos(tokens: Sequence[int], eos_id: int) -> Tuple[int, ...]:
@@ -62,10 +57,7 @@ def greedy_match_share(examples: Sequence, generate: Callable, rollout: RolloutC
     n = len(examples)
     if n == 0:
         return float("nan"), 0
-    per_rank = -(-n // groups.data_parallel_size)
-    mine = list(examples[groups.dp_rank::groups.data_parallel_size])
-    counted = len(mine)
-    mine = (mine + list(examples[:1]) * per_rank)[:per_rank]  # equal work on every rank (repeats not counted)
+    mine, counted = dp_share(examples, groups.dp_rank, groups.data_parallel_size)
     batch = generate([e.prompt_ids for e in mine], SamplingParams.from_config(rollout, n=1, temperature=0.0))
     answers = demonstrated_answers(batch, eos_id)
     hits = 0

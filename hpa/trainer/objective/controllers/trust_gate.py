@@ -11,10 +11,10 @@ from typing import Callable, Dict, Optional
 from hpa.algorithms.gate import TrustGate
 from hpa.config.algorithm import TrustGateConfig
 from hpa.config.schema import RolloutConfig
+from hpa.data.sampler import evenly_spaced
 from hpa.reward.embeddings import greedy_and_sampled_reward, heldout_reward_ceiling, mean_learned_reward
 from hpa.rollout.base import SamplingParams
 from hpa.trainer.objective.controllers.base import Controller, ControllerInputs, StepSignals
-from hpa.trainer.objective.controllers.coverage import evenly_spaced
 from hpa.trainer.objective.weights import StepFactors
 
 logger = logging.getLogger("hpa")
@@ -59,10 +59,16 @@ def _set_headroom(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig
                 "rollouts on the training prompts", chosen, margin, greedy, sampled, gate.headroom)
     if not g.baseline_prompts:
         logger.info("trust gate: the baseline is the first %d updates' rollouts", g.baseline_steps)
-        return
-    prompts = [e.prompt_ids for e in evenly_spaced(run.prompts, g.baseline_prompts)]
-    if not prompts:
+    elif not run.prompts:
         raise ValueError("the start_rollouts gate's baseline needs training prompts (data.prompt_path has none)")
+
+
+def _measure_baseline(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig, g: TrustGateConfig) -> None:
+    """start_rollouts with ``baseline_prompts``: the start policy's sampled rollouts on that many training
+    prompts (evenly spaced over the file), their mean learned reward the baseline. Run at the first update, on
+    the start weights, when the run state holds no baseline: a resumed run's saved one wins, so it samples
+    nothing."""
+    prompts = [e.prompt_ids for e in evenly_spaced(run.prompts, g.baseline_prompts)]
     # the steps' seeds are rollout.seed + step * DP + rank: this stream lies far from them
     params = SamplingParams.from_config(rollout, seed=rollout.seed + 2_000_003 + run.groups.dp_rank)
     with run.timer("gate"):
@@ -98,8 +104,15 @@ class TrustGateController(Controller):
         signal = GATE_SIGNAL_INPUTS[g.signal]
         signal.start(self.gate, run, rollout, g)
         self.measure = functools.partial(signal.measure, run)  # what it reads each step, nothing else of the run
+        # the start-up baseline, measured at the first update unless the run state brings one (or the batches
+        # of baseline_prompts=0 already counted)
+        self.measure_baseline = (functools.partial(_measure_baseline, self.gate, run, rollout, g)
+                                 if g.signal == "start_rollouts" and g.baseline_prompts else None)
 
     def update(self, s: StepSignals) -> Dict[str, float]:
+        if self.measure_baseline is not None and self.gate.baseline is None and not self.gate.baseline_count:
+            self.measure_baseline()
+        self.measure_baseline = None
         # every row's learned reward, also with the coverage trust on: the covered rows' alone (the metric
         # coverage/learned_reward) kept the gate open where it should close (docs/objective.md)
         return self.gate.update(self.measure(), s.metrics["reward/learned_mean"])
