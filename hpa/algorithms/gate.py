@@ -85,10 +85,12 @@ class TrustGate:
         reward_ema: smoothing factor of the learned reward (EMA).
         baseline_steps: start_rollouts: the first updates whose rollouts' mean learned reward is the baseline
             (one batch's mean moves by about half a margin from step to step on the demo tasks).
+        headroom_scale: start_rollouts: the headroom is this times ``max(0, chosen - greedy)`` (0: the
+            ceiling is the baseline).
     """
 
     def __init__(self, *, signal: str = "start_rollouts", slack: float = 0.02, kp: float = 10.0, ki: float = 1.0,
-                 reward_ema: float = 0.9, baseline_steps: int = 5):
+                 reward_ema: float = 0.9, baseline_steps: int = 5, headroom_scale: float = 1.0):
         if signal not in GATE_SIGNALS:
             raise ValueError(f"TrustGate signal must be one of {GATE_SIGNALS}, got {signal!r}")
         if slack < 0 or kp < 0 or ki < 0 or not 0 <= reward_ema < 1:
@@ -96,6 +98,9 @@ class TrustGate:
                              f"kp={kp}, ki={ki}, reward_ema={reward_ema}")
         if baseline_steps < 1:
             raise ValueError(f"TrustGate needs baseline_steps >= 1, got {baseline_steps}")
+        if not (math.isfinite(headroom_scale) and headroom_scale >= 0):
+            raise ValueError(f"TrustGate needs a finite headroom_scale >= 0, got {headroom_scale}")
+        self.headroom_scale = float(headroom_scale)
         self.signal, self.slack, self.kp, self.ki, self.reward_ema = signal, slack, kp, ki, reward_ema
         self.baseline_steps = baseline_steps
         self.baseline_sum, self.baseline_count = 0.0, 0  # start_rollouts: the first updates' learned reward
@@ -126,13 +131,14 @@ class TrustGate:
         self.ceiling, self.margin, self.offset = float(chosen_reward) - float(offset), float(margin), float(offset)
 
     def set_headroom(self, chosen_reward: float, greedy_reward: float, margin: float) -> None:
-        """start_rollouts: the headroom ``max(0, chosen - greedy)``, both scored on the held-out pairs'
-        prompts, and the unit (the mean chosen - rejected margin there). The ceiling is set by the first
-        update, from the start policy's rollouts (``baseline``)."""
+        """start_rollouts: the headroom ``headroom_scale · max(0, chosen - greedy)``, both scored on the
+        held-out pairs' prompts, and the unit (the mean chosen - rejected margin there). The ceiling is set by
+        the first update, from the start policy's rollouts (``baseline``)."""
         if not all(math.isfinite(x) for x in (chosen_reward, greedy_reward, margin)):
             raise ValueError(f"the start_rollouts headroom must be finite, got chosen {chosen_reward}, greedy "
                              f"{greedy_reward}, margin {margin}")
-        self.headroom, self.margin = max(0.0, float(chosen_reward) - float(greedy_reward)), float(margin)
+        self.headroom = self.headroom_scale * max(0.0, float(chosen_reward) - float(greedy_reward))
+        self.margin = float(margin)
 
     def set_baseline(self, baseline: float) -> None:
         """start_rollouts: the baseline measured before the first update (the start policy's sampled rollouts

@@ -323,6 +323,10 @@ class TrustGateConfig:
             behaviour before 2026-11-28: five batches are too few, their mean lies a margin or more from the
             start's own level on the demo tasks, and the gate stayed open or shut for a whole run by that
             draw, docs/results.md).
+        headroom_scale: start_rollouts: the headroom above the baseline is this times what the held-out
+            preferences support (their chosen responses' learned reward minus the start's greedy responses'
+            on the same prompts, at least 0). 0: the ceiling is the baseline, the learned reward may not rise
+            above the start's own level on any task.
     """
 
     enabled: Optional[bool] = None
@@ -333,6 +337,7 @@ class TrustGateConfig:
     reward_ema: float = 0.9
     baseline_steps: int = 5
     baseline_prompts: int = 1024
+    headroom_scale: float = 1.0
 
     def __post_init__(self):
         check_choice("signal", self.signal, GATE_SIGNALS)
@@ -342,6 +347,7 @@ class TrustGateConfig:
         check_range("reward_ema", self.reward_ema, low=0.0, high=1.0, high_open=True)
         check_range("baseline_steps", self.baseline_steps, low=1)
         check_range("baseline_prompts", self.baseline_prompts, low=0)
+        check_range("headroom_scale", self.headroom_scale, low=0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

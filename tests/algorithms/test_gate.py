@@ -247,3 +247,34 @@ def test_start_rollouts_with_a_measured_baseline_acts_from_the_first_update():
         TrustGate(signal="start_rollouts").set_baseline(0.1)
     with pytest.raises(ValueError, match="finite"):
         gate.set_baseline(float("nan"))
+
+
+def test_start_rollouts_headroom_scale_scales_what_the_heldout_pairs_support():
+    """``headroom_scale`` (``algorithm.hpa.gate.headroom_scale``): the headroom is the scale times
+    max(0, chosen - greedy); 0 puts the ceiling at the baseline, so a rise the held-out pairs would allow
+    is already a violation; the saved headroom wins on a restore."""
+    from hpa.config.algorithm import TrustGateConfig
+
+    full = TrustGate(signal="start_rollouts", headroom_scale=1.0)
+    full.set_headroom(1.2, 1.0, 0.25)
+    half = TrustGate(signal="start_rollouts", headroom_scale=0.5)
+    half.set_headroom(1.2, 1.0, 0.25)
+    none = TrustGate(signal="start_rollouts", headroom_scale=0.0)
+    none.set_headroom(1.2, 1.0, 0.25)
+    assert (full.headroom, half.headroom, none.headroom) == pytest.approx((0.2, 0.1, 0.0))
+    for gate in (full, none):
+        gate.set_baseline(0.3)
+    # EMA 0.9 * 0.3 + 0.1 * 0.8 = 0.35: 0.2 margins above the baseline, under the full ceiling (0.5)
+    assert full.update(None, 0.8)["gate/error"] < 0
+    m = none.update(None, 0.8)
+    assert m["gate/ceiling"] == pytest.approx(0.3) and m["gate/error"] == pytest.approx(0.2 - 0.02)
+    assert m["gate/gate"] < 1.0
+    restored = TrustGate(signal="start_rollouts", headroom_scale=0.0)
+    restored.set_headroom(1.2, 1.0, 0.25)
+    restored.load_state_dict(full.state_dict())
+    assert restored.headroom == pytest.approx(0.2)
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="headroom_scale"):
+            TrustGate(signal="start_rollouts", headroom_scale=bad)
+        with pytest.raises(ValueError, match="headroom_scale"):
+            TrustGateConfig(headroom_scale=bad)

@@ -100,7 +100,7 @@ class TrustGateController(Controller):
 
     def __init__(self, g: TrustGateConfig, rollout: RolloutConfig, run: ControllerInputs):
         self.gate = TrustGate(signal=g.signal, slack=g.slack, kp=g.kp, ki=g.ki, reward_ema=g.reward_ema,
-                              baseline_steps=g.baseline_steps)
+                              baseline_steps=g.baseline_steps, headroom_scale=g.headroom_scale)
         signal = GATE_SIGNAL_INPUTS[g.signal]
         signal.start(self.gate, run, rollout, g)
         self.measure = functools.partial(signal.measure, run)  # what it reads each step, nothing else of the run
