@@ -116,6 +116,12 @@ class TrustGate:
         self.lam = 0.0
 
     @property
+    def needs_baseline(self) -> bool:
+        """start_rollouts: no baseline yet and none being counted from the first updates' rollouts (a fresh
+        run; a restored state brings its own)."""
+        return self.signal == "start_rollouts" and self.baseline is None and not self.baseline_count
+
+    @property
     def gate(self) -> float:
         """The weight of the learned component, ``1/(1+λ)``."""
         return 1.0 / (1.0 + self.lam)

@@ -278,3 +278,19 @@ def test_start_rollouts_headroom_scale_scales_what_the_heldout_pairs_support():
             TrustGate(signal="start_rollouts", headroom_scale=bad)
         with pytest.raises(ValueError, match="headroom_scale"):
             TrustGateConfig(headroom_scale=bad)
+
+
+def test_needs_baseline_only_while_a_start_rollouts_gate_has_none_and_counts_none():
+    """The controller measures the start-up baseline while ``needs_baseline``: a fresh start_rollouts gate,
+    not one with a measured or restored baseline, nor one counting the first updates' rollouts."""
+    assert start_gate().needs_baseline
+    measured = start_gate()
+    measured.set_baseline(0.3)
+    assert not measured.needs_baseline
+    counting = start_gate(steps=3)
+    counting.update(None, 0.1)  # baseline_prompts=0: the first updates' rollouts are being counted
+    assert counting.baseline is None and not counting.needs_baseline
+    restored = start_gate()
+    restored.load_state_dict(measured.state_dict())
+    assert not restored.needs_baseline
+    assert not any(TrustGate(signal=s).needs_baseline for s in ("reward_ceiling", "sampled_ceiling", "heldout_nll"))

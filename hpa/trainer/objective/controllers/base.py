@@ -31,7 +31,8 @@ class StepSignals:
 
 @dataclasses.dataclass(frozen=True)
 class ControllerInputs:
-    """What a controller may read once, at start-up (its own config section comes apart).
+    """What a controller may read of the run (its own config section comes apart): at start-up, and for what
+    it measures on the run's models later (the held-out NLL each step, the gate's baseline at the first update).
 
     Args:
         groups: the run's parallel groups (a controller reduces its measurements over DP).

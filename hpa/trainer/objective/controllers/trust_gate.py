@@ -104,15 +104,14 @@ class TrustGateController(Controller):
         signal = GATE_SIGNAL_INPUTS[g.signal]
         signal.start(self.gate, run, rollout, g)
         self.measure = functools.partial(signal.measure, run)  # what it reads each step, nothing else of the run
-        # the start-up baseline, measured at the first update unless the run state brings one (or the batches
-        # of baseline_prompts=0 already counted)
+        # the start-up baseline (baseline_prompts > 0), measured at the first update while the gate needs one:
+        # a restored run state brings its own
         self.measure_baseline = (functools.partial(_measure_baseline, self.gate, run, rollout, g)
                                  if g.signal == "start_rollouts" and g.baseline_prompts else None)
 
     def update(self, s: StepSignals) -> Dict[str, float]:
-        if self.measure_baseline is not None and self.gate.baseline is None and not self.gate.baseline_count:
+        if self.measure_baseline is not None and self.gate.needs_baseline:
             self.measure_baseline()
-        self.measure_baseline = None
         # every row's learned reward, also with the coverage trust on: the covered rows' alone (the metric
         # coverage/learned_reward) kept the gate open where it should close (docs/objective.md)
         return self.gate.update(self.measure(), s.metrics["reward/learned_mean"])
