@@ -520,9 +520,11 @@ def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     assert batch.get("rule_judged").tolist() == [True, True, False, False]
     coverage = CoverageTrust(ctx.algorithm.hpa.coverage, ControllerInputs(
         groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout), ROLLOUT)
-    coverage.update(StepSignals(batch=batch))
+    metrics = coverage.update(StepSignals(batch=batch))
     assert batch.get("learned_trust").tolist() == [0.0] * 4
     assert batch.get("kl_weights").tolist() == [1.0, 1.0, 5.0, 5.0]
+    # the far share counts the rows the boost holds, as the far rows' KL does: not the two a rule judges
+    assert metrics["coverage/far_share"] == pytest.approx(0.5)
 
 
 class _DeviceEmbedder(_ScriptedEmbedder):

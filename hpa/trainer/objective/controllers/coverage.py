@@ -186,14 +186,15 @@ class CoverageTrust(Controller):
         batch.set("learned_trust", trust)
         mask, judged = batch.get("mask"), batch.extras.get("rule_judged")
         valid = mask.sum(dim=1) > 0  # the rows that train (not dropped by the filter)
+        far = far_rows(trust, judged)  # [b]: what the boost holds, and what coverage/far_share counts
         far_sums = torch.zeros(2, dtype=torch.float64, device=trust.device)
         if self.kl_boost > 0:  # the far rows' KL (logged; the adaptive boost's input)
-            far_sums = far_kl_sums(batch.get("old_log_probs"), batch.get("ref_log_probs"), mask,
-                                   far_rows(trust, judged))
+            far_sums = far_kl_sums(batch.get("old_log_probs"), batch.get("ref_log_probs"), mask, far)
         sums = comm.all_reduce_sum(torch.cat([covered_reward_sums(batch, trust, valid), far_sums]), self.dp_group)
-        rows = comm.all_gather_cat(torch.stack([trust.double(), valid.double()], dim=1), self.dp_group)  # [B, 2]
+        rows = comm.all_gather_cat(torch.stack([trust.double(), valid.double(), far.double()], dim=1),
+                                   self.dp_group)  # [B, 3]
         # every number logged below, and the adaptive boost's input, in the step's one read of the device
-        read = torch.cat([sums, trust_stats(rows[:, 0], rows[:, 1] > 0)]).cpu().tolist()
+        read = torch.cat([sums, trust_stats(rows[:, 0], rows[:, 1] > 0, rows[:, 2] > 0)]).cpu().tolist()
         reward_sum, weight, kl_sum, kl_tokens, *stats = read
         nan = float("nan")
         metrics = {f"coverage/{k}": v for k, v in zip(TRUST_METRICS, stats)}
