@@ -130,27 +130,23 @@ def trust_stats(trust: torch.Tensor, valid: torch.Tensor, far: Optional[torch.Te
 
 
 def abstention_kl_weights(trust: torch.Tensor, boost: float, judged: Optional[torch.Tensor] = None, *,
-                          shape: str, covered: float = 1.0) -> torch.Tensor:
+                          shape: str) -> torch.Tensor:
     """Each row's weight of the KL to the reference: where the learned reward has no support its advantage
     is 0 (the trust) and nothing else says what to do there, so the policy is held closer to the start,
-    which is what the start did well. ``shape`` ``far``: ``1 + boost`` only where the trust is 0 (no support
-    at all), every row with some support weighs ``covered`` and learns what its pairs teach; ``linear``:
-    ``covered + (1 + boost - covered)·(1 - trust)``, a partly covered row held in proportion (``covered`` 1:
-    ``1 + boost·(1 - trust)``). A row a rule reward judges (``judged`` ``[b]`` bool: its prompt has a ground
-    truth) weighs ``covered``: the rule says what to do there. # [b] -> [b]"""
+    which is what the start did well. ``shape`` ``linear``: ``1 + boost·(1 - trust)``, a partly covered row
+    held in proportion; ``far``: ``1 + boost`` only where the trust is 0 (no support at all), every row
+    with some support keeps 1 and learns what its pairs teach. A row a rule reward judges (``judged``
+    ``[b]`` bool: its prompt has a ground truth) keeps weight 1: the rule says what to do there. # [b] -> [b]"""
     if boost < 0:
         raise ValueError(f"the abstention KL boost must be >= 0, got {boost}")
-    if not (math.isfinite(covered) and covered >= 0):
-        raise ValueError(f"the covered rows' KL weight must be finite and >= 0, got {covered}")
     if shape == "far":
-        far = far_rows(trust, judged).float()
-        return covered + (1.0 + boost - covered) * far
+        return 1.0 + boost * far_rows(trust, judged).float()
     if shape != "linear":
         raise ValueError(f"the abstention KL boost's shape must be 'linear' or 'far', got {shape!r}")
     far = 1.0 - trust.float().clamp(0.0, 1.0)
     if judged is not None:
         far = torch.where(judged.to(far.device).bool(), torch.zeros_like(far), far)
-    return covered + (1.0 + boost - covered) * far
+    return 1.0 + boost * far
 
 
 # the adaptive boost (``adapt_kl_boost``): the most its logarithm moves in one step, and its floor (a far row's

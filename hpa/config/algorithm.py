@@ -425,11 +425,6 @@ class CoverageConfig:
             replay on, the demonstrations then teach it). Logged as ``coverage/start_skill`` and
             ``coverage/kl_boost``; saved in checkpoints. None, no ``data.sft_path``, or fewer than 32 far
             examples: the boost is ``kl_boost`` throughout. Default 0.6 (docs/results.md).
-        covered_kl: the hierarchical KL's weight on the rows a reward supports (trust above 0, or a rule
-            judging them), relative to the far rows' ``1 + kl_boost``: where the pairs say what to do, the
-            policy is held less to the start. 1 (default): every supported row keeps the KL's full weight
-            (``algorithm.hpa.w_kl``); 0: the KL acts on the far rows alone. With ``linear`` the weight goes
-            from this at trust 1 to ``1 + kl_boost`` at trust 0.
     """
 
     enabled: Optional[bool] = None
@@ -442,11 +437,9 @@ class CoverageConfig:
     kl_boost_shape: str = "far"
     kl_boost_target: Optional[float] = None
     hold_min_skill: Optional[float] = 0.6
-    covered_kl: float = 1.0
 
     def __post_init__(self):
         check_choice("space", self.space, COVERAGE_SPACES)
-        check_range("covered_kl", self.covered_kl, low=0.0)
         if self.hold_min_skill is not None:
             check_range("hold_min_skill", self.hold_min_skill, low=0.0, high=1.0)
         check_range("kl_boost", self.kl_boost, low=0.0)

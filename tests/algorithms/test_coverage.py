@@ -144,26 +144,6 @@ def test_abstention_kl_weights_leave_rows_a_rule_judges_alone():
     assert abstention_kl_weights(trust, 4.0, judged=None, shape="linear").tolist() == [5.0, 5.0, 3.0, 1.0]
 
 
-def test_covered_kl_weighs_the_supported_rows_and_leaves_the_far_rows_held():
-    """``covered``: the weight of every row a reward supports (trust above 0, or a rule judging it); the far
-    rows keep ``1 + boost``, also with the boost released (0); 1 is the weights without it. By hand."""
-    trust = torch.tensor([1.0, 0.5, 0.0, 0.0])
-    judged = torch.tensor([False, False, True, False])
-    assert abstention_kl_weights(trust, 100.0, judged=judged, shape="far", covered=0.25).tolist() == \
-        [0.25, 0.25, 0.25, 101.0]
-    assert abstention_kl_weights(trust, 0.0, judged=judged, shape="far", covered=0.25).tolist() == \
-        [0.25, 0.25, 0.25, 1.0]
-    # linear: from `covered` at trust 1 to 1 + boost at trust 0 (0.25 + 4.75 * 0.5 = 2.625)
-    assert abstention_kl_weights(trust, 4.0, judged=judged, shape="linear", covered=0.25).tolist() == \
-        [0.25, 2.625, 0.25, 5.0]
-    for shape in ("far", "linear"):
-        assert abstention_kl_weights(trust, 4.0, judged=judged, shape=shape, covered=1.0).tolist() == \
-            abstention_kl_weights(trust, 4.0, judged=judged, shape=shape).tolist()
-    for bad in (-0.1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="covered"):
-            abstention_kl_weights(trust, 4.0, shape="far", covered=bad)
-
-
 def test_far_kl_sums_are_the_k3_estimate_over_the_far_rows_sampled_tokens():
     """k3 per token is exp(d) - d - 1 with d = ref - old: by hand for d = ln 2 (2 - ln 2 - 1) and d = 0 (0);
     a covered row, a rule-judged far row and masked tokens count nothing."""

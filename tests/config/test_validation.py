@@ -285,14 +285,3 @@ def test_the_start_skill_hold_checks_its_share_and_reads_the_demonstrations(tmp_
     with pytest.raises(ConfigError) as err:
         load_config(None, [*data, f"data.sft_path={tmp_path / 'missing.jsonl'}"], command="train")
     assert err.value.key == "data.sft_path"
-
-
-def test_the_covered_rows_kl_weight_is_a_finite_weight_at_least_0():
-    """``algorithm.hpa.coverage.covered_kl``: negative, NaN and infinite are errors naming the key; 0 and 1
-    (the default) load."""
-    for bad in ("-0.1", ".nan", ".inf"):
-        with pytest.raises(ConfigError) as err:
-            load_config(None, [f"algorithm.hpa.coverage.covered_kl={bad}"])
-        assert err.value.key == "algorithm.hpa.coverage.covered_kl"
-    assert load_config(None, []).algorithm.hpa.coverage.covered_kl == 1.0
-    assert load_config(None, ["algorithm.hpa.coverage.covered_kl=0"]).algorithm.hpa.coverage.covered_kl == 0.0

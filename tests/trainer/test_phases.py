@@ -525,14 +525,6 @@ def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     assert batch.get("kl_weights").tolist() == [1.0, 1.0, 5.0, 5.0]
     # the far share counts the rows the boost holds, as the far rows' KL does: not the two a rule judges
     assert metrics["coverage/far_share"] == pytest.approx(0.5)
-    # coverage.covered_kl: the rows a reward supports (here the two a rule judges) weigh less; the far rows
-    # keep their hold, also where the boost is 0 (released), when the weights are still written
-    for boost, far_weight in ((4, 5.0), (0, 1.0)):
-        light = _ctx(*overrides, f"algorithm.hpa.coverage.kl_boost={boost}", "algorithm.hpa.coverage.covered_kl=0.25")
-        CoverageTrust(light.algorithm.hpa.coverage, ControllerInputs(
-            groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout),
-            ROLLOUT).update(StepSignals(batch=batch))
-        assert batch.get("kl_weights").tolist() == [0.25, 0.25, far_weight, far_weight]
 
 
 class _DeviceEmbedder(_ScriptedEmbedder):

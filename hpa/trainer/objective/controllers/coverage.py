@@ -93,9 +93,8 @@ class CoverageTrust(Controller):
     forwards differently. Costs, once, a forward of the first reward model over both pair files and, in
     prompt space, one over each prompt the first time a step (or an evaluation) draws it (the reward model
     is frozen: a prompt's embedding is kept, ``EmbeddingCache``); in sequence space one over the rollouts.
-    With ``kl_boost`` > 0 or ``covered_kl`` other than 1 it also writes ``kl_weights`` ``[b]``, each row's
-    weight of the hierarchical KL (``abstention_kl_weights``; a row a reward supports, a rule judging it
-    (``rule_judged``) included, weighs ``covered_kl``); with ``kl_boost`` > 0 it logs the far
+    With ``kl_boost`` > 0 it also writes ``kl_weights`` ``[b]``, each row's weight of the hierarchical KL
+    (``abstention_kl_weights``; a row a rule judges, ``rule_judged``, keeps weight 1), and logs the far
     rows' KL to the reference (``coverage/far_kl``, in a step that has far rows) and the boost
     (``coverage/kl_boost``). With
     ``kl_boost_target`` the boost adapts to that KL each step before the weights are written
@@ -112,7 +111,6 @@ class CoverageTrust(Controller):
         self.k, self.space, self.model_reward, self.pad_id = c.k, c.space, run.model_reward, run.pad_id
         self.dp_group, self.timer = run.groups.dp_group, run.timer
         self.kl_boost, self.kl_boost_shape, self.cache = c.kl_boost, c.kl_boost_shape, EmbeddingCache()
-        self.covered_kl = c.covered_kl
         self.kl_boost_target, self.kl_boost_ceiling = c.kl_boost_target, 10.0 * c.kl_boost
         self.bank = self._embed_pairs(run.pairs)  # [m, h]
         self.center = bank_center(self.bank)  # [h]
@@ -207,12 +205,11 @@ class CoverageTrust(Controller):
             if self.kl_boost_target is not None:
                 self.kl_boost = adapt_kl_boost(self.kl_boost, far_kl, self.kl_boost_target,
                                                ceiling=self.kl_boost_ceiling)
+            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost, judged=judged,
+                                                             shape=self.kl_boost_shape))
             metrics["coverage/kl_boost"] = self.kl_boost
             if kl_tokens > 0:  # a step with no far row (every row covered or judged by a rule) logs none
                 metrics["coverage/far_kl"] = far_kl
-        if self.kl_boost > 0 or self.covered_kl != 1.0:
-            batch.set("kl_weights", abstention_kl_weights(trust, self.kl_boost, judged=judged,
-                                                         shape=self.kl_boost_shape, covered=self.covered_kl))
         return {**metrics, "coverage/low": self.low, "coverage/high": self.high,
                 "perf/coverage_cached_prompts": float(len(self.cache)),  # a cache, not state: not resumed
                 "coverage/learned_reward": reward_sum / weight if weight > 0 else nan}
