@@ -425,6 +425,14 @@ class CoverageConfig:
             replay on, the demonstrations then teach it). Logged as ``coverage/start_skill`` and
             ``coverage/kl_boost``; saved in checkpoints. None, no ``data.sft_path``, or fewer than 32 far
             examples: the boost is ``kl_boost`` throughout. Default 0.6 (docs/results.md).
+        released_kl: where ``hold_min_skill`` releases the hold (the start's skill measured and below it),
+            every rollout row's hierarchical-KL term weighs this much (``w_kl`` times this, in effect), a
+            row a rule judges included: the start does the far kind badly, so nothing it did is worth the
+            full hold, on any row. Where the hold is kept, or nothing was measured, every row is as the
+            other keys say. 1: the KL as everywhere else. Default 0.25 since 2026-12-05 (1 before): the full
+            KL held a weak start's covered kinds near what it got wrong (hackable 40, below ``dpo-rpo``);
+            chosen on the 74 re-drawn tasks of 2026-11-26 to 2026-11-29, confirmed on tasks made on
+            2026-12-05 and never run before (docs/results.md).
     """
 
     enabled: Optional[bool] = None
@@ -437,11 +445,13 @@ class CoverageConfig:
     kl_boost_shape: str = "far"
     kl_boost_target: Optional[float] = None
     hold_min_skill: Optional[float] = 0.6
+    released_kl: float = 0.25
 
     def __post_init__(self):
         check_choice("space", self.space, COVERAGE_SPACES)
         if self.hold_min_skill is not None:
             check_range("hold_min_skill", self.hold_min_skill, low=0.0, high=1.0)
+        check_range("released_kl", self.released_kl, low=0.0)
         check_range("kl_boost", self.kl_boost, low=0.0)
         check_choice("kl_boost_shape", self.kl_boost_shape, KL_BOOST_SHAPES)
         if self.kl_boost_target is not None:

@@ -441,8 +441,16 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     assert batch.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
     unskilled, _ = controller({3: [8], 1: [7, 7]})  # none of them
     batch, m = observe(unskilled)
-    assert m["coverage/start_skill"] == 0.0 and m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras
+    assert m["coverage/start_skill"] == 0.0 and m["coverage/kl_boost"] == 0.0
+    # released: every row's KL weighs coverage.released_kl (default 0.25), the covered rows' too
+    assert cfg.algorithm.hpa.coverage.released_kl == 0.25
+    assert batch.get("kl_weights").tolist() == [0.25] * 4
     assert batch.get("learned_trust")[2:].tolist() == [0.0, 0.0]  # the far rows still get no learned advantage
+    full = load_config(None, [*base, "algorithm.hpa.coverage.released_kl=1"])  # 1: the KL as everywhere else
+    run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout,
+                           tokenizer=tokenizer, generate=_greedy_generate({3: [8]}), demonstrations=demos)
+    batch, m = observe(CoverageTrust(full.algorithm.hpa.coverage, run, full.rollout))
+    assert m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras
     # 24 of 40: 0.6, held (at the share); 23 of 40: not
     wrong = SFTExample(prompt_ids=[3], response_ids=[9, 2])
     assert controller({3: [6]}, demos[:24] + [wrong] * 16)[0].kl_boost == 100.0
@@ -456,13 +464,15 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     restored, _ = controller({3: [6]})
     assert restored.kl_boost == 100.0
     restored.load_state_dict(state)
-    assert restored.kl_boost == 0.0 and observe(restored)[1]["coverage/start_skill"] == 0.0
+    batch, m = observe(restored)
+    assert restored.kl_boost == 0.0 and m["coverage/start_skill"] == 0.0
+    assert batch.get("kl_weights").tolist() == [0.25] * 4  # the saved skill releases the restored run too
     back, _ = controller({3: [8]})
     back.load_state_dict(skilled.state_dict())
     assert back.kl_boost == 100.0
     old, _ = controller({3: [8]})
     old.load_state_dict({"low": state["low"], "high": state["high"]})
-    assert old.kl_boost == 0.0
+    assert old.kl_boost == 0.0 and observe(old)[0].get("kl_weights").tolist() == [0.25] * 4
     # no demonstrations, or none far, or the option off: nothing measured, the far rows held
     for run_demos in (None, demos[40:]):
         plain, generate = controller({3: [8]}, run_demos)

@@ -101,7 +101,8 @@ class CoverageTrust(Controller):
     (``adapt_kl_boost``); it is then run state (saved; a checkpoint without it resumes at ``kl_boost``).
     With ``hold_min_skill`` and demonstrations (``data.sft_path``), the start's skill where no pair covers a
     prompt is measured once at start-up (``greedy_match_share`` over the examples whose prompts have trust 0)
-    and the boost is 0 for the run where it falls below; both are run state (saved; a checkpoint without
+    and the boost is 0 for the run where it falls below, every row's ``kl_weights`` then ``released_kl`` (when
+    not 1); both are run state (saved; a checkpoint without
     them keeps what start-up measured, which is the same start).
     """
 
@@ -120,7 +121,7 @@ class CoverageTrust(Controller):
         logging.getLogger("hpa").info("coverage trust (%s space): %d rows in the bank; trust 1 up to distance "
                                       "%.4g, 0 from %.4g", self.space, self.bank.shape[0], self.low, self.high)
         self.start_skill, self.far_demonstrations, self.min_skill = float("nan"), 0, c.hold_min_skill
-        self.config_boost = c.kl_boost
+        self.config_boost, self.released_kl = c.kl_boost, c.released_kl
         if self.kl_boost > 0 and c.hold_min_skill is not None and run.demonstrations:
             self._measure_start_skill(run, rollout)
 
@@ -142,7 +143,8 @@ class CoverageTrust(Controller):
         log.info("coverage trust: the start answers %.3f of the %d demonstrations no pair covers as demonstrated "
                  "(greedy); %s", self.start_skill, self.far_demonstrations,
                  f"at least {min_skill:g}: the far rows are held (boost {self.kl_boost:g})" if held else
-                 f"below {min_skill:g}: the far rows are not held (boost 0)")
+                 f"below {min_skill:g}: the far rows are not held (boost 0), and every row's KL to the reference "
+                 f"weighs {self.released_kl:g} (coverage.released_kl)")
         if not held:
             self.kl_boost = 0.0
 
@@ -210,6 +212,8 @@ class CoverageTrust(Controller):
             metrics["coverage/kl_boost"] = self.kl_boost
             if kl_tokens > 0:  # a step with no far row (every row covered or judged by a rule) logs none
                 metrics["coverage/far_kl"] = far_kl
+        elif not self.holds() and self.released_kl != 1.0:  # released: every row's KL lighter (released_kl)
+            batch.set("kl_weights", torch.full(trust.shape, self.released_kl, device=trust.device))
         return {**metrics, "coverage/low": self.low, "coverage/high": self.high,
                 "perf/coverage_cached_prompts": float(len(self.cache)),  # a cache, not state: not resumed
                 "coverage/learned_reward": reward_sum / weight if weight > 0 else nan}
