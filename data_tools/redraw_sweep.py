@@ -78,6 +78,7 @@ def redraw(root: str, family: str, seed: int) -> Path:
     out = task_dir(root, family, seed)
     if not (out / "rm" / "reward_model").exists():
         env = {**os.environ, "DEMO_FAMILY": family, "DEMO_SEED": str(seed), "DEMO_TRAIN": "0"}
+        out.parent.mkdir(parents=True, exist_ok=True)  # a fresh root (the log lies next to the task)
         with open(f"{out}.log", "w") as log:
             subprocess.run(["bash", str(REPO / "launch" / "demo.sh"), str(out)], env=env, check=True,
                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from data_tools import redraw_sweep
 from data_tools.redraw_sweep import main, parse_task, parse_tasks, parts_verdict, run_numbers, table, verdict
 from hpa.ablate import Interval
 
@@ -82,3 +83,19 @@ def test_split_tasks_are_held_against_each_part_and_choose_labels_the_rest_confi
     assert rows[("split 3", "ppo (3)")][7].strip() == "" and rows[("split 3", "dpo-rpo (3)")][7].strip()
     assert rows[("hackable 9", "hpa (3)")][2].strip() == "choose" and rows[("hackable 9", "hpa (3)")][7].strip() == ""
     assert parts_verdict(Interval.of([0.5, 0.6, 0.7]), {"ppo": None}) == "no ppo"
+
+
+def test_redraw_makes_a_root_that_is_not_there(tmp_path, monkeypatch):
+    """The documented command's ``--root runs/redraw`` on a fresh clone: the task's log and directory go under
+    a root that does not exist yet (it was a FileNotFoundError before any task was made)."""
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append((cmd, kwargs["env"]["DEMO_FAMILY"], kwargs["env"]["DEMO_SEED"]))
+        kwargs["stdout"].write("made\n")
+
+    monkeypatch.setattr(redraw_sweep.subprocess, "run", run)
+    root = tmp_path / "runs" / "redraw"
+    out = redraw_sweep.redraw(str(root), "hackable", 9)
+    assert out == root / "hackable_s9" and calls[0][1:] == ("hackable", "9")
+    assert calls[0][0][-1] == str(out) and (root / "hackable_s9.log").read_text() == "made\n"
