@@ -115,13 +115,13 @@ def coverage_trust(distances: torch.Tensor, low: float, high: float) -> torch.Te
 TRUST_METRICS = ("trust_mean", "trust_p10", "trust_p90", "far_share")
 
 
-def trust_stats(trust: torch.Tensor, valid: torch.Tensor, far: Optional[torch.Tensor] = None) -> torch.Tensor:
+def trust_stats(trust: torch.Tensor, valid: torch.Tensor, far: torch.Tensor) -> torch.Tensor:
     """The trust's mean, 10th and 90th percentiles and the share of far rows (``TRUST_METRICS``), over the
     rows with ``valid`` set, computed where the trust lives (no host read): float64, NaN where no row is
-    valid. ``far`` ``[n]`` bool: the far rows (``far_rows``: trust 0 and no rule judging them); None: the
-    rows with trust 0. # [n], [n] bool, [n] bool -> [4]"""
+    valid. ``far`` ``[n]`` bool: the far rows (``far_rows``: trust 0 and no rule judging them).
+    # [n], [n] bool, [n] bool -> [4]"""
     valid = valid.to(trust.device).bool()
-    far = trust <= 0 if far is None else far.to(trust.device).bool()
+    far = far.to(trust.device).bool()
     t = trust.double()
     rows = valid.double().sum()
     kept = torch.where(valid, t, torch.full_like(t, float("nan")))

@@ -83,13 +83,14 @@ def test_trust_stats_over_the_valid_rows():
     invalid row's trust, far or not, changes nothing; no valid row: NaN."""
     trust = torch.tensor([0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.7])
     valid = torch.tensor([True] * 5 + [False, False])
-    mean, p10, p90, far = trust_stats(trust, valid).tolist()
+    mean, p10, p90, far = trust_stats(trust, valid, trust <= 0).tolist()
     kept = trust[:5].double()
     assert mean == pytest.approx(0.5) and far == pytest.approx(0.4)
     assert p10 == float(torch.quantile(kept, 0.1)) == 0.0 and p90 == float(torch.quantile(kept, 0.9)) == 1.0
-    _, p10, p90, _ = trust_stats(torch.tensor([0.2, 0.4, 0.9, 0.0]), torch.tensor([True, True, True, False])).tolist()
+    t = torch.tensor([0.2, 0.4, 0.9, 0.0])
+    _, p10, p90, _ = trust_stats(t, torch.tensor([True, True, True, False]), t <= 0).tolist()
     assert p10 == pytest.approx(0.24) and p90 == pytest.approx(0.8)
-    assert all(math.isnan(v) for v in trust_stats(trust, torch.zeros(7, dtype=torch.bool)).tolist())
+    assert all(math.isnan(v) for v in trust_stats(trust, torch.zeros(7, dtype=torch.bool), trust <= 0).tolist())
 
 
 def test_centering_on_the_bank_spreads_distances_a_common_direction_hides():
