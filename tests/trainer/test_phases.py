@@ -421,12 +421,12 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     tokenizer = types.SimpleNamespace(eos_id=2)
     groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
 
-    def controller(answers, demonstrations=demos):
+    def controller(answers, demonstrations=demos, config=cfg):
         generate = _greedy_generate(answers)
         run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
                                heldout_pairs=heldout, tokenizer=tokenizer, generate=generate,
                                demonstrations=demonstrations)
-        return CoverageTrust(cfg.algorithm.hpa.coverage, run, cfg.rollout), generate
+        return CoverageTrust(config.algorithm.hpa.coverage, run, config.rollout), generate
 
     def observe(coverage):
         batch = _component_batch([0.0] * 4, [0.2, 0.9, 1.3, 0.1], [0, 0, 1, 1])
@@ -447,9 +447,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     assert batch.get("kl_weights").tolist() == [0.25] * 4
     assert batch.get("learned_trust")[2:].tolist() == [0.0, 0.0]  # the far rows still get no learned advantage
     full = load_config(None, [*base, "algorithm.hpa.coverage.released_kl=1"])  # 1: the KL as everywhere else
-    run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout,
-                           tokenizer=tokenizer, generate=_greedy_generate({3: [8]}), demonstrations=demos)
-    batch, m = observe(CoverageTrust(full.algorithm.hpa.coverage, run, full.rollout))
+    batch, m = observe(controller({3: [8]}, config=full)[0])
     assert m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras
     # 24 of 40: 0.6, held (at the share); 23 of 40: not
     wrong = SFTExample(prompt_ids=[3], response_ids=[9, 2])
@@ -486,9 +484,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     assert [len(p) for p, _ in generate.calls] == [SKILL_EXAMPLES] and large.far_demonstrations == SKILL_EXAMPLES
     assert 0.4 < large.start_skill < 0.6
     off = load_config(None, [*base, "algorithm.hpa.coverage.hold_min_skill=null"])
-    run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout,
-                           tokenizer=tokenizer, generate=_greedy_generate({3: [8]}), demonstrations=demos)
-    assert CoverageTrust(off.algorithm.hpa.coverage, run, off.rollout).kl_boost == 100.0
+    assert controller({3: [8]}, config=off)[0].kl_boost == 100.0
 
 
 def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
