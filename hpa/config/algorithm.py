@@ -432,7 +432,16 @@ class CoverageConfig:
             other keys say. 1: the KL as everywhere else. Default 0.25 since 2026-12-05 (1 before): the full
             KL held a weak start's covered kinds near what it got wrong (hackable 40, below ``dpo-rpo``);
             chosen on the 74 re-drawn tasks of 2026-11-26 to 2026-11-29, confirmed on tasks made on
-            2026-12-05 and never run before (docs/results.md).
+            2026-12-05 and never run before: at ``dpo-rpo``'s interval on 19 of 20, hackable 117 below it by
+            0.008 (docs/results.md).
+        released_pairs: where ``hold_min_skill`` releases the hold, the pair stream (DPO, its anchor and the
+            SFT replay) weighs this much more, on top of the automatic balance's factor: a weak start learns
+            what it gets wrong from the pairs and demonstrations faster than from rollouts it scores on a
+            learned reward (hackable 116 and 117 fell behind ``dpo-rpo``, whose pair term has no balance
+            factor below 1). Where the hold is kept, or nothing was measured, the pairs weigh as the other
+            keys say. 1: no change. Default 3 since 2026-12-06 (1 before): chosen against 2 on 10 released
+            hackable and 7 released split tasks already run (docs/results.md, "More pairs where the hold is
+            released"), confirmed on tasks never run before.
     """
 
     enabled: Optional[bool] = None
@@ -446,12 +455,14 @@ class CoverageConfig:
     kl_boost_target: Optional[float] = None
     hold_min_skill: Optional[float] = 0.6
     released_kl: float = 0.25
+    released_pairs: float = 3.0
 
     def __post_init__(self):
         check_choice("space", self.space, COVERAGE_SPACES)
         if self.hold_min_skill is not None:
             check_range("hold_min_skill", self.hold_min_skill, low=0.0, high=1.0)
         check_range("released_kl", self.released_kl, low=0.0)
+        check_range("released_pairs", self.released_pairs, low=0.0)
         check_range("kl_boost", self.kl_boost, low=0.0)
         check_choice("kl_boost_shape", self.kl_boost_shape, KL_BOOST_SHAPES)
         if self.kl_boost_target is not None:

@@ -277,10 +277,11 @@ def test_the_start_skill_hold_checks_its_share_and_reads_the_demonstrations(tmp_
             load_config(None, [f"algorithm.hpa.coverage.hold_min_skill={bad}"])
         assert err.value.key == "algorithm.hpa.coverage.hold_min_skill"
     assert load_config(None, ["algorithm.hpa.coverage.hold_min_skill=null"]).algorithm.hpa.coverage.hold_min_skill is None
-    for bad in ("-0.25", ".nan", ".inf"):  # coverage.released_kl: a weight >= 0, finite
-        with pytest.raises(ConfigError) as err:
-            load_config(None, [f"algorithm.hpa.coverage.released_kl={bad}"])
-        assert err.value.key == "algorithm.hpa.coverage.released_kl"
+    for key in ("released_kl", "released_pairs"):  # coverage.released_*: a weight >= 0, finite
+        for bad in ("-0.25", ".nan", ".inf"):
+            with pytest.raises(ConfigError) as err:
+                load_config(None, [f"algorithm.hpa.coverage.{key}={bad}"])
+            assert err.value.key == f"algorithm.hpa.coverage.{key}"
     data = []
     for key in ("tokenizer_path", "prompt_path", "preference_path", "eval_prompt_path"):  # the other files are there
         (tmp_path / key).write_text("{}\n")

@@ -295,6 +295,7 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
 
     from hpa.data.preferences import PreferenceExample
     from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+    from hpa.trainer.objective.weights import StepFactors
 
     base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
             "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false")
@@ -406,6 +407,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     measured. Without demonstrations nothing is measured and the far rows are held."""
     from hpa.data.preferences import PreferenceExample, SFTExample
     from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+    from hpa.trainer.objective.weights import StepFactors
 
     base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
             "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false")
@@ -449,6 +451,14 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     full = load_config(None, [*base, "algorithm.hpa.coverage.released_kl=1"])  # 1: the KL as everywhere else
     batch, m = observe(controller({3: [8]}, config=full)[0])
     assert m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras
+    # released: the pair stream weighs coverage.released_pairs times the balance's factor; held: as the balance set
+    released_pairs = cfg.algorithm.hpa.coverage.released_pairs
+    assert released_pairs == 3.0  # the default since 2026-12-06
+    assert unskilled.act(StepFactors(pairs=0.5)).pairs == pytest.approx(0.5 * released_pairs)
+    assert skilled.act(StepFactors(pairs=0.5)).pairs == 0.5
+    tripled = load_config(None, [*base, "algorithm.hpa.coverage.released_pairs=3"])
+    assert controller({3: [8]}, config=tripled)[0].act(StepFactors(pairs=0.5)).pairs == pytest.approx(1.5)
+    assert controller({3: [6]}, config=tripled)[0].act(StepFactors(pairs=0.5)).pairs == 0.5
     # 24 of 40: 0.6, held (at the share); 23 of 40: not
     wrong = SFTExample(prompt_ids=[3], response_ids=[9, 2])
     assert controller({3: [6]}, demos[:24] + [wrong] * 16)[0].kl_boost == 100.0
@@ -465,12 +475,14 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     batch, m = observe(restored)
     assert restored.kl_boost == 0.0 and m["coverage/start_skill"] == 0.0
     assert batch.get("kl_weights").tolist() == [0.25] * 4  # the saved skill releases the restored run too
+    assert restored.act(StepFactors()).pairs == pytest.approx(released_pairs)
     back, _ = controller({3: [8]})
     back.load_state_dict(skilled.state_dict())
     assert back.kl_boost == 100.0
     old, _ = controller({3: [8]})
     old.load_state_dict({"low": state["low"], "high": state["high"]})
     assert old.kl_boost == 0.0 and observe(old)[0].get("kl_weights").tolist() == [0.25] * 4
+    assert old.act(StepFactors()).pairs == pytest.approx(released_pairs)
     # no demonstrations, or none far, or the option off: nothing measured, the far rows held
     for run_demos in (None, demos[40:]):
         plain, generate = controller({3: [8]}, run_demos)

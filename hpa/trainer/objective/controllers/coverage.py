@@ -121,7 +121,7 @@ class CoverageTrust(Controller):
         logging.getLogger("hpa").info("coverage trust (%s space): %d rows in the bank; trust 1 up to distance "
                                       "%.4g, 0 from %.4g", self.space, self.bank.shape[0], self.low, self.high)
         self.start_skill, self.far_demonstrations, self.min_skill = float("nan"), 0, c.hold_min_skill
-        self.config_boost, self.released_kl = c.kl_boost, c.released_kl
+        self.config_boost, self.released_kl, self.released_pairs = c.kl_boost, c.released_kl, c.released_pairs
         if self.kl_boost > 0 and c.hold_min_skill is not None and run.demonstrations:
             self._measure_start_skill(run, rollout)
 
@@ -144,7 +144,8 @@ class CoverageTrust(Controller):
                  "(greedy); %s", self.start_skill, self.far_demonstrations,
                  f"at least {min_skill:g}: the far rows are held (boost {self.kl_boost:g})" if held else
                  f"below {min_skill:g}: the far rows are not held (boost 0), and every row's KL to the reference "
-                 f"weighs {self.released_kl:g} (coverage.released_kl)")
+                 f"weighs {self.released_kl:g} (coverage.released_kl), the pairs' terms {self.released_pairs:g} "
+                 f"times as much (coverage.released_pairs)")
         if not held:
             self.kl_boost = 0.0
 
@@ -219,7 +220,10 @@ class CoverageTrust(Controller):
                 "coverage/learned_reward": reward_sum / weight if weight > 0 else nan}
 
     def act(self, factors: StepFactors) -> StepFactors:
-        return dataclasses.replace(factors, learned_trust=self.trust)
+        if self.holds():
+            return dataclasses.replace(factors, learned_trust=self.trust)
+        # released: the pair stream (DPO, its anchor, the replay) weighs released_pairs times what the balance set
+        return dataclasses.replace(factors, learned_trust=self.trust, pairs=factors.pairs * self.released_pairs)
 
     def state_dict(self) -> Dict:
         state = {"low": self.low, "high": self.high}
