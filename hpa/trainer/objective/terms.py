@@ -121,14 +121,14 @@ TERMS: Tuple[Term, ...] = (
     Term("ppo", "rollout", ppo_term, "w_ppo", "tokens",
          shares=("actor/pg_loss",), scaled_by="trust gate (learned advantage component)", source="ppo.policy_loss"),
     Term("dpo", "pairs", dpo_term, "w_dpo", "pairs (anchor: chosen_tokens)", factor="pairs",
-         shares=("dpo/loss", "dpo/anchor_nll"), scaled_by="balance factor", source="dpo.dpo_loss + dpo.anchor_nll"),
+         shares=("dpo/loss", "dpo/anchor_nll"), scaled_by="balance factor, coverage.released_pairs", source="dpo.dpo_loss + dpo.anchor_nll"),
     Term("hier_kl", "rollout", hier_kl_term, "w_kl", "tokens (semantic: sequences)",
          shares=("kl/token", "kl/semantic", "kl/hier", "actor/kl_loss"), scaled_by="lambda_token, lambda_semantic",
          source="kl.hierarchical_kl"),
     Term("entropy", "rollout", entropy_term, "w_ppo", "tokens", shares=("actor/entropy",), scaled_by="entropy_coef",
          source="ppo.entropy_bonus"),
     Term("replay", "replay", replay_term, "w_dpo", "replay_tokens", factor="pairs", shares=("replay/nll",),
-         scaled_by="balance factor, replay.coef", source="dpo.anchor_nll",
+         scaled_by="balance factor, coverage.released_pairs, replay.coef", source="dpo.anchor_nll",
          enabled=lambda algo: algo.replay.enabled),
 )
 GROUPS = tuple(STREAMS)
@@ -147,7 +147,8 @@ def hpa_objective(values: Mapping[str, Optional[torch.Tensor]], weights: Mapping
     Args:
         values: term name -> its 0-dim value (already normalised by its global count), or None / absent.
         weights: the step weights by name (``w_ppo``, ``w_dpo``, ``w_kl``; other keys are ignored).
-        factors: the controllers' factors by name (``StepFactors`` fields: ``pairs``, the balance factor);
+        factors: the controllers' factors by name (``StepFactors`` fields: ``pairs``, the balance factor times
+            ``coverage.released_pairs`` where the hold is released);
             a term's ``factor`` multiplies its weight, 1 where absent.
 
     Returns:

@@ -21,8 +21,9 @@ class StepFactors:
     Args:
         reward_kl: the in-reward KL coefficient, before its warm-up (the KL controller).
         learned_advantage: the weight of the learned component of the advantages (the trust gate).
-        pairs: the factor on the pair stream's weight (the automatic balance): a ``Term`` whose ``factor``
-            names it has its weight multiplied by it.
+        pairs: the factor on the pair stream's weight (the automatic balance's, times the coverage trust's
+            ``released_pairs`` where it releases the hold): a ``Term`` whose ``factor`` names it has its
+            weight multiplied by it.
         learned_trust: the per-row weight of the learned advantage component as a function of a
             ``RolloutBatch`` (``[b]``; the coverage trust), evaluated on the held-out prompts too.
     """
