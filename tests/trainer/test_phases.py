@@ -453,7 +453,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     assert m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras
     # released: the pair stream weighs coverage.released_pairs times the balance's factor; held: as the balance set
     released_pairs = cfg.algorithm.hpa.coverage.released_pairs
-    assert released_pairs == 3.0  # the default since 2026-12-06
+    assert released_pairs == 2.0  # the default since 2026-12-06
     assert unskilled.act(StepFactors(pairs=0.5)).pairs == pytest.approx(0.5 * released_pairs)
     assert skilled.act(StepFactors(pairs=0.5)).pairs == 0.5
     tripled = load_config(None, [*base, "algorithm.hpa.coverage.released_pairs=3"])
