@@ -440,9 +440,9 @@ class CoverageConfig:
             learned reward (hackable 116 and 117 fell behind ``dpo-rpo``, whose pair term has no balance
             factor below 1). Where the hold is kept, or nothing was measured, the pairs weigh as the other
             keys say. 1: no change. Default 2 since 2026-12-06 (1 before): chosen against 3 on 10 released
-            hackable and 7 released split tasks already run (both lift 16 of the 17; 2 by a little more on
-            average, the smaller change), confirmed on tasks never run before (docs/results.md, "More pairs
-            where the hold is released").
+            hackable and 7 released split tasks already run (2: +0.021 on average, 15 of the 17 higher, worst
+            −0.007; 3: +0.019, worst −0.013), confirmed on tasks never run before (docs/results.md, "More
+            pairs where the hold is released").
     """
 
     enabled: Optional[bool] = None
