@@ -213,7 +213,8 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
     streams (``offline``: the preference pairs, ...) dealt round-robin over the mini-batches; the LR schedule then advances once per HPA step (as verl's),
     whatever the number of updates in it. ``guard`` decides what a non-finite or spiking gradient does.
     The metrics carry ``_tokens`` and ``_padded_tokens``: this rank's real tokens and the positions its
-    updates computed (``tokens_computed``).
+    updates computed (``tokens_computed``), and ``hpa/pairs_factor``, the factor the last update scaled the
+    pair stream by (the balance's times the coverage trust's ``released_pairs`` where it releases the hold).
 
     Args:
         weights: the step's weights and factors (the ``pairs`` factor scales the pair stream).
@@ -257,6 +258,7 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
     finite = [g for g in grad_norms if math.isfinite(g)]
     metrics["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
     metrics["actor/lr"] = lr
+    metrics["hpa/pairs_factor"] = weights.factors.pairs  # what the last update scaled the pair stream by
     metrics["_tokens"], metrics["_padded_tokens"] = tokens, computed
     if controllers is not None:
         metrics.update(controllers.metrics())

@@ -46,6 +46,8 @@ def test_the_trust_parts_log_their_state_every_step(trust_run):
     for r in steps:
         assert r["gate/nll"] > 0 and 0 < r["gate/gate"] <= 1 and r["dpo/anchor_nll"] > 0
         assert r["hpa/balance_factor"] > 0
+        # the factor the step's updates scaled the pair stream by: the balance's (no coverage trust here)
+        assert r["hpa/pairs_factor"] == r["hpa/balance_factor"]
     # the balance measures the first 3 steps (two backward passes, both norms logged), then holds its factor
     assert all("grad_norm/rollout" in r and "grad_norm/pairs" in r for r in steps[:3])
     assert not any("grad_norm/rollout" in r for r in steps[3:])
@@ -79,6 +81,10 @@ def test_the_reward_ceiling_gate_follows_its_law_in_a_run(ceiling_run):
         assert r["gate/gate"] == pytest.approx(1 / (1 + r["gate/lambda"]), rel=1e-12)
         # the demo's rule (weight 1) and one reward model share the advantage equally; the gate scales the latter
         assert r["hpa/learned_share"] == pytest.approx(0.5 * r["gate/gate"], rel=1e-9)
+        # the coverage trust is on (a reward model) and holds (no start skill measured: no data.sft_path), so
+        # the pair stream's factor is the balance's (released, it would be released_pairs times that)
+        assert "coverage/start_skill" not in r and r["coverage/kl_boost"] > 0
+        assert r["hpa/pairs_factor"] == r["hpa/balance_factor"]
     # the smoothed learned reward is the EMA (0.9) of the rollouts' learned reward
     ema = steps[0]["reward/learned_mean"]
     for r in steps[1:]:

@@ -220,10 +220,9 @@ class CoverageTrust(Controller):
                 "coverage/learned_reward": reward_sum / weight if weight > 0 else nan}
 
     def act(self, factors: StepFactors) -> StepFactors:
-        if self.holds():
-            return dataclasses.replace(factors, learned_trust=self.trust)
         # released: the pair stream (DPO, its anchor, the replay) weighs released_pairs times what the balance set
-        return dataclasses.replace(factors, learned_trust=self.trust, pairs=factors.pairs * self.released_pairs)
+        pairs = factors.pairs if self.holds() else factors.pairs * self.released_pairs
+        return dataclasses.replace(factors, learned_trust=self.trust, pairs=pairs)
 
     def state_dict(self) -> Dict:
         state = {"low": self.low, "high": self.high}
