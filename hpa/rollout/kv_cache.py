@@ -34,9 +34,14 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+
+logger = logging.getLogger(__name__)
 
 
 def unsupported_reason(module) -> Optional[str]:
@@ -370,14 +375,21 @@ class StaticDecodeStep:
     parameters through their storage: in-place updates (the optimizer's) are seen; a parameter given new
     storage is not, so the wrapper captures again when a parameter's address changes.
 
+    With ``compile``, the step is ``torch.compile``d (one graph, static shapes, inductor's default mode: no
+    CUDA graphs of its own, so the compiled step is what the wrapper captures) at its first call, the capture's
+    warm-up on CUDA: the layers' elementwise work fuses into a few kernels each around the matmuls and the
+    attention (``bench/proxies/decode.py`` counts them). A compilation that fails logs a warning and the
+    step runs uncompiled.
+
     Args:
         module: the unwrapped GPTModel (one stage holding every layer), in eval mode when captured.
         batch_size: rows ``b`` (the bucket).
         max_sequence_length: slots ``S``.
         capture: capture a CUDA graph (``hpa.rollout.cuda_graph.GRAPHS`` must be available on the device).
+        compile: compile the step before it runs (and before it is captured).
     """
 
-    def __init__(self, module, batch_size: int, max_sequence_length: int, *, capture: bool):
+    def __init__(self, module, batch_size: int, max_sequence_length: int, *, capture: bool, compile: bool = False):
         from .cuda_graph import CUDAGraphWrapper
 
         self.decoder = CachedDecoder(module, batch_size, max_sequence_length)
@@ -385,9 +397,29 @@ class StaticDecodeStep:
         self.input_ids = torch.zeros((batch_size, 1), dtype=torch.long, device=device)  # [b, 1]
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.key_valid = torch.zeros((batch_size, max_sequence_length), dtype=torch.bool, device=device)  # [b, S]
+        self.compiled = None if compile else False  # None: compiles at the first call; then True, or False if it failed
+        self._compiled_step = compile_step(self._eager_step) if compile else None
         # warm-up and capture write position 0 of the cache: every prefill overwrites it
-        self.step = CUDAGraphWrapper(lambda: self.decoder.decode_step(self.input_ids, self.position, self.key_valid),
-                                     lambda: tuple(p.data_ptr() for p in module.parameters()), enabled=capture)
+        self.step = CUDAGraphWrapper(self._run, lambda: tuple(p.data_ptr() for p in module.parameters()),
+                                     enabled=capture)
+
+    def _eager_step(self) -> torch.Tensor:
+        return self.decoder.decode_step(self.input_ids, self.position, self.key_valid)
+
+    def _run(self) -> torch.Tensor:
+        if self.compiled is False:
+            return self._eager_step()
+        if self.compiled:
+            return self._compiled_step()
+        try:  # the first call compiles
+            out = self._compiled_step()
+        except Exception as err:  # noqa: BLE001 - any compiler failure: the step still runs, uncompiled
+            logger.warning("native rollout engine: compiling the decode step failed (%s: %s); it runs uncompiled "
+                           "(rollout.compile_decode=false skips the attempt)", type(err).__name__, err)
+            self._compiled_step, self.compiled = None, False
+            return self._eager_step()
+        self.compiled = True
+        return out
 
     @property
     def captures(self) -> int:
@@ -396,3 +428,10 @@ class StaticDecodeStep:
     def __call__(self) -> torch.Tensor:
         """``[b, v_padded]`` logits of the step; from a graph, one buffer overwritten by the next replay."""
         return self.step()
+
+
+def compile_step(fn):
+    """``torch.compile`` of a decode step: one graph (``fullgraph``), static shapes (a bucket's step keeps its
+    shapes), inductor's default mode (``"reduce-overhead"`` would capture CUDA graphs of its own, inside the
+    engine's capture)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False)
