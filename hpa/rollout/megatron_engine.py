@@ -152,8 +152,8 @@ class MegatronRolloutEngine(RolloutEngine):
         kv_cache: ``"hpa"`` (default), ``"megatron"`` or ``"none"`` (see the module docstring).
         decode: ``"auto"`` (default), ``"eager"``, ``"static"`` or ``"graph"`` (see the module docstring).
         compile_decode: ``torch.compile`` the static decode step before it runs and is captured
-            (``kv_cache.StaticDecodeStep``); None (default): where the step is captured in a CUDA graph on CUDA.
-            Off on CPU unless asked for; ignored by eager decode.
+            (``kv_cache.StaticDecodeStep``); None (default): on CUDA (static and graph decode), off on CPU unless
+            asked for; ignored by eager decode.
     """
 
     name = "megatron"
@@ -185,7 +185,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self.decode = self._decode_mode(decode)
         self._graph_by_default = decode == "auto" and self.decode == "graph"  # a failed capture falls back
         if compile_decode is None:
-            compile_decode = self.decode == "graph" and self.device.type == "cuda"
+            compile_decode = self.device.type == "cuda"  # static and graph decode alike: a graph equals its step
         self.compile_decode = compile_decode and self.decode != "eager"
         self._steps = {}  # (rows, slots) -> StaticDecodeStep, kept for the run
         self.decoded = None  # the decode the last generate ran: "eager", "static" or "graph"
