@@ -15,7 +15,9 @@ with their parameters as they are) and changes how they are driven:
 - megatron's plain (local-spec) column/row-parallel linears run as ``F.linear`` plus the same TP
   all-reduce, without the autograd function megatron wraps them in for backward overlap, and RoPE
   uses cos/sin tables computed once (the same formula as megatron's unfused RoPE); Transformer
-  Engine modules are called as they are.
+  Engine modules are called as they are;
+- the attention mask is built once per forward or step, additive, for every layer, and the queries and key of
+  each group are rotated together without a concatenation (``apply_rope``): fewer kernels a step.
 
 The numerics are those of the training forward up to fp32 rounding: RoPE rotates by the position in
 the padded row (as megatron does when it ignores ``position_ids``), padded keys get zero weight, and
