@@ -233,7 +233,9 @@ class RolloutConfig:
     shapes (rows and KV-cache slots padded to powers of two) and replay each token's step from a CUDA
     graph captured once per batch bucket and weight version; ignored on CPU and where it does not
     apply (``hpa/rollout/megatron_engine.py``). On by default since ``tests/gpu/test_graph_decode.py`` passed
-    on a GPU (docs/gpu.md); ``false`` decodes eagerly, one launch per op.
+    on a GPU (docs/gpu.md); ``false`` decodes eagerly, one launch per op. ``compile_decode``: the step is
+    ``torch.compile``d before it is captured (fewer, fused kernels in the graph); ``false`` when compilation
+    fails or takes too long on a machine (a failure already falls back to the uncompiled step, with a warning).
 
     Attributes:
         engine: megatron (the training policy as it is sharded, with hpa's KV cache) | vllm.
@@ -248,6 +250,7 @@ class RolloutConfig:
         gpu_memory_utilization: share of each GPU vLLM takes while awake (its weights and KV cache).
         colocate: vLLM shares the training GPUs and sleeps during training (the mode implemented).
         cuda_graphs: native engine: decode from CUDA graphs (see above); false: eager decode.
+        compile_decode: native engine with CUDA-graph decode: compile the decode step before its capture.
     """
 
     engine: str = "megatron"
@@ -261,6 +264,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.85
     colocate: bool = True
     cuda_graphs: bool = True
+    compile_decode: bool = True
 
     def __post_init__(self):
         check_choice("engine", self.engine, ROLLOUT_ENGINES)

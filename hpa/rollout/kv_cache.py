@@ -15,7 +15,9 @@ with their parameters as they are) and changes how they are driven:
 - megatron's plain (local-spec) column/row-parallel linears run as ``F.linear`` plus the same TP
   all-reduce, without the autograd function megatron wraps them in for backward overlap, and RoPE
   uses cos/sin tables computed once (the same formula as megatron's unfused RoPE); Transformer
-  Engine modules are called as they are.
+  Engine modules are called as they are;
+- the attention mask is built once per forward or step, additive, for every layer, and the queries and key of
+  each group are rotated together without a concatenation (``apply_rope``): fewer kernels a step.
 
 The numerics are those of the training forward up to fp32 rounding: RoPE rotates by the position in
 the padded row (as megatron does when it ignores ``position_ids``), padded keys get zero weight, and
@@ -34,9 +36,14 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+
+logger = logging.getLogger(__name__)
 
 
 def unsupported_reason(module) -> Optional[str]:
@@ -95,9 +102,8 @@ class CachedDecoder:
         # [S, 1, 1, d_rot]; megatron computes the same table for a training forward of length S
         self.rotary = module.rotary_pos_emb(max_sequence_length) if layers else None
         self.rope_tables = None
-        if self.rotary is not None and not config.rotary_interleaved:
-            # megatron's _apply_rotary_pos_emb_bshd computes these from the same table on every call
-            self.rope_tables = (torch.cos(self.rotary).to(dtype), torch.sin(self.rotary).to(dtype))
+        if self.rotary is not None:
+            self.rope_tables = rope_tables(self.rotary, config.rotary_interleaved, dtype)  # [S, d_rot] each
         self.plain = [_plain_layer(layer, config) for layer in layers]
         head_dim = attn.hidden_size_per_attention_head if attn is not None else 1
         # megatron's net scale: config.softmax_scale or 1/sqrt(d) (query-key layer scaling divides the
@@ -123,14 +129,16 @@ class CachedDecoder:
         if hidden is None:
             hidden = module.embedding(input_ids=input_ids, position_ids=None)  # [s_q, b, h]
         allowed = self._allowed(key_valid, start, end)  # [b, 1, s_q, end], or None: plain causal
+        bias = None if allowed is None else attention_bias(allowed, self.keys[0].dtype)  # once for every layer
         rope = self._rope_slice(start, end)
 
         def attend(i, query, key, value):
             self.keys[i][:, :, start:end] = key.permute(1, 2, 0, 3)
             self.values[i][:, :, start:end] = value.permute(1, 2, 0, 3)
+            query = query.flatten(2, 3).permute(1, 2, 0, 3)  # [b, heads/tp, s_q, d]
             return F.scaled_dot_product_attention(
-                query.permute(1, 2, 0, 3), self.keys[i][:, :, :end], self.values[i][:, :, :end],  # [b, heads, s, d]
-                attn_mask=allowed, is_causal=allowed is None and end - start > 1, scale=self.scale,
+                query, self.keys[i][:, :, :end], self.values[i][:, :, :end],  # [b, g/tp, end, d]
+                attn_mask=bias, is_causal=bias is None and end - start > 1, scale=self.scale,
                 enable_gqa=True)  # [b, heads/tp, s_q, d]
 
         for i, layer in enumerate(module.decoder.layers):
@@ -155,21 +163,20 @@ class CachedDecoder:
         """
         module = self.module
         hidden = module.embedding(input_ids=input_ids, position_ids=None)  # [1, b, h]
-        # real keys, and always the query itself (rows of padding only attend to themselves, as in forward)
-        allowed = key_valid.index_fill(1, position, True)[:, None, None, :]  # [b, 1, 1, S]
-        rope = self._rope_at(position)
+        # real keys, and always the query itself (rows of padding only attend to themselves, as in forward);
+        # additive, built once for every layer (SDPA converts a boolean mask in each call)
+        bias = attention_bias(key_valid.index_fill(1, position, True)[:, None, None, :], self.keys[0].dtype)
+        rope = self._rope_at(position)  # [1, d_rot] each, once for every layer
 
         def attend(i, query, key, value):
             self.keys[i].index_copy_(2, position, key.permute(1, 2, 0, 3))
             self.values[i].index_copy_(2, position, value.permute(1, 2, 0, 3))
-            b, heads, d = query.shape[1], query.shape[2], query.shape[3]
-            groups = self.keys[i].shape[1]
+            b, groups, per_group, d = query.shape[1:]
             # one query per row: a group's heads (consecutive, as megatron splits them) become the query
             # positions of that group, so each key and value is read once, without SDPA's GQA support
             context = F.scaled_dot_product_attention(
-                query.reshape(b, groups, heads // groups, d), self.keys[i], self.values[i], attn_mask=allowed,
-                scale=self.scale)  # [b, g/tp, heads/g, d]
-            return context.reshape(b, heads, 1, d)  # [b, heads/tp, 1, d]
+                query[0], self.keys[i], self.values[i], attn_mask=bias, scale=self.scale)  # [b, g/tp, heads/g, d]
+            return context.reshape(b, groups * per_group, 1, d)  # [b, heads/tp, 1, d]
 
         for i, layer in enumerate(module.decoder.layers):
             hidden = self._layer(i, layer, hidden, rope, attend)
@@ -202,49 +209,51 @@ class CachedDecoder:
         return allowed.unsqueeze(1)
 
     def _rope_slice(self, start: int, end: int):
-        """The rotation of positions ``[start, end)``: ``(cos, sin)`` ``[s_q, 1, 1, d_rot]`` each, or
-        megatron's ``[s_q, 1, 1, d_rot]`` frequencies (interleaved RoPE), or None without RoPE."""
-        if self.rotary is None:
-            return None
+        """The rotation of positions ``[start, end)``: ``(cos, signed sin)`` ``[s_q, d_rot]`` each (``rope_tables``),
+        or None without RoPE."""
         if self.rope_tables is None:
-            return self.rotary[start:end]
+            return None
         return self.rope_tables[0][start:end], self.rope_tables[1][start:end]
 
     def _rope_at(self, position: torch.Tensor):
         """``_rope_slice`` of the one position in the device tensor ``position`` ``[1]`` (no host read)."""
-        if self.rotary is None:
-            return None
         if self.rope_tables is None:
-            return self.rotary.index_select(0, position)
+            return None
         return self.rope_tables[0].index_select(0, position), self.rope_tables[1].index_select(0, position)
 
     def _rope(self, t: torch.Tensor, rope) -> torch.Tensor:
-        """Rotate ``[s_q, b, heads, d]`` by ``rope`` (``_rope_slice``) as megatron's unfused RoPE does."""
-        if self.rope_tables is None:
-            from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+        """Rotate ``[s_q, b, ..., d]`` by ``rope`` (``_rope_slice``) as megatron's unfused RoPE does."""
+        return apply_rope(t, *rope, interleaved=self.config.rotary_interleaved)
 
-            return apply_rotary_pos_emb(t, rope, config=self.config)
-        cos, sin = rope  # [s_q, 1, 1, d_rot]
-        rot_dim = cos.shape[-1]
-        t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-        x1, x2 = torch.chunk(t, 2, dim=-1)
-        t = (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
-        return torch.cat((t, t_pass), dim=-1) if t_pass.shape[-1] else t
-
-    def _qkv(self, i: int, attn, normed: torch.Tensor):
-        """``[s_q, b, heads/tp, d]`` query and ``[s_q, b, groups/tp, d]`` key and value."""
-        if not self.plain[i]:
-            return attn.get_query_key_value_tensors(normed, None)
-        mixed, _ = _linear(attn.linear_qkv, normed)  # [s_q, b, g/tp * (heads/g + 2) * d]
+    def _qkv(self, i: int, attn, normed: torch.Tensor, rope):
+        """Query ``[s_q, b, groups/tp, heads/groups, d]``, key and value ``[s_q, b, groups/tp, d]``, the query and
+        the key rotated by ``rope`` (None: no RoPE). With megatron's plain linear and no query/key norm, the
+        query and key of a group are rotated together in place in the fused projection's layout: one rotation
+        per layer."""
         groups, d = attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head
         per_group = attn.num_attention_heads_per_partition // groups
-        mixed = mixed.view(*mixed.shape[:2], groups, (per_group + 2) * d)  # megatron's q.. k v interleave
-        query, key, value = torch.split(mixed, [per_group * d, d, d], dim=3)
-        query = query.reshape(query.shape[0], query.shape[1], -1, d)
-        if attn.q_layernorm is not None:
-            query = attn.q_layernorm(query)
-        if attn.k_layernorm is not None:
-            key = attn.k_layernorm(key)
+        if not self.plain[i]:
+            query, key, value = attn.get_query_key_value_tensors(normed, None)  # [s_q, b, heads/tp, d], ...
+            query = query.unflatten(2, (groups, per_group))
+            if rope is not None:
+                query, key = self._rope(query, rope), self._rope(key, rope)
+            return query, key, value
+        mixed, _ = _linear(attn.linear_qkv, normed)  # [s_q, b, g/tp * (heads/g + 2) * d]
+        mixed = mixed.view(*mixed.shape[:2], groups, per_group + 2, d)  # megatron's q.. k v interleave
+        value = mixed[:, :, :, per_group + 1]
+        q_norm, k_norm = _norm_or_none(attn.q_layernorm), _norm_or_none(attn.k_layernorm)
+        if q_norm is None and k_norm is None:
+            query_key = mixed[:, :, :, :per_group + 1]  # [s_q, b, g/tp, heads/g + 1, d]
+            if rope is not None:
+                query_key = self._rope(query_key, rope)
+            return query_key[:, :, :, :per_group], query_key[:, :, :, per_group], value
+        query, key = mixed[:, :, :, :per_group], mixed[:, :, :, per_group]
+        if q_norm is not None:  # megatron normalises [s_q, b, heads/tp, d]
+            query = q_norm(query.flatten(2, 3)).unflatten(2, (groups, per_group))
+        if k_norm is not None:
+            key = k_norm(key)
+        if rope is not None:
+            query, key = self._rope(query, rope), self._rope(key, rope)
         return query, key, value
 
     def _mlp(self, i: int, layer, hidden: torch.Tensor) -> torch.Tensor:
@@ -272,13 +281,11 @@ class CachedDecoder:
 
         ``rope``: ``_rope_slice`` of the queries' positions; ``attend(i, query, key, value)``: writes the
         rotated ``[s_q, b, groups/tp, d]`` keys and values into layer ``i``'s cache and returns the
-        attention ``[b, heads/tp, s_q, d]`` of the ``[s_q, b, heads/tp, d]`` queries over it."""
+        attention ``[b, heads/tp, s_q, d]`` of the ``[s_q, b, groups/tp, heads/groups, d]`` queries over it."""
         attn = layer.self_attention
         residual = hidden
         normed = layer.input_layernorm(hidden)  # [s_q, b, h]
-        query, key, value = self._qkv(i, attn, normed)  # [s_q, b, heads/tp, d], [s_q, b, groups/tp, d]
-        if self.rotary is not None:
-            query, key = self._rope(query, rope), self._rope(key, rope)
+        query, key, value = self._qkv(i, attn, normed, rope)  # [s_q, b, g/tp, heads/g, d], [s_q, b, g/tp, d]
         context = attend(i, query, key, value)  # [b, heads/tp, s_q, d]
         s_q, b = hidden.shape[0], hidden.shape[1]
         context = context.permute(2, 0, 1, 3).reshape(s_q, b, -1)  # [s_q, b, heads/tp * d]
@@ -286,6 +293,49 @@ class CachedDecoder:
         hidden = layer.self_attn_bda(False, self.config.bias_dropout_fusion)(out_with_bias, residual,
                                                                             layer.hidden_dropout)
         return self._mlp(i, layer, hidden)
+
+
+def rope_tables(rotary: torch.Tensor, interleaved: bool, dtype: torch.dtype):
+    """``(cos, signed sin)`` ``[S, d_rot]`` of megatron's rotary table ``[S, 1, 1, d_rot]``: the sine negated where
+    megatron's rotate-half negates (the first half, or the even entries when interleaved), so ``apply_rope``
+    needs no negation and no concatenation. Computed once, as megatron's ``_apply_rotary_pos_emb_bshd`` does
+    on every call (``mscale`` 1)."""
+    freqs = rotary.reshape(rotary.shape[0], rotary.shape[-1])  # [S, d_rot]
+    sign = torch.ones(freqs.shape[-1], dtype=freqs.dtype, device=freqs.device)
+    if interleaved:
+        sign[0::2] = -1
+    else:
+        sign[:freqs.shape[-1] // 2] = -1
+    return torch.cos(freqs).to(dtype), (torch.sin(freqs).to(dtype) * sign.to(dtype))
+
+
+def apply_rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """Megatron's unfused RoPE of ``t`` ``[s, ..., d]`` at the positions of ``cos`` and ``signed_sin``
+    ``[s, d_rot]`` (``rope_tables``): ``t * cos + rotate_half(t) * sin``, with the halves (or pairs) swapped by
+    one ``flip`` instead of a negation and a concatenation. Bit-identical to megatron's: ``-x * s == x * -s``."""
+    shape = (cos.shape[0],) + (1,) * (t.dim() - 2) + (cos.shape[-1],)
+    cos, signed_sin = cos.view(shape), signed_sin.view(shape)
+    rot = cos.shape[-1]
+    x = t[..., :rot] if rot < t.shape[-1] else t
+    if interleaved:
+        swapped = x.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+    else:
+        swapped = x.unflatten(-1, (2, rot // 2)).flip(-2).flatten(-2)  # (x2, x1)
+    out = x * cos + swapped * signed_sin
+    return out if rot == t.shape[-1] else torch.cat((out, t[..., rot:]), dim=-1)  # partial rotary only
+
+
+def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's additive mask (0 attend, -inf not) of a boolean one (True = attend): what SDPA computes from a
+    boolean mask inside every call, built once a step for all layers."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _norm_or_none(norm):
+    """A query or key norm, None where megatron's spec has none (None or its ``IdentityOp``)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return None if norm is None or isinstance(norm, IdentityOp) else norm
 
 
 def _plain_layer(layer, config) -> bool:
@@ -327,14 +377,21 @@ class StaticDecodeStep:
     parameters through their storage: in-place updates (the optimizer's) are seen; a parameter given new
     storage is not, so the wrapper captures again when a parameter's address changes.
 
+    With ``compile``, the step is ``torch.compile``d (one graph, static shapes, inductor's default mode: no
+    CUDA graphs of its own, so the compiled step is what the wrapper captures) at its first call, the capture's
+    warm-up on CUDA: the layers' elementwise work fuses into a few kernels each around the matmuls and the
+    attention (``bench/proxies/decode.py`` counts them). A compilation that fails logs a warning and the
+    step runs uncompiled.
+
     Args:
         module: the unwrapped GPTModel (one stage holding every layer), in eval mode when captured.
         batch_size: rows ``b`` (the bucket).
         max_sequence_length: slots ``S``.
         capture: capture a CUDA graph (``hpa.rollout.cuda_graph.GRAPHS`` must be available on the device).
+        compile: compile the step before it runs (and before it is captured).
     """
 
-    def __init__(self, module, batch_size: int, max_sequence_length: int, *, capture: bool):
+    def __init__(self, module, batch_size: int, max_sequence_length: int, *, capture: bool, compile: bool = False):
         from .cuda_graph import CUDAGraphWrapper
 
         self.decoder = CachedDecoder(module, batch_size, max_sequence_length)
@@ -342,9 +399,29 @@ class StaticDecodeStep:
         self.input_ids = torch.zeros((batch_size, 1), dtype=torch.long, device=device)  # [b, 1]
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.key_valid = torch.zeros((batch_size, max_sequence_length), dtype=torch.bool, device=device)  # [b, S]
+        self.compiled = None if compile else False  # None: compiles at the first call; then True, or False if it failed
+        self._compiled_step = compile_step(self._eager_step) if compile else None
         # warm-up and capture write position 0 of the cache: every prefill overwrites it
-        self.step = CUDAGraphWrapper(lambda: self.decoder.decode_step(self.input_ids, self.position, self.key_valid),
-                                     lambda: tuple(p.data_ptr() for p in module.parameters()), enabled=capture)
+        self.step = CUDAGraphWrapper(self._run, lambda: tuple(p.data_ptr() for p in module.parameters()),
+                                     enabled=capture)
+
+    def _eager_step(self) -> torch.Tensor:
+        return self.decoder.decode_step(self.input_ids, self.position, self.key_valid)
+
+    def _run(self) -> torch.Tensor:
+        if self.compiled is False:
+            return self._eager_step()
+        if self.compiled:
+            return self._compiled_step()
+        try:  # the first call compiles
+            out = self._compiled_step()
+        except Exception as err:  # noqa: BLE001 - any compiler failure: the step still runs, uncompiled
+            logger.warning("native rollout engine: compiling the decode step failed (%s: %s); it runs uncompiled "
+                           "(rollout.compile_decode=false skips the attempt)", type(err).__name__, err)
+            self._compiled_step, self.compiled = None, False
+            return self._eager_step()
+        self.compiled = True
+        return out
 
     @property
     def captures(self) -> int:
@@ -353,3 +430,10 @@ class StaticDecodeStep:
     def __call__(self) -> torch.Tensor:
         """``[b, v_padded]`` logits of the step; from a graph, one buffer overwritten by the next replay."""
         return self.step()
+
+
+def compile_step(fn):
+    """``torch.compile`` of a decode step: one graph (``fullgraph``), static shapes (a bucket's step keeps its
+    shapes), inductor's default mode (``"reduce-overhead"`` would capture CUDA graphs of its own, inside the
+    engine's capture)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False)

@@ -151,12 +151,15 @@ class MegatronRolloutEngine(RolloutEngine):
         tokenizer_info: vocab size, EOS and pad ids.
         kv_cache: ``"hpa"`` (default), ``"megatron"`` or ``"none"`` (see the module docstring).
         decode: ``"auto"`` (default), ``"eager"``, ``"static"`` or ``"graph"`` (see the module docstring).
+        compile_decode: ``torch.compile`` the static decode step before it runs and is captured
+            (``kv_cache.StaticDecodeStep``); None (default): on CUDA (static and graph decode), off on CPU unless
+            asked for; ignored by eager decode.
     """
 
     name = "megatron"
 
     def __init__(self, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo, *, kv_cache: str = "hpa",
-                 decode: str = "auto"):
+                 decode: str = "auto", compile_decode: Optional[bool] = None):
         from hpa.models.heads import unwrap
 
         self.model = model
@@ -181,6 +184,9 @@ class MegatronRolloutEngine(RolloutEngine):
         self.masks_padding = kv_cache == "hpa" or _attention_honours_masks(self.module)
         self.decode = self._decode_mode(decode)
         self._graph_by_default = decode == "auto" and self.decode == "graph"  # a failed capture falls back
+        if compile_decode is None:
+            compile_decode = self.device.type == "cuda"  # static and graph decode alike: a graph equals its step
+        self.compile_decode = compile_decode and self.decode != "eager"
         self._steps = {}  # (rows, slots) -> StaticDecodeStep, kept for the run
         self.decoded = None  # the decode the last generate ran: "eager", "static" or "graph"
         self._reports_decode = self.decode != "eager"
@@ -216,11 +222,16 @@ class MegatronRolloutEngine(RolloutEngine):
         """Which decode the last ``generate`` ran and the captures so far, where a static or graph decode was
         asked for (``"auto"`` on CUDA included; nothing on an engine that decodes eagerly from the start):
         ``rollout/decode_graph`` (1 graph, 0 not: a failed ``"auto"`` capture), ``rollout/graph_captures``
-        and ``rollout/decode_buckets`` (the buckets used, each captured once while the parameters stay put)."""
+        and ``rollout/decode_buckets`` (the buckets used, each captured once while the parameters stay put); with
+        ``compile_decode``, ``rollout/decode_compiled`` (1: every bucket's step compiled, 0: a compilation failed
+        and the step runs uncompiled)."""
         if not self._reports_decode:
             return {}
-        return {"rollout/decode_graph": float(self.decoded == "graph"), "rollout/graph_captures": float(self.captures),
-                "rollout/decode_buckets": float(len(self._steps))}
+        metrics = {"rollout/decode_graph": float(self.decoded == "graph"),
+                   "rollout/graph_captures": float(self.captures), "rollout/decode_buckets": float(len(self._steps))}
+        if self.compile_decode:
+            metrics["rollout/decode_compiled"] = float(all(s.compiled is not False for s in self._steps.values()))
+        return metrics
 
     @property
     def captures(self) -> int:
@@ -236,7 +247,8 @@ class MegatronRolloutEngine(RolloutEngine):
         if key not in self._steps:  # a longer request than any before at these rows: the shorter buckets go
             for shorter in [k for k in self._steps if k[0] == rows]:
                 del self._steps[shorter]
-            self._steps[key] = StaticDecodeStep(self.module, rows, slots, capture=self.decode == "graph")
+            self._steps[key] = StaticDecodeStep(self.module, rows, slots, capture=self.decode == "graph",
+                                                compile=self.compile_decode)
         step = self._steps[key]
         try:
             step.step.ready()
@@ -498,6 +510,9 @@ class _DecodeState:
 
 def build_megatron_engine(rollout_cfg, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo,
                           **kwargs) -> MegatronRolloutEngine:
-    """``ROLLOUT_ENGINES["megatron"]``; ``rollout.cuda_graphs=false`` decodes eagerly."""
+    """``ROLLOUT_ENGINES["megatron"]``; ``rollout.cuda_graphs=false`` decodes eagerly, ``rollout.compile_decode=false``
+    captures the decode step uncompiled."""
     kwargs.setdefault("decode", "auto" if rollout_cfg.cuda_graphs else "eager")
+    if not rollout_cfg.compile_decode:
+        kwargs.setdefault("compile_decode", False)
     return MegatronRolloutEngine(model, groups, tokenizer_info, **kwargs)
