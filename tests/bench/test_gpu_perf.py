@@ -118,3 +118,16 @@ def test_gpu_perf_runs_on_cpu_tiny(tmp_path):
     for phase in ("rollout", "old_logprob", "reference", "update_actor"):
         assert profile[phase]["wall_s"] > 0 and profile[phase]["device_busy_share"] is None, profile
     assert {k: (v["rows"], v["generated"]) for k, v in out["rollout"].items()} == {"rows4": (4, 32), "rows8": (8, 64)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("script", ["gpu_perf.sh", "gpu_check.sh"])
+def test_the_gpu_scripts_share_the_set_up_and_stop_without_cuda(script, tmp_path):
+    """Both scripts source ``bench/gpu_setup.sh`` (from any working directory) and stop there without CUDA,
+    before installing or running anything."""
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "GPU_PERF_LOG_DIR": str(tmp_path / "perf"), "GPU_CHECK_LOG_DIR": str(tmp_path / "check")}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", script), str(tmp_path / "no_wheels")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "perf").exists() and not (tmp_path / "check").exists()
