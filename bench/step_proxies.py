@@ -49,6 +49,7 @@ def measure(directory: Path, name: str) -> Dict[str, float]:
             sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(f"hpa_proxy_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (and pickling) look their module up there
     spec.loader.exec_module(module)
     if not callable(getattr(module, "measure", None)):
         raise ProxyError(f"{path} has no measure() (bench/proxies/README.md)")

@@ -37,9 +37,16 @@ GOOD = {
             raise SystemExit("loaded as a script: the aggregator must load it as a module")
         """,
     "beta": """
-        import os, _shared
+        from __future__ import annotations
+
+        import dataclasses, os, _shared
+
+        @dataclasses.dataclass(frozen=True)
+        class Shape:  # a dataclass needs its module in sys.modules
+            rows: int
+
         def measure():
-            return {"beta.kernels_per_step": _shared.KERNELS, "beta.pid": os.getpid()}
+            return {"beta.kernels_per_step": _shared.KERNELS, "beta.rows": Shape(rows=64).rows, "beta.pid": os.getpid()}
         """,
     # a helper the proxies import (the folder is on their path when run as scripts): never run as a proxy
     "_shared": """
@@ -56,7 +63,7 @@ def test_every_proxy_runs_in_a_process_of_its_own_and_the_keys_merge(tmp_path):
     assert rc == 0, err
     assert list(out) == sorted(out)
     pids = {out.pop("alpha.pid"), out.pop("beta.pid")}
-    assert out == {"alpha.bytes_per_token": 2.5e6, "alpha.ops": 1200, "beta.kernels_per_step": 390}
+    assert out == {"alpha.bytes_per_token": 2.5e6, "alpha.ops": 1200, "beta.kernels_per_step": 390, "beta.rows": 64}
     assert len(pids) == 2  # one process per proxy: nothing one leaves behind reaches another
 
 
