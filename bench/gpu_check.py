@@ -21,8 +21,8 @@ other row may move) and ``syncs``, a packed training micro-batch's syncs in its 
 (``sync_probe``); ``failed``: the checks that did not pass (``ok`` is true when none). The rates are over
 ``timed_steps``: the first step (CUDA warm-up, allocator growth) and every step the automatic balance measured
 (two backward passes and a copy of the gradients: ``measured_step``) are left out; ``peak_tflops`` is the peak
-the MFU is against (``hpa.trainer.metrics.peak_tflops``: the device's, unless the config declares one). With ``--tokens-per-micro-batch N``, ``token_budget``: the
-packed run again with ``trainer.ppo_max_token_len_per_rank=N``.
+the MFU is against (``hpa.trainer.metrics.peak_tflops``: the device's, unless the config declares one). With
+``--tokens-per-micro-batch N``, ``token_budget``: the packed run again with ``trainer.ppo_max_token_len_per_rank=N``.
 
 Ran on one H100 (docs/gpu.md, "GPU check") and, with packing, the probe, the decode checks and the sync sites,
 on one H200 (2026-11-27).
@@ -180,6 +180,8 @@ def failed_checks(figures: dict) -> list:
         failed.append("the config does not pack (trainer.sequence_packing): varlen attention untested")
     if not figures["packing"].get("padded_run_ok", False):
         failed.append("the padded reference run failed")
+    if not figures.get("syncs", {}).get("ok", True):
+        failed.append("the sync census run failed")
     if not decode["graph_per_step"] or any(g != 1.0 for g in decode["graph_per_step"]):
         failed.append(f"graph decode did not run at every step: {decode['graph_per_step']} (1 graph, 0 a fallback "
                       f"after a failed capture, None an eager engine)")

@@ -40,7 +40,8 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 import gpu_check  # noqa: E402  (bench/ is not a package)
 
-CONFIGS = {"base": ROOT / "configs" / "qwen2_0.5b_gpu_check.yaml", "perf": ROOT / "configs" / "qwen2_0.5b_gpu_perf.yaml"}
+CONFIGS = {"base": ROOT / "configs" / "qwen2_0.5b_gpu_check.yaml",
+           "perf": ROOT / "configs" / "qwen2_0.5b_gpu_perf.yaml"}
 PHASE_PREFIX = "hpa_phase/"
 
 # --tiny: both configs at narrow widths, float32, gloo; small batches and budgets (the perf config's proportions:

@@ -120,14 +120,31 @@ def test_gpu_perf_runs_on_cpu_tiny(tmp_path):
     assert {k: (v["rows"], v["generated"]) for k, v in out["rollout"].items()} == {"rows4": (4, 32), "rows8": (8, 64)}
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("script", ["gpu_perf.sh", "gpu_check.sh"])
 def test_the_gpu_scripts_share_the_set_up_and_stop_without_cuda(script, tmp_path):
-    """Both scripts source ``bench/gpu_setup.sh`` (from any working directory) and stop there without CUDA,
-    before installing or running anything."""
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-           "GPU_PERF_LOG_DIR": str(tmp_path / "perf"), "GPU_CHECK_LOG_DIR": str(tmp_path / "check")}
-    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", script), str(tmp_path / "no_wheels")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, env=env)
+    """Both scripts source ``bench/gpu_setup.sh`` (from any working directory), which runs from the repository
+    root and stops the script at its CUDA check, before installing or running anything (a stand-in ``python``
+    that fails as the check does on a machine without CUDA, and logs where it ran)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text('#!/bin/sh\necho "$PWD" >> "%s"\necho "AssertionError: no CUDA device" >&2\nexit 1\n'
+                                 % (tmp_path / "calls"))
+    (fake / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GPU_PERF_LOG_DIR": str(tmp_path / "perf"),
+           "GPU_CHECK_LOG_DIR": str(tmp_path / "check")}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", script), "no_wheels"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode != 0 and "no CUDA device" in proc.stderr, proc.stderr[-2000:]
+    assert (tmp_path / "calls").read_text().splitlines() == [ROOT]  # one call, the check, from the root
     assert not (tmp_path / "perf").exists() and not (tmp_path / "check").exists()
+
+
+def test_gpu_check_fails_when_its_sync_census_run_failed():
+    gpu_check = _load("gpu_check")
+    probe = {"varlen_calls": 48, "causality_leak_max": 0.0, "changed_after_max": 0.3, "logprob_gap_mean": 0.01}
+    steps = [{"rollout/decode_graph": 1.0, "rollout/graph_captures": 1.0, "rollout/decode_buckets": 1.0}] * 4
+    good = {"device": "NVIDIA H100", "sequence_packing": True, "packing": {"padded_run_ok": True},
+            "decode": gpu_check.decode_figures(steps), "packing_probe": probe,
+            "syncs": {"ok": True, "steps": 3, "per_step": 12.0, "startup": 300, "sites": {}}}
+    assert gpu_check.failed_checks(good) == []
+    assert gpu_check.failed_checks(dict(good, syncs=dict(good["syncs"], ok=False))) == ["the sync census run failed"]
