@@ -2,15 +2,18 @@
 
 Makes the demo task and its tokenizer under ``--run-dir``/data (``bench/gpu_check.py``'s), then in this process:
 
-1. ``base``: ``hpa train`` with ``configs/qwen2_0.5b_gpu_check.yaml`` (16 prompts x 4 responses, 64 rows) for
-   ``--steps`` steps;
-2. ``perf``: the same with ``configs/qwen2_0.5b_gpu_perf.yaml`` (64 x 4 = 256 rows of up to 256 new tokens, 64
-   pairs, token budgets) for ``--steps`` steps and one more, the **profiler pass**: that step runs under
+1. ``perf``: ``hpa train`` with ``configs/qwen2_0.5b_gpu_perf.yaml`` (64 x 4 = 256 rows of up to 256 new tokens,
+   64 pairs, token budgets) for ``--steps`` steps and one more, the **profiler pass**: that step runs under
    ``torch.profiler`` with each phase of the step (``HPATrainer.timer``: rollout, old_logprob, reference,
    update_actor, ...) marked by a ``record_function``; its record is not in the rates;
-3. ``rollout``: the perf config's model and native engine on its own, one ``generate`` of ``R`` random prompts
+2. ``rollout``: the perf config's model and native engine on its own, one ``generate`` of ``R`` random prompts
    for each ``R`` of ``--rollout-rows`` (64 and 256), ``--rollout-tokens`` new tokens each (EOS ignored,
-   sampled at temperature 1), timed after a warm-up call of the same rows (which captures the decode graph).
+   sampled at temperature 1), timed after a warm-up call of the same rows (which captures the decode graph);
+3. ``base``: ``hpa train`` with ``configs/qwen2_0.5b_gpu_check.yaml`` (16 prompts x 4 responses, 64 rows) for
+   ``--steps`` steps, the comparison.
+
+After each part the figures so far are written to ``--run-dir``/``figures.partial.json`` (``gpu_perf.sh`` prints
+them if the time limit ends the run); the device's memory is freed and its peak counter reset between parts.
 
 No run is sync-instrumented (``bench/gpu_check.py`` keeps the sync census). Per run (``base``, ``perf``): the rates
 over ``timed_steps`` (step ``--timed-from`` to ``--steps``, less any step the automatic balance measured:
@@ -92,33 +95,62 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(0) if cuda else None
     out = {"device": name or "cpu", "tiny": args.tiny, "steps": args.steps, "timed_from": args.timed_from}
     failed = []
-    for key, config in CONFIGS.items():
-        overrides = data + (TINY + TINY_ROWS[key] if args.tiny else []) + [f"trainer.run_dir={run / key}"]
-        profiled = key == "perf"
+    partial = run / PARTIAL
+
+    def save():  # what a part adds is kept should a later one run past the time limit (gpu_perf.sh prints it)
+        partial.write_text(json.dumps(gpu_check._strict(dict(out, failed=failed, wall_s=time.perf_counter() - start))))
+
+    # the perf config first, then the rollout alone, then the base config: the issue's figures before the comparison
+    for key in ("perf", "rollout", "base"):
+        fresh_device(cuda)
+        overrides = data + (TINY + TINY_ROWS["base" if key == "base" else "perf"] if args.tiny else [])
+        if key == "rollout":
+            try:
+                out["rollout"] = rollout_figures(str(CONFIGS["perf"]), overrides, args.rollout_rows,
+                                                 args.rollout_tokens)
+            except Exception as err:  # noqa: BLE001 -- reported in the JSON
+                failed.append(f"rollout: {type(err).__name__}: {err}")
+            save()
+            continue
+        config, profiled = CONFIGS[key], key == "perf"
+        overrides = overrides + [f"trainer.run_dir={run / key}"]
         steps = args.steps + 1 if profiled else args.steps
         rc, prof = train(str(config), overrides + [f"trainer.total_steps={steps}"],
                          profile_step=steps if profiled else None, cuda=cuda)
         if rc != 0:
             failed.append(f"hpa train ({key}, {config.name}) exited {rc}")
+            save()
             continue
         records = [r for r in gpu_check._steps(run / key)[0] if r["step"] <= args.steps]
         out[key] = run_figures(str(config), overrides, records, args.timed_from, name, cuda)
+        if not out[key]["timed_steps"]:
+            failed.append(f"{key}: no timed step (warm-up or balance-measured steps only)")
         if profiled:
             out["profile"] = dict(profile_figures(*phase_intervals(prof), cuda=cuda), step=steps)
-    perf_overrides = data + (TINY + TINY_ROWS["perf"] if args.tiny else [])
-    try:
-        out["rollout"] = rollout_figures(str(CONFIGS["perf"]), perf_overrides, args.rollout_rows,
-                                         args.rollout_tokens)
-    except Exception as err:  # noqa: BLE001 -- reported in the JSON
-        failed.append(f"rollout: {type(err).__name__}: {err}")
-    for key in ("base", "perf"):
-        if key in out and not out[key]["timed_steps"]:
-            failed.append(f"{key}: no timed step (warm-up or balance-measured steps only)")
+            del prof
+        save()
     out["peak_tflops"] = out.get("perf", out.get("base", {})).get("peak_tflops")
     out["failed"], out["ok"] = failed, not failed
     out["wall_s"] = time.perf_counter() - start
     print(json.dumps(gpu_check._strict(out)))
     return 0 if out["ok"] else 1
+
+
+# the figures so far, under --run-dir: bench/gpu_perf.sh prints them when the run passes its time limit
+PARTIAL = "figures.partial.json"
+
+
+def fresh_device(cuda: bool) -> None:
+    """Between parts: what the last part left is freed and the peak-memory counter starts again (each run's
+    ``perf/max_memory_gb`` is its own, not the process's so far)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def train(config: str, overrides, *, profile_step=None, cuda: bool):

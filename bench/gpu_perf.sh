@@ -19,8 +19,20 @@ timeout "${GPU_PERF_TIMEOUT_S:-450}" python bench/gpu_perf.py --run-dir "$LOG_DI
   2> "$LOG_DIR/gpu_perf.log" || rc=$?
 figures="$(tail -n 1 "$LOG_DIR/figures.json")"
 if [ -z "$figures" ]; then
-  figures="{\"ok\": false, \"error\": \"bench/gpu_perf.py printed nothing (exit $rc; 124: past the time limit): see $LOG_DIR/gpu_perf.log\"}"
   tail -n 20 "$LOG_DIR/gpu_perf.log" >&2
+  # the parts that finished (bench/gpu_perf.py writes them as it goes), marked as not ok
+  figures="$(python - "$LOG_DIR/figures.partial.json" "$rc" <<'PY'
+import json, sys
+try:
+    out = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    out = {}
+why = "past the time limit" if sys.argv[2] in ("124", "137") else f"exit {sys.argv[2]}"
+out["failed"] = out.get("failed", []) + [f"bench/gpu_perf.py printed nothing ({why}): the parts that finished"]
+out["ok"] = False
+print(json.dumps(out))
+PY
+)"
 fi
 echo "$figures"
 exit "$rc"

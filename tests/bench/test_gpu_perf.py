@@ -118,6 +118,8 @@ def test_gpu_perf_runs_on_cpu_tiny(tmp_path):
     for phase in ("rollout", "old_logprob", "reference", "update_actor"):
         assert profile[phase]["wall_s"] > 0 and profile[phase]["device_busy_share"] is None, profile
     assert {k: (v["rows"], v["generated"]) for k, v in out["rollout"].items()} == {"rows4": (4, 32), "rows8": (8, 64)}
+    partial = json.loads((tmp_path / "run" / "figures.partial.json").read_text())  # written after each part
+    assert partial["base"] == out["base"] and partial["rollout"] == out["rollout"]
 
 
 @pytest.mark.parametrize("script", ["gpu_perf.sh", "gpu_check.sh"])
@@ -148,3 +150,27 @@ def test_gpu_check_fails_when_its_sync_census_run_failed():
             "syncs": {"ok": True, "steps": 3, "per_step": 12.0, "startup": 300, "sites": {}}}
     assert gpu_check.failed_checks(good) == []
     assert gpu_check.failed_checks(dict(good, syncs=dict(good["syncs"], ok=False))) == ["the sync census run failed"]
+
+
+def test_gpu_perf_sh_prints_the_finished_parts_when_the_time_limit_ends_the_run(tmp_path):
+    """A run past ``GPU_PERF_TIMEOUT_S`` prints nothing itself: the script prints the figures it had written so
+    far (``figures.partial.json``), not ok, saying why, and exits with timeout's status."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text(f"""#!/bin/sh
+case "$1" in
+  -c) exit 0 ;;
+  bench/gpu_perf.py) echo '{{"perf": {{"update_mfu": 0.31}}, "failed": []}}' > "$3/figures.partial.json"; exec sleep 30 ;;
+  *) exec {sys.executable} "$@" ;;
+esac
+""")
+    (fake / "python").chmod(0o755)
+    log = tmp_path / "log"
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GPU_PERF_LOG_DIR": str(log),
+           "GPU_PERF_TIMEOUT_S": "1"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_perf.sh"), "no_wheels"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 124, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["perf"] == {"update_mfu": 0.31} and out["ok"] is False
+    assert out["failed"] == ["bench/gpu_perf.py printed nothing (past the time limit): the parts that finished"]
