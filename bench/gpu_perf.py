@@ -20,8 +20,9 @@ over ``timed_steps`` (step ``--timed-from`` to ``--steps``, less any step the au
 ``gpu_check.timed_steps``): ``update_mfu`` (6·N per trained token over the update's time, against
 ``peak_tflops``), ``update_tokens_per_s``, ``rollout_tokens_per_s`` (generated tokens over the rollout phase),
 ``phases`` (``gpu_check.phase_figures``), ``peak_memory_gb`` against ``hpa plan``'s ``plan_total_gb`` on this
-device's memory. ``profile``: per phase of the profiled step, ``wall_s``, ``device_s`` (the device's kernel,
-copy and memset time inside the phase's windows) and ``device_busy_share`` (their ratio; null off CUDA).
+device's memory. ``profile``: per phase of the profiled step (and ``train_step``, the whole of it), ``wall_s``,
+``device_s`` (the device's kernel, copy and memset time inside the phase's windows) and ``device_busy_share``
+(their ratio; null off CUDA).
 ``peak_tflops``: ``hpa.trainer.metrics.peak_tflops`` (the device's, unless the config declares one).
 
 ``--device cpu --tiny`` runs every part at narrow widths in float32 over gloo in a few seconds a run (the
@@ -176,7 +177,8 @@ def train(config: str, overrides, *, profile_step=None, cuda: bool):
             return train_step(self)
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=activities) as prof:
-            metrics = train_step(self)
+            with torch.profiler.record_function(PHASE_PREFIX + "train_step"):  # the whole step, as one more phase
+                metrics = train_step(self)
         holder["prof"] = prof
         return metrics
 

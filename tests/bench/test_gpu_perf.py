@@ -114,8 +114,8 @@ def test_gpu_perf_runs_on_cpu_tiny(tmp_path):
         assert run["rows"] == rows and run["timed_steps"] == [2, 3] and run["measured_steps"] == [1], run
         assert run["update_tokens_per_s"] > 0 and run["rollout_tokens_per_s"] > 0 and run["update_mfu"] is None
     profile = out["profile"]
-    assert profile["step"] == 4
-    for phase in ("rollout", "old_logprob", "reference", "update_actor"):
+    assert profile["step"] == 4 and profile["train_step"]["wall_s"] > profile["update_actor"]["wall_s"]
+    for phase in ("rollout", "old_logprob", "reference", "update_actor", "train_step"):
         assert profile[phase]["wall_s"] > 0 and profile[phase]["device_busy_share"] is None, profile
     assert {k: (v["rows"], v["generated"]) for k, v in out["rollout"].items()} == {"rows4": (4, 32), "rows8": (8, 64)}
     partial = json.loads((tmp_path / "run" / "figures.partial.json").read_text())  # written after each part
