@@ -105,36 +105,36 @@ def main(argv=None) -> int:
     for key in ("perf", "rollout", "base"):
         fresh_device(cuda)
         overrides = data + (TINY + TINY_ROWS["base" if key == "base" else "perf"] if args.tiny else [])
-        if key == "rollout":
-            try:
+        try:  # a part that fails (out of memory, a kernel error) is named; the others still run
+            if key == "rollout":
                 out["rollout"] = rollout_figures(str(CONFIGS["perf"]), overrides, args.rollout_rows,
                                                  args.rollout_tokens)
-            except Exception as err:  # noqa: BLE001 -- reported in the JSON
-                failed.append(f"rollout: {type(err).__name__}: {err}")
-            save()
-            continue
-        config, profiled = CONFIGS[key], key == "perf"
-        overrides = overrides + [f"trainer.run_dir={run / key}"]
-        steps = args.steps + 1 if profiled else args.steps
-        rc, prof = train(str(config), overrides + [f"trainer.total_steps={steps}"],
-                         profile_step=steps if profiled else None, cuda=cuda)
-        if rc != 0:
-            failed.append(f"hpa train ({key}, {config.name}) exited {rc}")
-            save()
-            continue
-        records = [r for r in gpu_check._steps(run / key)[0] if r["step"] <= args.steps]
-        out[key] = run_figures(str(config), overrides, records, args.timed_from, name, cuda)
-        if not out[key]["timed_steps"]:
-            failed.append(f"{key}: no timed step (warm-up or balance-measured steps only)")
-        if profiled:
-            out["profile"] = dict(profile_figures(*phase_intervals(prof), cuda=cuda), step=steps)
-            del prof
+            else:
+                failed.extend(run_part(key, overrides, args, run, name, cuda, out))
+        except Exception as err:  # noqa: BLE001 -- reported in the JSON
+            failed.append(f"{key}: {type(err).__name__}: {err}")
         save()
     out["peak_tflops"] = out.get("perf", out.get("base", {})).get("peak_tflops")
     out["failed"], out["ok"] = failed, not failed
     out["wall_s"] = time.perf_counter() - start
     print(json.dumps(gpu_check._strict(out)))
     return 0 if out["ok"] else 1
+
+
+def run_part(key: str, overrides, args, run: Path, device_name, cuda: bool, out: dict) -> list:
+    """One config's run (``perf`` with its profiled step) into ``out``; what failed."""
+    config, profiled = CONFIGS[key], key == "perf"
+    overrides = overrides + [f"trainer.run_dir={run / key}"]
+    steps = args.steps + 1 if profiled else args.steps
+    rc, prof = train(str(config), overrides + [f"trainer.total_steps={steps}"],
+                     profile_step=steps if profiled else None, cuda=cuda)
+    if rc != 0:
+        return [f"hpa train ({key}, {config.name}) exited {rc}"]
+    records = [r for r in gpu_check._steps(run / key)[0] if r["step"] <= args.steps]
+    out[key] = run_figures(str(config), overrides, records, args.timed_from, device_name, cuda)
+    if profiled:
+        out["profile"] = dict(profile_figures(*phase_intervals(prof), cuda=cuda), step=steps)
+    return [] if out[key]["timed_steps"] else [f"{key}: no timed step (warm-up or balance-measured steps only)"]
 
 
 # the figures so far, under --run-dir: bench/gpu_perf.sh prints them when the run passes its time limit
