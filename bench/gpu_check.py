@@ -8,18 +8,21 @@ MFU (real and padded tokens), the rollout's generated tokens per second, the mea
 ``hpa plan``'s total (both GB = 1e9 bytes), the bf16 gap between sampling-time and training log-probs;
 ``packing``: the update's tokens per second and pad share packed against padded; ``phases``: each phase's
 seconds per step (rollout, old-policy forward, reference forward, update), the update's tokens/s and each
-forward-only pass's tokens/s and MFU, packed and padded; ``syncs``: the host-device syncs that
-``torch.cuda.set_sync_debug_mode("warn")`` reported per step over steps 2 to N of each run (``per_step_on``,
-``per_step_off``; start-up and the first step, ``startup_on``/``startup_off``, and what runs after the last
-step's record are counted apart, as the rates leave the first step out), and the sites with the most
-(``sites_on``/``sites_off``, ``path:line`` in hpa, its patches or megatron); ``decode``: whether each step's
+forward-only pass's tokens/s and MFU, packed and padded; ``syncs``: the sync census, a run of its own
+(``SYNC_CENSUS_STEPS`` packed steps: the sync instrumentation slows what it watches, so the timed runs go
+without it): the host-device syncs that ``torch.cuda.set_sync_debug_mode("warn")`` reported per step over steps
+2 to N (``per_step``; start-up and the first step, ``startup``, and what runs after the last step's record are
+counted apart), and the sites with the most (``sites``, ``path:line`` in hpa, its patches or megatron);
+``decode``: whether each step's
 rollout ran the graph decode (``rollout/decode_graph``) and the captures of the run against the buckets used;
 ``packing_probe``: the same random rows packed and padded through the model and hpa's label head in bf16 (the
 log-prob gap, the varlen kernel's calls) and a causality probe (one token changed: nothing before it and no
 other row may move) and ``syncs``, a packed training micro-batch's syncs in its forward and its backward
-(``sync_probe``); ``failed``: the checks that did not pass (``ok`` is true when none). The first step (CUDA
-warm-up, allocator growth) is left out of the rates. With ``--tokens-per-micro-batch N``, ``token_budget``: the
-packed run again with ``trainer.ppo_max_token_len_per_rank=N``.
+(``sync_probe``); ``failed``: the checks that did not pass (``ok`` is true when none). The rates are over
+``timed_steps``: the first step (CUDA warm-up, allocator growth) and every step the automatic balance measured
+(two backward passes and a copy of the gradients: ``measured_step``) are left out; ``peak_tflops`` is the peak
+the MFU is against (``hpa.trainer.metrics.peak_tflops``: the device's, unless the config declares one). With
+``--tokens-per-micro-batch N``, ``token_budget``: the packed run again with ``trainer.ppo_max_token_len_per_rank=N``.
 
 Ran on one H100 (docs/gpu.md, "GPU check") and, with packing, the probe, the decode checks and the sync sites,
 on one H200 (2026-11-27).
@@ -52,22 +55,19 @@ def main(argv=None) -> int:
     run = Path(args.run_dir)
     overrides = _demo_task(run, args.steps)
     base = [o for o in overrides if not o.startswith("trainer.run_dir=")]
-    # the config packs: the first run checks packing (varlen attention), the second is the padded reference
-    rc, syncs_on, sites_on = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *overrides]),
-                                             StepClock(run / "train" / "metrics.jsonl"))
+    # the config packs: the first run checks packing (varlen attention), the second is the padded reference;
+    # both timed, so neither runs under the sync census's instrumentation
+    rc = cli.main(["train", "--config", args.config, *overrides])
     if rc != 0:
         print(json.dumps({"ok": False, "failed": ["hpa train (packed, the config's) failed: see the log above"]}))
         return 1
     steps, timed = _steps(run / "train")
     padded_overrides = base + [f"trainer.run_dir={run / 'train_padded'}", "trainer.sequence_packing=false"]
-    rc, syncs_off, sites_off = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *padded_overrides]),
-                                               StepClock(run / "train_padded" / "metrics.jsonl"))
+    rc = cli.main(["train", "--config", args.config, *padded_overrides])
     padded_steps, padded_timed = _steps(run / "train_padded") if rc == 0 else ([], [])
     figures = _figures(args.config, overrides, steps, timed, padded_timed, torch.cuda.is_available())
     figures["packing"]["padded_run_ok"] = rc == 0
-    figures["syncs"] = {"per_step_on": _per_step(syncs_on, steps), "per_step_off": _per_step(syncs_off, padded_steps),
-                        "startup_on": _startup(syncs_on), "startup_off": _startup(syncs_off),
-                        "sites_on": sites_on, "sites_off": sites_off}
+    figures["syncs"] = _sync_census(args.config, base, run)
     figures["decode"] = decode_figures(steps)
     figures["packing_probe"] = _probe(args.config, overrides)
     if args.tokens_per_micro_batch:
@@ -100,19 +100,24 @@ def _figures(config: str, overrides, steps, timed, padded_timed, cuda: bool) -> 
 
     from hpa.config import load_config
     from hpa.plan import plan
+    from hpa.trainer.metrics import peak_tflops
 
     cfg = load_config(config, overrides)
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else 80.0
     planned = plan(cfg, world_size=1, gpu_memory_gb=gpu_gb)
     rows = cfg.trainer.global_batch_size * cfg.rollout.n
+    name = torch.cuda.get_device_name(0) if cuda else None
 
     def mean(key, records=timed):
         values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
         return statistics.fmean(values) if values else float("nan")
 
-    rollout_tps = statistics.fmean(r["response_length/mean"] * rows / r["timing_s/rollout"] for r in timed)
+    rollout_tps = statistics.fmean(r["response_length/mean"] * rows / r["timing_s/rollout"] for r in timed) \
+        if timed else float("nan")
     return {
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "steps": len(steps),
+        "device": name or "cpu", "steps": len(steps), "timed_steps": [r["step"] for r in timed],
+        "measured_steps": [r["step"] for r in steps if measured_step(r)],
+        "peak_tflops": peak_tflops(cfg.trainer.peak_tflops_per_device, name),
         "sequence_packing": cfg.trainer.sequence_packing,
         "update_mfu": mean("perf/mfu"), "update_mfu_padded": mean("perf/mfu_padded"),
         "update_tokens_per_s": mean("perf/update_throughput"), "rollout_tokens_per_s": rollout_tps,
@@ -132,13 +137,30 @@ def _token_budget(args, base, run: Path) -> dict:
     budget_dir = run / "train_budget"
     budget_overrides = base + [f"trainer.run_dir={budget_dir}", "trainer.sequence_packing=true",
                                f"trainer.ppo_max_token_len_per_rank={args.tokens_per_micro_batch}"]
-    rc, syncs_budget, _ = _counting_syncs(lambda: cli.main(["train", "--config", args.config, *budget_overrides]),
-                                          StepClock(budget_dir / "metrics.jsonl"))
-    budget_steps, budget_timed = _steps(budget_dir) if rc == 0 else ([], [])
+    rc = cli.main(["train", "--config", args.config, *budget_overrides])
+    _, budget_timed = _steps(budget_dir) if rc == 0 else ([], [])
     values = [r["perf/mfu"] for r in budget_timed if isinstance(r.get("perf/mfu"), (int, float))]
     return {"ok": rc == 0, "tokens_per_micro_batch": args.tokens_per_micro_batch,
             "update_mfu": statistics.fmean(values) if values else float("nan"),
-            "phases": phase_figures(budget_timed), "syncs_per_step": _per_step(syncs_budget, budget_steps)}
+            "phases": phase_figures(budget_timed)}
+
+
+# the sync census's run: steps 2 and 3 give the per-step count, the first holds start-up's
+SYNC_CENSUS_STEPS = 3
+
+
+def _sync_census(config: str, base, run: Path) -> dict:
+    """``syncs``: a short packed run of its own under ``_counting_syncs`` (none of the timed runs is)."""
+    from hpa import cli
+
+    census_dir = run / "train_syncs"
+    overrides = [o for o in base if not o.startswith("trainer.total_steps=")] + [
+        f"trainer.run_dir={census_dir}", f"trainer.total_steps={SYNC_CENSUS_STEPS}"]
+    rc, counts, sites = _counting_syncs(lambda: cli.main(["train", "--config", config, *overrides]),
+                                        StepClock(census_dir / "metrics.jsonl"))
+    steps = _steps(census_dir)[0] if rc == 0 else []
+    return {"ok": rc == 0, "steps": len(steps), "per_step": _per_step(counts, steps), "startup": _startup(counts),
+            "sites": sites}
 
 
 def decode_figures(steps) -> dict:
@@ -158,6 +180,8 @@ def failed_checks(figures: dict) -> list:
         failed.append("the config does not pack (trainer.sequence_packing): varlen attention untested")
     if not figures["packing"].get("padded_run_ok", False):
         failed.append("the padded reference run failed")
+    if not figures.get("syncs", {}).get("ok", True):
+        failed.append("the sync census run failed")
     if not decode["graph_per_step"] or any(g != 1.0 for g in decode["graph_per_step"]):
         failed.append(f"graph decode did not run at every step: {decode['graph_per_step']} (1 graph, 0 a fallback "
                       f"after a failed capture, None an eager engine)")
@@ -394,11 +418,24 @@ def _per_step(counts, steps):
     return sum(counts.get(k, 0) for k in range(1, len(steps))) / (len(steps) - 1)
 
 
-def _steps(run_dir: Path):
-    """The training steps' metric records of a run, and those timed (the first step warms up CUDA)."""
+def _steps(run_dir: Path, first_timed: int = 2):
+    """The training steps' metric records of a run, and those timed (``timed_steps``)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("step", 0) >= 1]
-    return steps, steps[1:] or steps
+    return steps, timed_steps(steps, first_timed)
+
+
+def measured_step(record: dict) -> bool:
+    """Whether the automatic balance measured this step (``hpa.trainer.phases.update_policy`` logs the two
+    groups' gradient norms only then): two backward passes and a copy of the gradients, not a step's pace."""
+    return "grad_norm/rollout" in record
+
+
+def timed_steps(steps, first: int = 2):
+    """The step records the rates are over: step ``first`` on (the earlier ones warm up CUDA, capture graphs and
+    grow the allocator), the balance's measured steps left out. Empty when none is left: the rates are then
+    null, not the pace of a warm-up or a measured step."""
+    return [r for r in steps if r.get("step", 0) >= first and not measured_step(r)]
 
 
 def _strict(value):

@@ -7,18 +7,10 @@
 #
 # Needs on the machine: Python 3.12, torch with CUDA, transformers, sentencepiece, safetensors, pytest.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-WHEELS="${1:-wheels}"
-export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+WHEELS="${1:-wheels}"   # relative to the repository root, as before
+source "$(dirname "$0")/gpu_setup.sh"   # cd to the repository root, PYTHONPATH, CUDA present, the wheels installed
 LOG_DIR="${GPU_CHECK_LOG_DIR:-runs/gpu_check}"
 mkdir -p "$LOG_DIR"
-
-python -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))' >&2
-if compgen -G "$WHEELS/*.whl" > /dev/null; then
-  # --no-deps: the wheels are the whole list (docs/gpu.md); nothing may be fetched
-  python -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl >&2
-fi
-python -c 'import megatron.core, hpa; print("megatron-core", megatron.core.__version__)' >&2
 
 tests_rc=0
 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu > "$LOG_DIR/gpu_tests.log" 2>&1 || tests_rc=$?

@@ -2,6 +2,7 @@
 parse, pass config and overrides through unchanged, and forward preemption signals (run with fake
 ``torchrun`` / ``srun`` / ``scontrol`` / ``nvidia-smi`` executables on PATH; nothing is launched)."""
 
+import dataclasses
 import os
 import pathlib
 import signal
@@ -192,8 +193,29 @@ def test_gpu_check_config_is_qwen2_0_5b_shaped_for_one_gpu():
     assert cfg.trainer.sequence_packing and cfg.rollout.cuda_graphs
 
 
+def test_gpu_perf_config_is_the_check_model_at_a_step_worth_measuring():
+    """``configs/qwen2_0.5b_gpu_perf.yaml`` (bench/gpu_perf.sh): the GPU check's model and paths, at 64 prompts x 4
+    responses (256 rows) of up to 256 new tokens, 64 pairs, token budgets, the balance measured at step 1 only
+    (no timed step of bench/gpu_perf.py's 3-5 is a measured one), and a plan that fits one 80 GB GPU."""
+    from hpa.plan import plan
+
+    check = load_config(ROOT / "configs" / "qwen2_0.5b_gpu_check.yaml", world_size=1)
+    cfg = load_config(ROOT / "configs" / "qwen2_0.5b_gpu_perf.yaml", world_size=1)
+    assert cfg.model == check.model and cfg.parallel == check.parallel
+    assert (cfg.rollout.engine, cfg.rollout.cuda_graphs, cfg.trainer.sequence_packing) == ("megatron", True, True)
+    assert cfg.trainer.global_batch_size * cfg.rollout.n == 256 and cfg.rollout.max_new_tokens == 256
+    assert cfg.trainer.preference_batch_size == 64 and cfg.algorithm.hpa.balance.measure_steps == 1
+    assert cfg.trainer.peak_tflops_per_device is None  # the device's own peak
+    # the update's budget: 24k tokens (32k does not fit 80 GB by the plan), the forward-only passes' 32k
+    assert (cfg.trainer.ppo_max_token_len_per_rank, cfg.trainer.log_prob_max_token_len_per_rank) == (24576, 32768)
+    assert plan(cfg, world_size=1, gpu_memory_gb=80)["fits"]
+    wider = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, ppo_max_token_len_per_rank=32768))
+    assert not plan(wider, world_size=1, gpu_memory_gb=80)["fits"]
+
+
 # every training config shipped in configs/ -> a world size it is meant for
-TRAIN_CONFIGS = {**CONFIGS, "llama2_70b_lora.yaml": 8, "tiny_cpu.yaml": 1, "qwen2_0.5b_gpu_check.yaml": 1}
+TRAIN_CONFIGS = {**CONFIGS, "llama2_70b_lora.yaml": 8, "tiny_cpu.yaml": 1, "qwen2_0.5b_gpu_check.yaml": 1,
+                 "qwen2_0.5b_gpu_perf.yaml": 1}
 
 
 def test_every_training_config_is_listed():

@@ -441,7 +441,8 @@ def test_peak_estimate_matches_measured(layout_name):
 
 # every shipped GPU config, the hardware its comment names (GPUs x GB), and the headroom it promises
 SHIPPED_GPU_CONFIGS = [("llama2_7b.yaml", 8, 80, 2.0), ("llama2_70b.yaml", 64, 80, 2.0),
-                       ("llama2_70b_lora.yaml", 8, 80, 8.0), ("qwen2_0.5b_gpu_check.yaml", 1, 80, 2.0)]
+                       ("llama2_70b_lora.yaml", 8, 80, 8.0), ("qwen2_0.5b_gpu_check.yaml", 1, 80, 2.0),
+                       ("qwen2_0.5b_gpu_perf.yaml", 1, 80, 10.0)]
 
 
 def test_every_shipped_gpu_config_is_checked_here():

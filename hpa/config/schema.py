@@ -351,7 +351,8 @@ class TrainerConfig:
             backward, so usually twice the update's; null: ``micro_batch_size`` rows.
         sequence_packing: pack each micro-batch's rows into one sequence, attention kept inside each row.
         eval_interval: greedy evaluation on ``data.eval_prompt_path`` every this many steps (and at step 0); 0: off.
-        peak_tflops_per_device: the device's peak TFLOP/s, for ``perf/mfu``; null: MFU is NaN.
+        peak_tflops_per_device: the device's peak TFLOP/s, for ``perf/mfu``; null: from the CUDA device's name
+            where known (dense bf16: H100 SXM and H200 SXM 989, H200 NVL 835, H100 PCIe 756), else MFU is NaN.
         max_steps_per_run: end this process after that many steps with a checkpoint; the next launch resumes.
     """
 

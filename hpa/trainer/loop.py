@@ -25,7 +25,7 @@ from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
 from hpa.trainer import faults, micro_batches, phases, reference_cache
 from hpa.trainer.guard import Guard
-from hpa.trainer.metrics import MetricsWriter, device_timer, peak_memory_gb, update_perf
+from hpa.trainer.metrics import MetricsWriter, device_name, device_timer, peak_memory_gb, peak_tflops, update_perf
 from hpa.trainer.heldout import heldout_nll
 from hpa.trainer.objective import ControllerInputs, Controllers, WeightSchedules, active_terms, describe
 from hpa.trainer.rollout_step import NoRollouts, RolloutStep, generate
@@ -97,6 +97,7 @@ class HPATrainer:
         self.ref_log_probs = self._reference_cache(p) if cfg.data.cache_reference_log_probs else None
         self.num_params = sum(x.numel() for x in p.policy.model.parameters()) * groups.tensor_model_parallel_size \
             * groups.pipeline_model_parallel_size  # approximate: replicated norms are counted TP times
+        self.peak_tflops = peak_tflops(cfg.trainer.peak_tflops_per_device, device_name(groups.device))
 
     def _reference_cache(self, p) -> torch.Tensor:
         """The reference's log-probs of every preference pair ``[N, 2]``, from the run's cache (built now when
@@ -161,7 +162,7 @@ class HPATrainer:
                 self.num_params, tokens=last.pop("_tokens"), padded_tokens=last.pop("_padded_tokens"),
                 update_seconds=last.get("timing_s/update_actor", 0.0), step_seconds=last["timing_s/step"],
                 model_parallel_size=self.groups.tensor_model_parallel_size * self.groups.pipeline_model_parallel_size,
-                peak_tflops=t.peak_tflops_per_device))
+                peak_tflops=self.peak_tflops))
             state.step += 1
             steps_this_run += 1
             if due(state.step, t.eval_interval):

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional
@@ -209,6 +210,37 @@ def device_timer(device, add: Callable[[float], None], clock: Callable[[], float
         if cuda:
             torch.cuda.synchronize(device)
         add(clock() - start)
+
+
+# dense bf16 tensor-core peak TFLOP/s of one device, by the name CUDA reports (NVIDIA's datasheets give the
+# figures with sparsity: these are half); first match wins, ``None``: not known, declare
+# ``trainer.peak_tflops_per_device``. An H100 NVL or a MIG slice is not an SXM part, so neither falls through.
+DEVICE_PEAK_TFLOPS = ((r"\bMIG\b", None), (r"\bH100\b.*\bPCIe\b", 756.0), (r"\bH200\b.*\bNVL\b", 835.0),
+                      (r"\bH100\b.*\bNVL\b", None), (r"\bH[12]00\b", 989.0))
+
+
+def device_peak_tflops(device_name: Optional[str]) -> Optional[float]:
+    """The table's peak for a CUDA device name (``torch.cuda.get_device_name``), or ``None`` when unknown:
+    H100 SXM and H200 SXM 989, H200 NVL 835, H100 PCIe 756."""
+    for pattern, peak in DEVICE_PEAK_TFLOPS if device_name else ():
+        if re.search(pattern, device_name, re.IGNORECASE):
+            return peak
+    return None
+
+
+def peak_tflops(declared: Optional[float], device_name: Optional[str]) -> Optional[float]:
+    """The peak MFU is measured against: ``trainer.peak_tflops_per_device`` where declared (a card the table
+    does not know, a capped clock), else the device name's (``device_peak_tflops``); ``None``: MFU is NaN."""
+    return declared if declared else device_peak_tflops(device_name)
+
+
+def device_name(device) -> Optional[str]:
+    """``torch.cuda.get_device_name`` of a CUDA device; ``None`` elsewhere."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.get_device_name(device)
 
 
 def mfu(num_params: int, tokens_per_second: float, model_parallel_size: int, peak_tflops: Optional[float]) -> float:

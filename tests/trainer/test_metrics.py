@@ -156,3 +156,33 @@ def test_device_timer_waits_for_the_gpu(monkeypatch):
     with device_timer(torch.device("cpu"), timings.append, clock=lambda: clock["now"]):
         clock["pending"] = 9.0  # no synchronisation off CUDA
     assert timings == [6.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 SXM5 80GB", 989.0), ("NVIDIA H200", 989.0),
+    ("NVIDIA H200 NVL", 835.0), ("NVIDIA H100 PCIe", 756.0), ("nvidia h100 pcie", 756.0),
+    # not SXM parts, so not 989: an H100 NVL (not in the table), a MIG slice, a Grace Hopper, other cards
+    ("NVIDIA H100 NVL", None), ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None), ("NVIDIA GH200 480GB", None),
+    ("NVIDIA A100-SXM4-80GB", None), ("NVIDIA H800", None), ("", None), (None, None)])
+def test_the_peak_is_chosen_from_the_device_name(name, peak):
+    from hpa.trainer.metrics import device_peak_tflops, peak_tflops
+
+    assert device_peak_tflops(name) == peak
+    assert peak_tflops(None, name) == peak
+    assert peak_tflops(500.0, name) == 500.0  # a declared peak wins (a capped clock, a card not in the table)
+
+
+def test_the_loop_measures_mfu_against_the_device_peak(monkeypatch):
+    """The trainer's ``perf/mfu`` uses the peak of the device it runs on when none is declared: an H200 NVL's 835,
+    not the 989 the GPU-check config once declared for every card."""
+    import torch
+
+    from hpa.trainer import metrics
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200 NVL")
+    assert metrics.device_name(torch.device("cuda", 0)) == "NVIDIA H200 NVL"
+    assert metrics.device_name(torch.device("cpu")) is None and metrics.device_name(None) is None
+    peak = metrics.peak_tflops(None, metrics.device_name(torch.device("cuda", 0)))
+    perf = metrics.update_perf(1_000, tokens=835e9, padded_tokens=835e9, update_seconds=1.0, step_seconds=2.0,
+                               model_parallel_size=1, peak_tflops=peak)
+    assert perf["perf/mfu"] == pytest.approx(6.0 * 1_000 * 835e9 / 835e12)
