@@ -414,6 +414,7 @@ def adapter_targets(model: nn.Module) -> List[str]:
 
 
 _FINGERPRINT = "_hpa_base_fingerprint"  # cached on the GPTModel: the base is frozen
+_CHUNK = 1 << 24  # elements summed at a time: a 128 MiB int64 temporary at most
 
 
 def base_fingerprint(model: nn.Module, groups: ParallelGroups) -> Dict:
@@ -439,9 +440,9 @@ def base_fingerprint(model: nn.Module, groups: ParallelGroups) -> Dict:
             continue
         if not getattr(p, "tensor_model_parallel", False) and groups.tp_rank != 0:
             continue
-        bits = p.detach().to(torch.bfloat16).view(torch.int16)
-        total[0] += bits.to(torch.int64).sum()
-        total[1] += bits.numel()
+        for chunk in p.detach().reshape(-1).split(_CHUNK):  # bounded temporaries on a large shard
+            total[0] += chunk.to(torch.bfloat16).view(torch.int16).to(torch.int64).sum()
+        total[1] += p.numel()
     comm.all_reduce_sum(total, groups.mp_group)
     c = gpt.config
     info = {"config": {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "ffn_hidden_size": c.ffn_hidden_size,

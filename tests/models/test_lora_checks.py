@@ -254,3 +254,20 @@ def test_a_peft_adapter_with_modules_outside_the_targets_is_refused(groups, base
                                                  r"'linear_proj'\] to model.lora.target_modules"):
         import_peft_checkpoint(str(tmp_path / "peft"), config, str(tmp_path / "out"), ParallelConfig(), groups)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.e2e
+def test_hpa_convert_over_another_base_exits_2_with_one_line(bases, tmp_path):
+    """Through the command: exit 2, one line naming the flag, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    config = config_file(tmp_path / "config.yaml", model_config(), bases / "base_a")
+    proc = subprocess.run([sys.executable, "-m", "hpa.cli", "convert", "megatron-to-hf", "--megatron-dir",
+                           str(bases / "adapters"), "--out", str(tmp_path / "hf"), "--config", config, "--base-dir",
+                           str(bases / "base_b"), "--backend", "gloo"],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hpa convert:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and "--base-dir: the base has other weights" in lines[0], proc.stderr[-3000:]
