@@ -123,6 +123,18 @@ def test_old_policy_and_reference_log_probs_run_without_dropout(groups, bases):
     torch.testing.assert_close(reference[mask], base[mask], atol=1e-5, rtol=0)
     assert (old[mask] - base[mask]).abs().max() > 1e-3  # the adapters matter
 
+    # the critic's values for GAE: its view holds the base outside its module tree, and its mode too
+    from hpa.models.builders import value_head
+    from hpa.models.lora import CriticView, adapters
+
+    critic = CriticView(model, cfg.lora, groups, head=value_head(cfg, groups), seed=5).train()
+    with torch.no_grad():
+        for a in critic.adapters.values():
+            a.B.normal_(0, 0.2)
+    values = [forward.sequence_values(critic, ts, groups, batching=kw["batching"]) for _ in range(2)]
+    assert torch.equal(values[0], values[1])  # no dropout mask drawn
+    assert model.training and all(a.dropout.training for _, a in adapters(model))
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # the base's fingerprint
