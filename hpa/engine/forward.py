@@ -7,7 +7,8 @@ policy, critic values), evaluation, generation, scoring and reward models.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,6 +30,28 @@ def response_token_mask(ts: TrainingSequences, response_mask: torch.Tensor) -> t
     return out.scatter_(1, (ts.response_index + 1).clamp(max=s - 1), response_mask.float())
 
 
+@contextlib.contextmanager
+def no_dropout(model) -> Iterator[None]:
+    """Run ``model`` without dropout inside the block (every module in eval mode), each module's own mode back
+    after, also on error. Every forward-only pass (old policy, reference, values, reward scores, evaluation)
+    runs so, as the sampler does: verl and OpenRLHF compute log-probs in eval mode too. Reaches the policy's
+    GPTModel under a ``BaseView`` (whose ``train()`` leaves the policy alone) and under a ``CriticView`` (which
+    holds the base outside its module tree)."""
+    from hpa.models import unwrap
+
+    inner = unwrap(model)
+    roots = [model, inner] + [m for m in (getattr(inner, "base", None),) if isinstance(m, torch.nn.Module)]
+    modules = {id(m): m for root in roots for m in root.modules()}
+    before = {key: m.training for key, m in modules.items()}
+    for m in modules.values():
+        m.training = False  # set, not .eval(): a view's train() is deliberately a no-op
+    try:
+        yield
+    finally:
+        for key, m in modules.items():
+            m.training = before[key]
+
+
 def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
                  fn: Callable[[dict, torch.Tensor, Optional[torch.Tensor]], Dict[str, torch.Tensor]],
                  shapes: Dict[str, Tuple[int, ...]], *, capture_hidden: bool = True) -> Dict[str, torch.Tensor]:
@@ -42,7 +65,7 @@ def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
     def loss_fn(batch, output, hidden):
         return output.new_zeros(()), fn(batch, output, hidden)
 
-    with torch.no_grad():
+    with torch.no_grad(), no_dropout(model):
         results = forward_backward(model, micro_batches, loss_fn, groups, forward_only=True,
                                    capture_hidden=capture_hidden)
     rows = sum(MicroBatch.of(mb).num_rows for mb in micro_batches)

@@ -680,8 +680,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                      help="a LoRA checkpoint's frozen base (megatron weights; default: the config's "
                           "model.policy_path); the merged model (base + adapters) is written")
     exp.add_argument("--peft-dir", default=None,
-                     help="with a LoRA checkpoint: also write its adapters as a PEFT LoRA directory here, "
-                          "for peft.PeftModel.from_pretrained(<the exported base>, DIR)")
+                     help="with a LoRA checkpoint: also write its adapters as a PEFT LoRA directory here and "
+                          "the base they go on (HF) in DIR/base, which adapter_config.json names: "
+                          "AutoPeftModelForCausalLM.from_pretrained(DIR)")
     peft = sub.add_parser("peft-to-megatron", help="PEFT LoRA adapter -> hpa adapter checkpoint (to train on)")
     peft.add_argument("--peft-dir", required=True, help="PEFT adapter directory (adapter_config.json + "
                                                         "adapter_model.safetensors)")
@@ -746,17 +747,23 @@ def _convert(args, groups: ParallelGroups, parallel_cfg: ParallelConfig) -> None
     from hpa.models.weights import load_model_weights
 
     from .builders import build_reference
-    from .lora_io import export_peft_adapter, is_adapter_checkpoint, load_lora_checkpoint, merged_model
+    from .lora_io import (PEFT_BASE, base_model, export_peft_adapter, is_adapter_checkpoint,
+                          load_lora_checkpoint, merged_model)
 
     if is_adapter_checkpoint(args.megatron_dir):
         lora_model, model_cfg, family, base = load_lora_checkpoint(args, parallel_cfg, groups)
-        if args.peft_dir is not None:
+        plain_cfg = dataclasses.replace(model_cfg, lora=dataclasses.replace(model_cfg.lora, rank=0))
+        if args.peft_dir is not None:  # the adapters name the base they go on, exported beside them
+            base_out = Path(args.peft_dir) / PEFT_BASE
             export_peft_adapter(lora_model, model_cfg, model_cfg.lora, groups, args.peft_dir,
-                                base_model_name_or_path=str(Path(args.out).resolve()))
+                                base_model_name_or_path=str(base_out.resolve()))
+            export_hf_checkpoint(base_model(lora_model, model_cfg, parallel_cfg, groups), plain_cfg, groups,
+                                 base_out, family=family, hf_config_base=base, tokenizer_dir=args.tokenizer_dir,
+                                 dtype=args.dtype)
             if groups.is_main:
-                print(f"wrote the PEFT adapter {args.peft_dir} (base: {args.out})")
+                print(f"wrote the PEFT adapter {args.peft_dir} and its base {base_out}")
         model = merged_model(lora_model, model_cfg, parallel_cfg, groups)
-        model_cfg = dataclasses.replace(model_cfg, lora=dataclasses.replace(model_cfg.lora, rank=0))
+        model_cfg = plain_cfg
     else:
         if args.peft_dir is not None or args.base_dir is not None:
             raise ValueError(f"--peft-dir and --base-dir need a LoRA checkpoint; {args.megatron_dir} holds full "

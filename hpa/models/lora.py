@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -383,6 +383,7 @@ def merge_adapters_(model: nn.Module) -> None:
     """Fold every adapter into its base weight in place and zero its B (the forward is unchanged). For
     export and weight sync; the base is no longer the reference afterwards."""
     gpt = unwrap(model)
+    gpt.__dict__.pop(_FINGERPRINT, None)  # the base changes
     modules = dict(gpt.named_modules())
     with torch.no_grad():
         for name, adapter in adapters(gpt):
@@ -406,16 +407,117 @@ def checkpoint_state_dict(model: nn.Module, sharded: Dict) -> Dict:
     return {k: v for k, v in sharded.items() if is_adapter_key(k)}
 
 
-def write_marker(directory, model: nn.Module) -> None:
-    """Mark a checkpoint directory as adapter-only (main rank, after the shards are written)."""
+def adapter_targets(model: nn.Module) -> List[str]:
+    """The targets (``linear_qkv``, ...) the adapters of ``model`` (a policy or a ``CriticView``) sit on."""
+    names = [name.rsplit(".", 1)[-1] for name, _ in adapters(model)]
+    return sorted({t for t in _PARENT for n in names if n in (t + SUFFIX, t) or n.endswith("_" + t)})
+
+
+_FINGERPRINT = "_hpa_base_fingerprint"  # cached on the GPTModel: the base is frozen
+_CHUNK = 1 << 24  # elements summed at a time: a 128 MiB int64 temporary at most
+
+
+def base_fingerprint(model: nn.Module, groups: ParallelGroups) -> Dict:
+    """What identifies the frozen base under ``model``'s adapters: its shape (``config``) and a checksum of its
+    weights, the same under every TP/PP layout and weight dtype. Collective over the model-parallel group.
+
+    The checksum sums, over every base element, the int16 bit pattern of the element rounded to bf16, in int64.
+    Integer addition is exact and order-free, so any sharding and reduction order give the same number (a
+    float sum would not); rounding to bf16 first gives one number whether the base is held in fp32 or bf16;
+    one pass over the weights, no hashing. Elements replicated over TP count on TP rank 0 only, the tied output
+    layer of the last pipeline stage (a copy of the embedding) not at all. A permutation of the same values
+    would give the same checksum; another base of the same shape does not."""
+    from hpa.distributed import comm
+
+    gpt = unwrap(model)
+    gpt = getattr(gpt, "base", gpt)  # a CriticView: the policy's GPTModel
+    cached = gpt.__dict__.get(_FINGERPRINT)
+    if cached is not None:
+        return cached
+    total = torch.zeros(2, dtype=torch.int64, device=next(gpt.parameters()).device)  # [checksum, elements]
+    for name, p in gpt.named_parameters():
+        if is_adapter_key(name) or (name == "output_layer.weight" and gpt.share_embeddings_and_output_weights):
+            continue
+        if not getattr(p, "tensor_model_parallel", False) and groups.tp_rank != 0:
+            continue
+        for chunk in p.detach().reshape(-1).split(_CHUNK):  # bounded temporaries on a large shard
+            total[0] += chunk.to(torch.bfloat16).view(torch.int16).to(torch.int64).sum()
+        total[1] += p.numel()
+    comm.all_reduce_sum(total, groups.mp_group)
+    c = gpt.config
+    info = {"config": {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "ffn_hidden_size": c.ffn_hidden_size,
+                       "num_attention_heads": c.num_attention_heads, "num_query_groups": c.num_query_groups},
+            "checksum": int(total[0]), "num_elements": int(total[1])}
+    gpt.__dict__[_FINGERPRINT] = info
+    return info
+
+
+def write_marker(directory, model: nn.Module, fingerprint: Optional[Dict] = None) -> None:
+    """Mark a checkpoint directory as adapter-only (main rank, after the shards are written), with the adapters'
+    settings and the base's ``fingerprint`` (``base_fingerprint``, computed on every rank before)."""
     import json
     from pathlib import Path
 
     gpt = unwrap(model)
     found = [a for _, a in adapters(gpt)]
     info = {"adapters_only": True, "rank": int(found[0].A.shape[0]), "scaling": found[0].scaling,
-            "num_adapters": len(found)}
+            "num_adapters": len(found), "target_modules": adapter_targets(gpt)}
+    if fingerprint is not None:
+        info["base"] = fingerprint
     (Path(directory) / MARKER).write_text(json.dumps(info, indent=1))
+
+
+def read_marker(directory) -> Dict:
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / MARKER
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoRAError(f"{path}: unreadable ({type(exc).__name__}: {exc}); it marks an adapter checkpoint "
+                        f"and records its LoRA settings") from None
+
+
+def check_marker(directory, model: nn.Module, groups: ParallelGroups, *, base_key: str = "model.policy_path"
+                 ) -> None:
+    """Refuse adapters of ``directory`` that ``model`` would load with other settings, onto other targets, or
+    over another base (``base_key`` names where the base came from). A marker without a base fingerprint
+    (written before it was recorded) is a warning. Collective (the base's checksum)."""
+    import logging
+    from pathlib import Path
+
+    info, path = read_marker(directory), Path(directory) / MARKER
+    found = [a for _, a in adapters(model)]
+    if not found:
+        raise LoRAError(f"{directory} holds LoRA adapters but the model has none: set model.lora.rank: "
+                        f"{info.get('rank')} (and the run's alpha and target_modules)")
+    rank, scaling = int(found[0].A.shape[0]), found[0].scaling
+    if info.get("rank") != rank:
+        raise LoRAError(f"model.lora.rank: {rank}, but the adapters of {directory} have rank {info.get('rank')} "
+                        f"({path}); use the rank they were trained with (their run's config.yaml)")
+    recorded = info.get("scaling")
+    if not isinstance(recorded, (int, float)) or not math.isclose(recorded, scaling, rel_tol=1e-6):
+        raise LoRAError(f"model.lora.alpha: scales the adapters by {scaling} (alpha / rank, or alpha / sqrt(rank) "
+                        f"with model.lora.rslora), but those of {directory} were trained at {recorded} ({path}); "
+                        f"use the alpha and rslora they were trained with (their run's config.yaml)")
+    targets, theirs = adapter_targets(model), info.get("target_modules")
+    if theirs is not None and sorted(theirs) != targets:
+        raise LoRAError(f"model.lora.target_modules: {targets}, but {directory} holds adapters on {sorted(theirs)} "
+                        f"({path}); use the targets they were trained with")
+    mine = base_fingerprint(model, groups)
+    base = info.get("base")
+    if base is None:
+        if groups.is_main:
+            logging.getLogger(__name__).warning(
+                "%s records no fingerprint of the base its adapters were trained on (written by an older hpa); "
+                "%s is not checked against it", path, base_key)
+        return
+    if base.get("config") != mine["config"] or base.get("checksum") != mine["checksum"]:
+        what = ("another shape" if base.get("config") != mine["config"] else "other weights")
+        raise LoRAError(f"{base_key}: the base has {what} than the one the adapters of {directory} were trained "
+                        f"on (its checksum {mine['checksum']}, recorded {base.get('checksum')} in {path}); "
+                        f"give the base they were trained on")
 
 
 def check_checkpoint_kind(directory, model: nn.Module) -> None:

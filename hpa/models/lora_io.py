@@ -49,6 +49,7 @@ PEFT_MODULES: Dict[str, Tuple[str, Tuple[str, ...], str]] = {
 PEFT_PREFIX = "base_model.model.model.layers"  # PeftModel(LlamaForCausalLM).state_dict() names
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
+PEFT_BASE = "base"  # the HF base a PEFT export's adapter_config.json names, inside the export
 
 
 class AdapterImportError(UserError):
@@ -183,12 +184,19 @@ def adapter_checkpoint_dir(path: Union[str, os.PathLike]) -> Path:
     return path
 
 
-def load_adapters(model, path: Union[str, os.PathLike], groups: ParallelGroups) -> Path:
+def load_adapters(model, path: Union[str, os.PathLike], groups: ParallelGroups, *,
+                  base_key: str = "model.policy_path") -> Path:
     """Load the adapters of an adapter checkpoint (any TP/PP layout) into ``model``, whose base is already
-    loaded and whose adapters are attached with the checkpoint's rank and scaling.
+    loaded and whose adapters are attached with the checkpoint's rank and scaling. Every adapter of the file
+    lands and every adapted linear of the model gets one.
+
+    Args:
+        base_key: where the model's base came from, named when it is not the base the adapters were trained on.
 
     Raises:
-        AdapterImportError: not an adapter checkpoint, another rank or scaling, or adapters missing.
+        AdapterImportError: not an adapter checkpoint, adapters in the file that the model has no target for
+            or targets the file has no adapter for.
+        LoRAError: another rank, scaling or base (``lora.check_marker``).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -196,22 +204,22 @@ def load_adapters(model, path: Union[str, os.PathLike], groups: ParallelGroups) 
     from .weights import sharded_state_dict
 
     directory = adapter_checkpoint_dir(path)
-    info = json.loads((directory / lora.MARKER).read_text())
-    found = [a for _, a in lora.adapters(model)]
-    if not found:
-        raise AdapterImportError(f"{directory} holds LoRA adapters but the model has none: set model.lora.rank: "
-                                 f"{info.get('rank')} (and the run's alpha and target_modules)")
-    rank, scaling = int(found[0].A.shape[0]), found[0].scaling
-    if info.get("rank") != rank or not math.isclose(info.get("scaling", float("nan")), scaling, rel_tol=1e-6):
-        raise AdapterImportError(f"{directory} has adapters of rank {info.get('rank')} scaled by {info.get('scaling')} "
-                                 f"but model.lora gives rank {rank} scaled by {scaling}; use the LoRA settings the "
-                                 f"adapters were trained with (its run's config.yaml)")
+    lora.check_marker(directory, model, groups, base_key=base_key)
     sharded = {k: v for k, v in sharded_state_dict(model).items() if lora.is_adapter_key(k)}
+    stored = {k for k in dist_checkpointing.load_tensors_metadata(str(directory))
+              if lora.is_adapter_key(k) and not k.startswith("optimizer.")}  # a run checkpoint's Adam state
+    wanted = {v.key for v in sharded.values()}  # megatron's keys: layers stacked, as stored
+    extra, absent = sorted(stored - wanted), sorted(wanted - stored)
+    if extra or absent:
+        raise AdapterImportError(f"{directory} does not match model.lora.target_modules "
+                                 f"{lora.adapter_targets(model)}: adapters in the file without a target "
+                                 f"{extra}; targets without an adapter in the file {absent}; use the targets "
+                                 f"the adapters were trained with")
     try:
         state = dist_checkpointing.load(sharded, str(directory), strict=StrictHandling.ASSUME_OK_UNEXPECTED)
-    except Exception as exc:  # megatron names the first missing key; the usual cause is another target list
+    except Exception as exc:  # megatron names the first key it cannot load (a shape: another model)
         raise AdapterImportError(f"{directory} does not hold this model's adapters ({type(exc).__name__}: "
-                                 f"{str(exc)[:300]}); check model.lora.target_modules against the run's") from None
+                                 f"{str(exc)[:300]}); check model.lora against the run's") from None
     state = {k: v for k, v in state.items() if k in sharded}  # a run checkpoint's optimizer part stays out
     missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
     missing = [k for k in missing if lora.is_adapter_key(k)]
@@ -259,6 +267,7 @@ def fused_from_peft(config: Dict, tensors: Dict[str, torch.Tensor], model_cfg: M
     r = config["r"]
     scale = _peft_scaling(config)
     out: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+    used = set()
     for layer in range(model_cfg.num_layers):
         for target in targets:
             parent, projections, kind = PEFT_MODULES[target]
@@ -270,6 +279,7 @@ def fused_from_peft(config: Dict, tensors: Dict[str, torch.Tensor], model_cfg: M
                     raise AdapterImportError(f"the PEFT adapter has no {stem}.lora_A/B (model.lora.target_modules "
                                              f"names {target}); its target_modules: {config.get('target_modules')}")
                 pairs.append((a.float(), b.float() * scale))
+                used |= {f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"}
             if all(torch.equal(pairs[0][0], a) for a, _ in pairs):  # shared A: the fused adapter at rank r
                 a_full, bs = pairs[0][0], [b for _, b in pairs]
             else:  # block form: A stacked, each B in its own column block
@@ -278,6 +288,16 @@ def fused_from_peft(config: Dict, tensors: Dict[str, torch.Tensor], model_cfg: M
                 bs = [torch.nn.functional.pad(b, (i * r, (k - 1 - i) * r)) for i, (_, b) in enumerate(pairs)]
             b_full = hf_to_megatron_full(kind, bs, model_cfg, 0) if kind in ("qkv", "fc1") else bs[0]
             out[(layer, target)] = (a_full, b_full)
+    left = sorted(set(tensors) - used)
+    if left:  # every adapter of the file lands, or none does
+        modules = sorted({n.rsplit(".lora_", 1)[0].split(".", 5)[-1] for n in left})
+        wanted = sorted({t for t, (_, projections, _) in PEFT_MODULES.items() for n in left
+                         if any(f".{p}." in n for p in projections)} - set(targets))
+        fix = (f"add {wanted} to model.lora.target_modules" if wanted else
+               f"its layers are not the model's (model.num_layers: {model_cfg.num_layers})")
+        raise AdapterImportError(f"the PEFT adapter has {len(left)} tensors that model.lora.target_modules "
+                                 f"{targets} leaves out (on {modules[:6]}{' ...' if len(modules) > 6 else ''}); "
+                                 f"{fix}")
     rank = max(a.shape[0] for a, _ in out.values())
     return rank, out
 
@@ -373,7 +393,8 @@ def load_lora_checkpoint(args, parallel_cfg, groups: ParallelGroups):
         raise AdapterImportError(f"{args.megatron_dir} holds adapters only; pass --base-dir (the frozen base's "
                                  f"megatron weights) or set model.policy_path in {config}")
     model = build_lora_model(model_cfg, parallel_cfg, groups, base_dir)
-    load_adapters(model, args.megatron_dir, groups)
+    load_adapters(model, args.megatron_dir, groups,
+                  base_key="--base-dir" if args.base_dir else "model.policy_path")
     family = args.family or ("qwen2" if model_cfg.add_qkv_bias else "llama")
     return model, model_cfg, family, None
 
@@ -390,6 +411,18 @@ def merged_model(model, model_cfg: ModelConfig, parallel_cfg, groups: ParallelGr
     return plain
 
 
+def base_model(model, model_cfg: ModelConfig, parallel_cfg, groups: ParallelGroups):
+    """A model without LoRA (same layout) holding the frozen base of ``model``: what its adapters go on."""
+    from .builders import build_reference
+
+    plain = build_reference(model_cfg, parallel_cfg, groups)
+    missing, unexpected = plain.load_state_dict(lora.BaseView(model).state_dict(), strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"the base does not fit the plain model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return plain
+
+
 def save_adapters(model, out_dir: Union[str, os.PathLike], groups: ParallelGroups) -> Path:
     """Write the adapters of ``model`` alone as an adapter checkpoint (megatron shards + ``lora.json``)."""
     from hpa.distributed.comm import barrier
@@ -403,8 +436,9 @@ def save_adapters(model, out_dir: Union[str, os.PathLike], groups: ParallelGroup
         out_dir.mkdir(parents=True, exist_ok=True)
     barrier()
     dist_save({k: v for k, v in sharded_state_dict(model).items() if lora.is_adapter_key(k)}, out_dir)
+    fingerprint = lora.base_fingerprint(model, groups)  # collective
     if groups.is_main:
-        lora.write_marker(out_dir, model)
+        lora.write_marker(out_dir, model, fingerprint)
     barrier()
     return out_dir
 
@@ -421,10 +455,11 @@ def import_peft_checkpoint(peft_dir: str, config: str, out_dir: str, parallel_cf
     if not model_cfg.policy_path:
         raise AdapterImportError(f"{config}: set model.policy_path to the base the PEFT adapter was trained on "
                                  "(its megatron weights: 'hpa convert hf-to-megatron' of the HF base)")
-    if not model_cfg.lora.enabled:
-        rank, _ = fused_from_peft(*read_peft_adapter(peft_dir), model_cfg, list(model_cfg.lora.target_modules))
-        raise AdapterImportError(f"{config}: model.lora.rank is 0; the PEFT adapter imports at rank {rank}: set "
-                                 f"model.lora.rank: {rank}")
+    # the adapter against model.lora before any model is built: every tensor lands, at the rank it needs
+    rank, _ = fused_from_peft(*read_peft_adapter(peft_dir), model_cfg, list(model_cfg.lora.target_modules))
+    if model_cfg.lora.rank != rank:
+        raise AdapterImportError(f"{config}: model.lora.rank is {model_cfg.lora.rank}; the PEFT adapter imports "
+                                 f"at rank {rank}: set model.lora.rank: {rank}")
     model = build_lora_model(model_cfg, parallel_cfg, groups, model_cfg.policy_path, seed=cfg.trainer.seed)
     import_peft_adapter(model, peft_dir, model_cfg, model_cfg.lora, groups, seed=cfg.trainer.seed)
     return save_adapters(model, out_dir, groups)

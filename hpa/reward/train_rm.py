@@ -292,6 +292,9 @@ def run_train_rm(cfg: Config, *, groups: Optional[ParallelGroups] = None) -> Dic
         groups: already initialised process groups (tests); None: initialise from the launcher's
             environment and tear down at the end.
     """
+    if cfg.model.lora.enabled:  # before any process group or model: the reward model trains every weight
+        raise ConfigError("model.lora.rank", f"hpa train-rm trains every weight of the reward model (model.lora.rank "
+                          f"is {cfg.model.lora.rank}); LoRA is for hpa train: pass model.lora.rank=0 to train-rm")
     if groups is not None:
         return _train(cfg, groups)
     with launched(cfg) as (cfg, groups):

@@ -283,8 +283,10 @@ class CheckpointManager:
                 (tmp / name).mkdir()
             comm.barrier()
             dist_save(sharded, tmp / name, content_metadata=metadata)
-            if self.groups.is_main and lora.has_lora(model):
-                lora.write_marker(tmp / name, model)
+            if lora.has_lora(model):
+                fingerprint = lora.base_fingerprint(model, self.groups)  # collective; cached after the first
+                if self.groups.is_main:
+                    lora.write_marker(tmp / name, model, fingerprint)
         faults.maybe_fail_save(step, self.groups.rank)
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.groups.rank:05d}.pt")
         if self.groups.is_main:
@@ -347,6 +349,8 @@ class CheckpointManager:
 
         for name, (model, optimizer) in models.items():
             lora.check_checkpoint_kind(path / name, model)
+            if lora.has_lora(model):  # the same rank, scaling, targets and base, else megatron's shape errors
+                lora.check_marker(path / name, model, self.groups)
             model_sd = lora.checkpoint_state_dict(model, sharded_state_dict(model))
             # the optimizer's sharding as it was saved (recorded in the checkpoint), not as we would save now
             metadata = dist_checkpointing.load_content_metadata(str(path / name))

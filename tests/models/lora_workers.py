@@ -242,3 +242,11 @@ def load_trained_worker(groups, base_dir, checkpoint):
     CheckpointManager(CheckpointConfig(), os.path.dirname(checkpoint), groups).load(Path(checkpoint),
                                                                                    {"policy": (ddp, opt)})
     return {"logp": log_probs(ddp, groups)}
+
+
+def fingerprint_worker(groups, base_dir, sequence_parallel=False):
+    """The base fingerprint ``lora.json`` records, under this layout."""
+    from hpa.models.lora import base_fingerprint
+
+    ddp, _ = build(groups, base_dir, parallel_config(groups, sequence_parallel))
+    return base_fingerprint(ddp, groups)

@@ -145,3 +145,12 @@ def test_adapter_checkpoint_saved_at_tp2_sp_loads_at_tp1(base_dir, tmp_path):
     saved = run_ranks(W.save_trained_worker, tp=2, args=(base_dir, str(tmp_path), True))[-1]
     loaded = run_ranks(W.load_trained_worker, args=(base_dir, saved["checkpoint"]))[0]
     np.testing.assert_allclose(loaded["logp"], saved["logp"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.multirank
+def test_base_fingerprint_is_the_same_under_tp2_sp_and_pp2(base_dir):
+    """lora.json's checksum of the base is layout-free: TP shards, TP-replicated norms counted once, PP stages."""
+    tp1 = run_ranks(W.fingerprint_worker, args=(base_dir,))[0]
+    assert tp1["config"]["num_layers"] == 4 and tp1["num_elements"] > 0
+    for tp, pp, sp in ((2, 1, True), (1, 2, False)):
+        assert run_ranks(W.fingerprint_worker, tp=tp, pp=pp, args=(base_dir, sp)) == [tp1] * (tp * pp)

@@ -82,6 +82,20 @@ def test_sft_refuses_lora():
         run_sft(load_config(overrides=ON), groups=None)
 
 
+def test_train_rm_refuses_lora(capsys, tmp_path):
+    """hpa train-rm trains every weight of the reward model; with model.lora on it says so before building anything."""
+    from hpa.reward.train_rm import main, run_train_rm
+
+    with pytest.raises(ConfigError, match="model.lora.rank.*pass model.lora.rank=0 to train-rm"):
+        run_train_rm(load_config(overrides=ON), groups=None)
+    for name in ("tok.model", "pairs.jsonl"):  # paths that exist: the check after them is the one tested
+        (tmp_path / name).write_text("")
+    assert main(ON + [f"data.tokenizer_path={tmp_path / 'tok.model'}",
+                      f"data.preference_path={tmp_path / 'pairs.jsonl'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.lora.rank" in err and "Traceback" not in err
+
+
 def test_num_adapter_parameters_matches_the_tiny_model_by_hand():
     """configs/tiny_cpu.yaml (h 64, 4 heads of 16, 2 groups, ffn 128, SwiGLU, 2 layers), rank 8: qkv 8·(64+128),
     proj 8·(64+64), fc1 8·(64+256), fc2 8·(128+64) = 6,656 a layer (bench/lora_memory.py measures 13,312)."""

@@ -158,6 +158,40 @@ def test_a_peft_trained_adapter_imports_exactly_in_block_form(exported, groups, 
     torch.testing.assert_close(megatron_logits(imported, groups), expected, atol=ATOL, rtol=0)
 
 
+def test_the_convert_peft_export_names_its_base_and_loads_the_usual_ways(exported, groups, tmp_path):
+    """``hpa convert megatron-to-hf --peft-dir``: ``adapter_config.json`` names the base the adapters go on (not the
+    merged export), so ``AutoPeftModelForCausalLM.from_pretrained(PEFT)`` and ``PeftModel.from_pretrained(base,
+    PEFT)`` both give the merged export's logits (fp32, 1e-5), which are megatron's."""
+    import json
+
+    import transformers
+
+    from hpa.models.convert import run_convert
+
+    import yaml
+
+    from hpa.config.load import default_config_path
+
+    root, _, expected = exported
+    config = yaml.safe_load(default_config_path().read_text())  # the run's config: the embedded one with this model
+    config["model"] = {**json.loads(json.dumps(dataclasses.asdict(model_config()))),
+                       "policy_path": str(root / "base_megatron")}
+    config["data"].update(max_prompt_length=16, max_response_length=8)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    run_convert(["megatron-to-hf", "--megatron-dir", str(root / "adapters"), "--out", str(tmp_path / "merged"),
+                 "--peft-dir", str(tmp_path / "peft"), "--config", str(tmp_path / "config.yaml")], groups=groups)
+    merged = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged",
+                                                                         torch_dtype=torch.float32))
+    torch.testing.assert_close(merged, expected, atol=ATOL, rtol=0)
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "peft"), torch_dtype=torch.float32).eval()
+    torch.testing.assert_close(hf_logits(auto), merged, atol=ATOL, rtol=0)
+    named = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(named, torch_dtype=torch.float32)
+    assert (hf_logits(base) - merged).abs().max() > 1e-2  # the named base is not the merged model
+    on_base = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    torch.testing.assert_close(hf_logits(on_base), merged, atol=ATOL, rtol=0)
+
+
 def _tp2_pp2_export(groups, root):
     from hpa.config.schema import ParallelConfig
     from hpa.models.lora_io import build_lora_model, export_peft_adapter, load_adapters
