@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from .algorithm import DEFAULT_REPLAY_COEF, GATE_SIGNALS_ON_REWARD_MODELS, AlgorithmConfig
 from .data import DataConfig
@@ -29,6 +29,9 @@ ROLLOUT_ENGINES = ("megatron", "vllm")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RESUME_MODES = ("auto", "never")
+# micro-batches of one rank's policy update above which micro_batch_size is refused: each costs the host a fixed
+# ~5k operations (bench/proxies/update.py), so past this the update waits on the host, not on the device
+MAX_UPDATE_MICRO_BATCHES = 128
 SAVE_FAILURE_ACTIONS = ("continue", "stop")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -753,6 +756,33 @@ def _check_data_parallel(cfg: Config, world_size: int) -> None:
         if value % dp:
             raise ConfigError(key, f"{value} is not divisible by the data-parallel size {dp} (world size "
                               f"{world_size} / TP·PP·CP); use a multiple of {dp}")
+    _check_micro_batches(cfg, dp)
+
+
+def update_micro_batches(cfg: Config, dp: int) -> Dict[str, int]:
+    """The micro-batches of one rank's policy update per stream that ``trainer.micro_batch_size`` cuts (the
+    streams without a token budget: none of them with ``trainer.ppo_max_token_len_per_rank``), all PPO epochs."""
+    t = cfg.trainer
+    if t.ppo_max_token_len_per_rank is not None:
+        return {}
+    minis = t.global_batch_size // t.ppo_mini_batch_size if t.ppo_mini_batch_size else 1
+    rows = t.global_batch_size * cfg.rollout.n // dp // minis
+    out = {"rollout": minis * -(-rows // t.micro_batch_size),
+           "pairs": -(-(t.preference_batch_size // dp) // t.micro_batch_size)}
+    if cfg.algorithm.replay.enabled:
+        out["replay"] = -(-(t.replay_batch_size // dp) // t.micro_batch_size)
+    return {k: v * t.ppo_epochs for k, v in out.items()}
+
+
+def _check_micro_batches(cfg: Config, dp: int) -> None:
+    counts = update_micro_batches(cfg, dp)
+    total = sum(counts.values())
+    if total > MAX_UPDATE_MICRO_BATCHES:
+        parts = ", ".join(f"{v} {k}" for k, v in counts.items())
+        raise ConfigError("trainer.micro_batch_size", f"{cfg.trainer.micro_batch_size} cuts each step's policy "
+                          f"update into {total} micro-batches a rank ({parts}; at most {MAX_UPDATE_MICRO_BATCHES}: "
+                          f"each costs the host a fixed ~5k operations); set trainer.ppo_max_token_len_per_rank "
+                          f"(every stream is then cut by tokens) or raise trainer.micro_batch_size")
 
 
 def check_lora(cfg: Config) -> None:

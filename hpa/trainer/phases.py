@@ -191,15 +191,28 @@ def preference_micro_batches(examples, reference, ctx: StepContext,
     cached ones ``ref_log_probs`` ``[m, 2]`` (chosen, rejected) when given, else from a reference forward."""
     if ref_log_probs is None:
         ref_log_probs = reference_pair_log_probs(examples, reference, ctx)
-    return micro_batches.preference_micro_batches(examples, ctx.batching, ref_log_probs)
+    return micro_batches.preference_micro_batches(examples, ctx.batching, ref_log_probs,
+                                                  min_count=num_mini_batches(ctx.trainer),
+                                                  dp_group=ctx.groups.dp_group)
+
+
+def replay_micro_batches(examples, ctx: StepContext) -> List[MicroBatch]:
+    """This step's replayed SFT examples as replay micro-batches (cut as the pairs are)."""
+    return micro_batches.sft_micro_batches(examples, ctx.batching, kind="replay",
+                                           min_count=num_mini_batches(ctx.trainer), dp_group=ctx.groups.dp_group)
+
+
+def num_mini_batches(trainer: TrainerConfig) -> int:
+    """Optimizer updates per PPO epoch: the offline streams' micro-batches are dealt over them, so each stream has at
+    least that many (where it has the rows)."""
+    return trainer.global_batch_size // trainer.ppo_mini_batch_size if trainer.ppo_mini_batch_size else 1
 
 
 def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[Tuple[int, int, List[MicroBatch]]]:
     """Per PPO epoch and mini-batch: its index, the number of mini-batches and the rollout micro-batches
     of its rows (none when ``batch`` is None: a pairs-only step)."""
     t = ctx.trainer
-    minis = micro_batches.mini_batches(batch.batch_size if batch is not None else 0,
-                                       t.global_batch_size // t.ppo_mini_batch_size if t.ppo_mini_batch_size else 1)
+    minis = micro_batches.mini_batches(batch.batch_size if batch is not None else 0, num_mini_batches(t))
     for _ in range(t.ppo_epochs):
         for index, rows in enumerate(minis):
             yield index, len(minis), micro_batches.rollout_micro_batches(
