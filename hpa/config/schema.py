@@ -330,21 +330,26 @@ class TrainerConfig:
     (policy, reference, critic; rollouts, preference pairs, SFT; ``hpa train-rm``'s pairs since 2026-11-27)
     into one sequence with attention kept
     inside each row, so no pad is computed; the numbers are those of the padded layout up to rounding.
-    ``ppo_max_token_len_per_rank`` then counts real tokens per rollout micro-batch (padded tokens
-    without packing).
+    ``ppo_max_token_len_per_rank`` then counts real tokens per micro-batch of the update (padded tokens
+    without packing). With it, every stream of the update is cut by tokens (rollout rows, preference pairs
+    with their two rows together, replayed SFT examples; ``hpa sft``'s examples too) and ``micro_batch_size``
+    cuts only the forward-only passes without their own budget; without it, ``micro_batch_size`` rows (pairs)
+    a micro-batch, refused where that cuts one rank's update into more than 128 micro-batches.
 
     Attributes:
         total_steps: training steps (the schedules' progress is step / total_steps).
         seed: the run's seed (initialisation, data order, dropout).
         run_dir: where everything of a run goes (metrics, checkpoints, the resolved config).
         global_batch_size: prompts per step over all DP ranks.
-        micro_batch_size: rows (rollouts or preference pairs) per rank and pipeline micro-batch.
+        micro_batch_size: rows (rollouts or preference pairs) per rank and pipeline micro-batch, where no token
+            budget cuts them.
         preference_batch_size: preference pairs per step over all DP ranks.
         replay_batch_size: SFT examples replayed per step over all DP ranks, with ``algorithm.replay.coef > 0``.
         ppo_epochs: passes over each step's rollouts.
         ppo_mini_batch_size: prompts per optimizer update within a step; null: one update per epoch.
-        ppo_max_token_len_per_rank: token budget of a rollout micro-batch (rows regrouped to fit it); null:
-            ``micro_batch_size`` rows.
+        ppo_max_token_len_per_rank: token budget of a micro-batch of the update, every stream (rollout rows,
+            preference pairs, replayed and ``hpa sft`` examples regrouped to fit it); null: ``micro_batch_size``
+            rows (pairs).
         log_prob_max_token_len_per_rank: token budget of a micro-batch of the forward-only passes over the
             rollouts (old policy, reference, critic values; verl's ``log_prob_max_token_len_per_gpu``): no
             backward, so usually twice the update's; null: ``micro_batch_size`` rows.
