@@ -28,7 +28,9 @@ Keys, per shape ``S``:
   optimizer step (what other work on the optimizer changes is then added apart).
 - ``update.S.trained_tokens``: the real tokens of the update's micro-batches (rollout and pair rows).
 - ``update.S.aten_ops_per_token``: ``aten_ops / trained_tokens``.
-- ``update.S.micro_batches.<stream>``: the micro-batches of each stream (``rollout``, ``pairs``...).
+- ``update.S.micro_batches.<stream>``: the micro-batches of each stream (``rollout``, ``pairs``...), a pair
+  micro-batch riding in a rollout one counted in both (``MicroBatch.parts``); ``update.S.micro_batches.total``:
+  the forward and backward passes the update runs.
 
 The balance is taken as frozen (no measured step: one backward pass, as every step after
 ``algorithm.hpa.balance.measure_steps``). The first update of each shape warms caches (rotary tables) and is
@@ -199,9 +201,11 @@ def _count_update(name: str, shape: Shape, groups) -> Dict[str, float]:
            f"update.{name}.aten_ops_without_optimizer": counter.aten_ops - counter.optimizer_ops,
            f"update.{name}.trained_tokens": tokens,
            f"update.{name}.aten_ops_per_token": round(counter.aten_ops / tokens, 4)}
+    out[f"update.{name}.micro_batches.total"] = len(seen)
     for mb in seen:
-        key = f"update.{name}.micro_batches.{mb.kind}"
-        out[key] = out.get(key, 0) + 1
+        for part in mb.parts or (mb,):
+            key = f"update.{name}.micro_batches.{part.kind}"
+            out[key] = out.get(key, 0) + 1
     return out
 
 

@@ -5,7 +5,8 @@ and critic losses read (``ROLLOUT_ROW_KEYS``, taken from the ``RolloutBatch``); 
 carries ``m`` preference pairs as ``2m`` rows (chosen rows, then rejected rows); a replay micro-batch carries SFT
 examples, one a row. With an update token budget (``trainer.ppo_max_token_len_per_rank``) every stream is cut
 by tokens: rollout rows by ``row_groups``, pairs (a pair's two rows together) and SFT examples by
-``budget_groups``; without one, by ``micro_batch_size`` rows (pairs). Every DP rank gets the
+``budget_groups``; without one, by ``micro_batch_size`` rows (pairs). Packed, an offline micro-batch then rides
+in a rollout micro-batch where both fit the budget (``ride_along``: one forward and backward for both). Every DP rank gets the
 same number of micro-batches, as megatron's pipeline schedule and DDP require.
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from hpa.engine.batching import Batching
 from hpa.engine.collate import TokenRows, budget_groups, chunks, collate, pair_micro_batches, row_groups
+from hpa.distributed import comm
 from hpa.engine.forward import response_token_mask
 from hpa.engine.micro_batch import MicroBatch
 from hpa.rollout.base import RolloutBatch
@@ -51,6 +53,37 @@ def rollout_micro_batches(batch: RolloutBatch, rows: Sequence[int], batching: Ba
                            positional={"pool_mask": response_token_mask(ts, batch.response_mask)},
                            per_row={k: batch.get(k) for k in keys})
     return collate("rollout", token_rows, [[rows[i] for i in g] for g in local], packed=batching.packed)
+
+
+def ride_along(rollout_mbs: Sequence[MicroBatch], offline_mbs: Sequence[MicroBatch], token_budget: Optional[int],
+               dp_group=None) -> List[MicroBatch]:
+    """The micro-batches of one optimizer update with the offline ones (pairs, replay) riding in the rollout
+    micro-batches where they fit: each offline micro-batch in turn joins the rollout micro-batch of fewest tokens
+    when the two together stay within ``token_budget`` (``MicroBatch.concat``: one forward and backward, each
+    stream's loss on its own rows); the others stay micro-batches of their own. Every DP rank merges as many as
+    the rank that merges fewest (they must run as many micro-batches). Packed micro-batches only; without a
+    budget, or padded, ``rollout_mbs + offline_mbs`` unchanged."""
+    rollout_mbs, offline_mbs = list(rollout_mbs), list(offline_mbs)
+    if token_budget is None or not rollout_mbs or not offline_mbs or \
+            not all(mb.packed for mb in rollout_mbs + offline_mbs):
+        return rollout_mbs + offline_mbs
+    loads = [mb.tokens for mb in rollout_mbs]
+    riders = []  # (offline index, rollout index), in the order they were placed
+    for j, mb in enumerate(offline_mbs):
+        i = min(range(len(loads)), key=loads.__getitem__)
+        if loads[i] + mb.tokens <= token_budget:
+            riders.append((j, i))
+            loads[i] += mb.tokens
+    count = len(riders)
+    if dp_group is not None:
+        count = -int(comm.all_reduce_max(torch.tensor([-count]), dp_group).item())
+    riders = riders[:count]
+    parts = [[mb] for mb in rollout_mbs]
+    for j, i in riders:
+        parts[i].append(offline_mbs[j])
+    placed = {j for j, _ in riders}
+    return ([MicroBatch.concat(p) if len(p) > 1 else p[0] for p in parts]
+            + [mb for j, mb in enumerate(offline_mbs) if j not in placed])
 
 
 def preference_micro_batches(examples, batching: Batching, ref_log_probs: Optional[torch.Tensor] = None,

@@ -235,7 +235,8 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
         controllers: the run's controllers: while one that observes ``gradients`` (the automatic balance)
             measures, an update with both rollout and pair micro-batches runs them as two backward passes,
             updates it with their gradient norms (its new factors apply from then on) and logs
-            ``grad_norm/rollout`` and ``grad_norm/pairs``.
+            ``grad_norm/rollout`` and ``grad_norm/pairs``; otherwise the offline micro-batches ride in the
+            rollout ones where both fit the token budget (``micro_batches.ride_along``, packed).
     """
     steps, grad_norms = [], []
     tokens = computed = 0.0
@@ -259,9 +260,10 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
             weights = weights.with_factors(controllers.factors())
             add_grads(policy.model, norms.pop("_rollout_grads"), scale=weights.factors.pairs)
             records.append(norms)
-        else:
-            records = forward_backward(policy.model, rollout_mbs + offline_mbs, loss_fn, ctx.groups,
-                                       capture_hidden=True)
+        else:  # the balance frozen (or off): offline rows ride in the rollout micro-batches where they fit
+            mbs = micro_batches.ride_along(rollout_mbs, offline_mbs, ctx.batching.update_token_budget,
+                                           ctx.groups.dp_group)
+            records = forward_backward(policy.model, mbs, loss_fn, ctx.groups, capture_hidden=True)
         updated, grad_norm = guarded_optimizer_step(policy.optimizer, None, guard.grad_norm_action,
                                                     guard.spike_clip_value)
         guard.record(updated)
