@@ -40,11 +40,10 @@ not counted; the second is.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
-from typing import Dict
+from typing import Dict, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -57,8 +56,7 @@ MODEL = dict(num_layers=24, hidden_size=56, num_attention_heads=14, num_query_gr
              untie_embeddings_and_output_weights=False, normalization="RMSNorm", activation="swiglu")
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
+class Shape(NamedTuple):  # not a dataclass: loaded by file path, the module is in no sys.modules
     prompts: int
     n: int
     prompt_len: tuple
