@@ -177,8 +177,9 @@ def pair_micro_batches(examples, *, micro_batch_size: int, pad_id: int, packed: 
                        **per_row: torch.Tensor) -> List[MicroBatch]:
     """Preference examples -> micro-batches of ``micro_batch_size`` pairs, or with a ``token_budget`` of pairs
     grouped up to it (``pair_budget_groups``), chosen rows then rejected rows, each cut to its longest row, of
-    kind ``"pairs"``; ``per_row`` ``[2m, ...]`` in ``pair_rows``'s order."""
-    rows = pair_rows(examples, pad_id, **per_row)
+    kind ``"pairs"``; ``per_row`` ``[2m, ...]`` in ``pair_rows``'s order, and ``source_row``: each row's index in
+    that order (a forward over the micro-batches puts its rows back in it)."""
+    rows = pair_rows(examples, pad_id, source_row=torch.arange(2 * len(examples)), **per_row)
     groups = pair_groups(len(examples), micro_batch_size) if token_budget is None else pair_budget_groups(
         examples, token_budget, packed=packed, min_count=min_count, dp_group=dp_group)
     return collate("pairs", rows, groups, packed=packed)

@@ -182,7 +182,7 @@ def reference_pair_log_probs(examples, reference, ctx: StepContext) -> torch.Ten
     """
     mbs = micro_batches.preference_micro_batches(examples, ctx.batching, micro_batch_size=1)
     rows = forward.pair_sequence_log_probs(reference, mbs, ctx.groups, vocab_size=ctx.vocab_size)  # [2m]
-    return rows.reshape(len(examples), 2)  # one pair a micro-batch: its chosen row, then its rejected row
+    return torch.stack([rows[:len(examples)], rows[len(examples):]], dim=1)  # every chosen row, then every rejected
 
 
 def preference_micro_batches(examples, reference, ctx: StepContext,
