@@ -361,16 +361,17 @@ def training_micro_batches(cfg: Config) -> Dict[str, Tuple[int, int]]:
     ``data.max_prompt_length + rollout.max_new_tokens`` tokens, or, with
     ``trainer.ppo_max_token_len_per_rank``, enough such rows to cover the budget (rounded up: a
     micro-batch holds the budget's tokens, padded or packed, and can pass it by one row).
-    ``preference`` (DPO): chosen and rejected rows of ``micro_batch_size`` pairs,
-    ``data.max_prompt_length + data.max_response_length`` tokens.
+    ``preference`` (DPO): chosen and rejected rows of ``micro_batch_size`` pairs, or with the budget enough
+    pairs to cover it (rounded up), ``data.max_prompt_length + data.max_response_length`` tokens.
     """
     t, data = cfg.trainer, cfg.data
     rollout_length = data.max_prompt_length + cfg.rollout.max_new_tokens
-    rows = t.micro_batch_size
-    if t.ppo_max_token_len_per_rank is not None:  # balancing over DP can overshoot it by one row
+    pair_length = data.max_prompt_length + data.max_response_length
+    rows, pairs = t.micro_batch_size, t.micro_batch_size
+    if t.ppo_max_token_len_per_rank is not None:  # balancing over DP can overshoot it by one row (pair)
         rows = -(-t.ppo_max_token_len_per_rank // rollout_length)
-    return {"rollout": (rows, rollout_length),
-            "preference": (2 * t.micro_batch_size, data.max_prompt_length + data.max_response_length)}
+        pairs = -(-t.ppo_max_token_len_per_rank // (2 * pair_length))
+    return {"rollout": (rows, rollout_length), "preference": (2 * pairs, pair_length)}
 
 
 def head_positions(cfg: Config, kind: str, rows: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from .algorithm import DEFAULT_REPLAY_COEF, GATE_SIGNALS_ON_REWARD_MODELS, AlgorithmConfig
 from .data import DataConfig
@@ -29,6 +29,9 @@ ROLLOUT_ENGINES = ("megatron", "vllm")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RESUME_MODES = ("auto", "never")
+# micro-batches of one rank's policy update above which micro_batch_size is refused: each costs the host a fixed
+# ~5k operations (bench/proxies/update.py), so past this the update waits on the host, not on the device
+MAX_UPDATE_MICRO_BATCHES = 128
 SAVE_FAILURE_ACTIONS = ("continue", "stop")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -331,21 +334,26 @@ class TrainerConfig:
     (policy, reference, critic; rollouts, preference pairs, SFT; ``hpa train-rm``'s pairs since 2026-11-27)
     into one sequence with attention kept
     inside each row, so no pad is computed; the numbers are those of the padded layout up to rounding.
-    ``ppo_max_token_len_per_rank`` then counts real tokens per rollout micro-batch (padded tokens
-    without packing).
+    ``ppo_max_token_len_per_rank`` then counts real tokens per micro-batch of the update (padded tokens
+    without packing). With it, every stream of the update is cut by tokens (rollout rows, preference pairs
+    with their two rows together, replayed SFT examples; ``hpa sft``'s examples too) and ``micro_batch_size``
+    cuts only the forward-only passes without their own budget; without it, ``micro_batch_size`` rows (pairs)
+    a micro-batch, refused where that cuts one rank's update into more than 128 micro-batches.
 
     Attributes:
         total_steps: training steps (the schedules' progress is step / total_steps).
         seed: the run's seed (initialisation, data order, dropout).
         run_dir: where everything of a run goes (metrics, checkpoints, the resolved config).
         global_batch_size: prompts per step over all DP ranks.
-        micro_batch_size: rows (rollouts or preference pairs) per rank and pipeline micro-batch.
+        micro_batch_size: rows (rollouts or preference pairs) per rank and pipeline micro-batch, where no token
+            budget cuts them.
         preference_batch_size: preference pairs per step over all DP ranks.
         replay_batch_size: SFT examples replayed per step over all DP ranks, with ``algorithm.replay.coef > 0``.
         ppo_epochs: passes over each step's rollouts.
         ppo_mini_batch_size: prompts per optimizer update within a step; null: one update per epoch.
-        ppo_max_token_len_per_rank: token budget of a rollout micro-batch (rows regrouped to fit it); null:
-            ``micro_batch_size`` rows.
+        ppo_max_token_len_per_rank: token budget of a micro-batch of the update, every stream (rollout rows,
+            preference pairs, replayed and ``hpa sft`` examples regrouped to fit it); null: ``micro_batch_size``
+            rows (pairs).
         log_prob_max_token_len_per_rank: token budget of a micro-batch of the forward-only passes over the
             rollouts (old policy, reference, critic values; verl's ``log_prob_max_token_len_per_gpu``): no
             backward, so usually twice the update's; null: ``micro_batch_size`` rows.
@@ -758,6 +766,33 @@ def _check_data_parallel(cfg: Config, world_size: int) -> None:
         if value % dp:
             raise ConfigError(key, f"{value} is not divisible by the data-parallel size {dp} (world size "
                               f"{world_size} / TP·PP·CP); use a multiple of {dp}")
+    _check_micro_batches(cfg, dp)
+
+
+def update_micro_batches(cfg: Config, dp: int) -> Dict[str, int]:
+    """The micro-batches of one rank's policy update per stream that ``trainer.micro_batch_size`` cuts (the
+    streams without a token budget: none of them with ``trainer.ppo_max_token_len_per_rank``), all PPO epochs."""
+    t = cfg.trainer
+    if t.ppo_max_token_len_per_rank is not None:
+        return {}
+    minis = t.global_batch_size // t.ppo_mini_batch_size if t.ppo_mini_batch_size else 1
+    rows = t.global_batch_size * cfg.rollout.n // dp // minis
+    out = {"rollout": minis * -(-rows // t.micro_batch_size),
+           "pairs": -(-(t.preference_batch_size // dp) // t.micro_batch_size)}
+    if cfg.algorithm.replay.enabled:
+        out["replay"] = -(-(t.replay_batch_size // dp) // t.micro_batch_size)
+    return {k: v * t.ppo_epochs for k, v in out.items()}
+
+
+def _check_micro_batches(cfg: Config, dp: int) -> None:
+    counts = update_micro_batches(cfg, dp)
+    total = sum(counts.values())
+    if total > MAX_UPDATE_MICRO_BATCHES:
+        parts = ", ".join(f"{v} {k}" for k, v in counts.items())
+        raise ConfigError("trainer.micro_batch_size", f"{cfg.trainer.micro_batch_size} cuts each step's policy "
+                          f"update into {total} micro-batches a rank ({parts}; at most {MAX_UPDATE_MICRO_BATCHES}: "
+                          f"each costs the host a fixed ~5k operations); set trainer.ppo_max_token_len_per_rank "
+                          f"(every stream is then cut by tokens) or raise trainer.micro_batch_size")
 
 
 def check_lora(cfg: Config) -> None:

@@ -150,13 +150,18 @@ def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, ba
 
 def pair_sequence_log_probs(model, micro_batches: List[MicroBatch], groups: ParallelGroups, *,
                             vocab_size: int) -> torch.Tensor:
-    """Summed response log-probs of every row of ``micro_batches`` (reference side of DPO)."""
+    """Summed response log-probs of every row of ``micro_batches`` (reference side of DPO), in the micro-batches'
+    row order, or, where every micro-batch has its rows' ``source_row`` (pair micro-batches), in that order."""
     def fn(batch, logits, hidden):
         batch = MicroBatch.of(batch)
         logp = label_log_probs(batch, logits, groups.tp_group, vocab_size=vocab_size)  # [b, s]
         return {"seq_logp": (logp * batch["label_mask"]).sum(dim=1, keepdim=True)}
 
-    return forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)}, capture_hidden=False)["seq_logp"][:, 0]
+    rows = forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)}, capture_hidden=False)["seq_logp"][:, 0]
+    if micro_batches and all("source_row" in mb for mb in micro_batches):
+        order = torch.cat([mb["source_row"].cpu() for mb in micro_batches])
+        rows = torch.empty_like(rows).index_copy_(0, order.to(rows.device), rows)
+    return rows
 
 
 def response_kl(policy, reference, batch, groups: ParallelGroups, *, batching: Batching,

@@ -21,7 +21,7 @@ attention already keeps pads out of every real position.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -43,6 +43,8 @@ class MicroBatch:
             ``pool_mask``, ``mask``, ``old_log_probs``, ``advantages``, ``ref_seq_logp``...).
         row_width: ``s``, the positions of the row layout (when packed; padded, it is ``input_ids``'s
             width); at least the longest row.
+        parts: a ``"mixed"`` micro-batch's packed micro-batches of single streams, in the order of its tokens
+            (``concat``); the model sees one sequence, each loss its own part (``split``). Empty otherwise.
     """
 
     kind: str
@@ -52,6 +54,7 @@ class MicroBatch:
     packed: bool = False
     rows: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     row_width: int = 0
+    parts: Tuple["MicroBatch", ...] = ()
 
     def __post_init__(self):
         n = self.lengths.shape[0]
@@ -92,6 +95,30 @@ class MicroBatch:
                 if torch.is_tensor(v) and k not in ("input_ids", "labels", "position_ids")}
         return cls(kind=batch.get("kind", "rows"), input_ids=ids, labels=labels,
                    lengths=torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long), rows=rows)
+
+    @classmethod
+    def concat(cls, parts: Sequence["MicroBatch"]) -> "MicroBatch":
+        """One packed micro-batch of kind ``"mixed"`` whose model inputs are those of ``parts`` (packed
+        micro-batches, mixed ones flattened) one after the other: one forward and backward for all of them, with
+        attention kept inside each row as in each part alone."""
+        flat = [q for p in parts for q in (p.parts or (p,))]
+        if not flat or not all(p.packed for p in flat):
+            raise ValueError("only packed micro-batches are concatenated")
+        return cls(kind="mixed", input_ids=torch.cat([p.input_ids for p in flat], dim=1),
+                   labels=torch.cat([p.labels for p in flat], dim=1), lengths=torch.cat([p.lengths for p in flat]),
+                   packed=True, row_width=max(p.width for p in flat), parts=tuple(flat))
+
+    def split(self, *values: torch.Tensor) -> List[Tuple["MicroBatch", List[torch.Tensor]]]:
+        """Each part with its slice of every model-layout ``[1, T, ...]`` tensor of ``values`` (outputs, hidden
+        states; None stays None); a single-stream micro-batch is its own one part."""
+        if not self.parts:
+            return [(self, list(values))]
+        out, start = [], 0
+        for part in self.parts:
+            end = start + part.tokens
+            out.append((part, [v if v is None else v[:, start:end] for v in values]))
+            start = end
+        return out
 
     # ------------------------------------------------------------------ sizes
 
@@ -238,7 +265,8 @@ class MicroBatch:
         """A copy with every tensor on ``device`` (the one host-to-device point of a micro-batch)."""
         out = dataclasses.replace(self, input_ids=host_to_device(self.input_ids, device),
                                   labels=host_to_device(self.labels, device), lengths=self.lengths,
-                                  rows={k: host_to_device(v, device) for k, v in self.rows.items()})
+                                  rows={k: host_to_device(v, device) for k, v in self.rows.items()},
+                                  parts=tuple(p.to(device) for p in self.parts))
         # the host-built positions travel with the copy, and so do the host rows they are built from
         out.__dict__["_position_cache"] = self.__dict__.setdefault("_position_cache", {})
         out.__dict__["_host_rows"] = self.__dict__.get("_host_rows", self.rows)

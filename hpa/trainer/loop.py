@@ -23,7 +23,7 @@ from hpa.config.schema import Config, to_dict
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
-from hpa.trainer import faults, micro_batches, phases, reference_cache
+from hpa.trainer import faults, phases, reference_cache
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter, device_name, device_timer, peak_memory_gb, peak_tflops, update_perf
 from hpa.trainer.heldout import heldout_nll
@@ -219,7 +219,7 @@ class HPATrainer:
         if p.replay_sampler is None:
             return []
         examples = [p.demonstrations[i] for i in p.replay_sampler.next_batch()]
-        return micro_batches.sft_micro_batches(examples, self.ctx.batching, kind="replay")
+        return phases.replay_micro_batches(examples, self.ctx)
 
     def generate(self, prompt_ids, params):
         return generate(self.parts, self.ctx, prompt_ids, params)

@@ -182,7 +182,7 @@ def reference_pair_log_probs(examples, reference, ctx: StepContext) -> torch.Ten
     """
     mbs = micro_batches.preference_micro_batches(examples, ctx.batching, micro_batch_size=1)
     rows = forward.pair_sequence_log_probs(reference, mbs, ctx.groups, vocab_size=ctx.vocab_size)  # [2m]
-    return rows.reshape(len(examples), 2)  # one pair a micro-batch: its chosen row, then its rejected row
+    return torch.stack([rows[:len(examples)], rows[len(examples):]], dim=1)  # every chosen row, then every rejected
 
 
 def preference_micro_batches(examples, reference, ctx: StepContext,
@@ -191,15 +191,28 @@ def preference_micro_batches(examples, reference, ctx: StepContext,
     cached ones ``ref_log_probs`` ``[m, 2]`` (chosen, rejected) when given, else from a reference forward."""
     if ref_log_probs is None:
         ref_log_probs = reference_pair_log_probs(examples, reference, ctx)
-    return micro_batches.preference_micro_batches(examples, ctx.batching, ref_log_probs)
+    return micro_batches.preference_micro_batches(examples, ctx.batching, ref_log_probs,
+                                                  min_count=num_mini_batches(ctx.trainer),
+                                                  dp_group=ctx.groups.dp_group)
+
+
+def replay_micro_batches(examples, ctx: StepContext) -> List[MicroBatch]:
+    """This step's replayed SFT examples as replay micro-batches (cut as the pairs are)."""
+    return micro_batches.sft_micro_batches(examples, ctx.batching, kind="replay",
+                                           min_count=num_mini_batches(ctx.trainer), dp_group=ctx.groups.dp_group)
+
+
+def num_mini_batches(trainer: TrainerConfig) -> int:
+    """Optimizer updates per PPO epoch: the offline streams' micro-batches are dealt over them, so each stream has at
+    least that many (where it has the rows)."""
+    return trainer.global_batch_size // trainer.ppo_mini_batch_size if trainer.ppo_mini_batch_size else 1
 
 
 def _mini_batches(batch: Optional[RolloutBatch], ctx: StepContext) -> Iterator[Tuple[int, int, List[MicroBatch]]]:
     """Per PPO epoch and mini-batch: its index, the number of mini-batches and the rollout micro-batches
     of its rows (none when ``batch`` is None: a pairs-only step)."""
     t = ctx.trainer
-    minis = micro_batches.mini_batches(batch.batch_size if batch is not None else 0,
-                                       t.global_batch_size // t.ppo_mini_batch_size if t.ppo_mini_batch_size else 1)
+    minis = micro_batches.mini_batches(batch.batch_size if batch is not None else 0, num_mini_batches(t))
     for _ in range(t.ppo_epochs):
         for index, rows in enumerate(minis):
             yield index, len(minis), micro_batches.rollout_micro_batches(
@@ -222,7 +235,8 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
         controllers: the run's controllers: while one that observes ``gradients`` (the automatic balance)
             measures, an update with both rollout and pair micro-batches runs them as two backward passes,
             updates it with their gradient norms (its new factors apply from then on) and logs
-            ``grad_norm/rollout`` and ``grad_norm/pairs``.
+            ``grad_norm/rollout`` and ``grad_norm/pairs``; otherwise the offline micro-batches ride in the
+            rollout ones where both fit the token budget (``micro_batches.ride_along``, packed).
     """
     steps, grad_norms = [], []
     tokens = computed = 0.0
@@ -246,9 +260,10 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
             weights = weights.with_factors(controllers.factors())
             add_grads(policy.model, norms.pop("_rollout_grads"), scale=weights.factors.pairs)
             records.append(norms)
-        else:
-            records = forward_backward(policy.model, rollout_mbs + offline_mbs, loss_fn, ctx.groups,
-                                       capture_hidden=True)
+        else:  # the balance frozen (or off): offline rows ride in the rollout micro-batches where they fit
+            mbs = micro_batches.ride_along(rollout_mbs, offline_mbs, ctx.batching.update_token_budget,
+                                           ctx.groups.dp_group)
+            records = forward_backward(policy.model, mbs, loss_fn, ctx.groups, capture_hidden=True)
         updated, grad_norm = guarded_optimizer_step(policy.optimizer, None, guard.grad_norm_action,
                                                     guard.spike_clip_value)
         guard.record(updated)

@@ -48,13 +48,12 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
     ddp, opt, sched = trainable.model, trainable.optimizer, trainable.scheduler
     writer = MetricsWriter(run_dir / "sft_logs", cfg.logging, is_main=groups.is_main,
                            total_steps=cfg.sft.total_steps, phase="sft")
-    batching = Batching(micro_batch_size=cfg.trainer.micro_batch_size, pad_id=tokenizer.pad_id,
-                        packed=cfg.trainer.sequence_packing)
+    batching = Batching.from_config(cfg.trainer, tokenizer.pad_id)  # cut by the update's token budget when set
     vocab = tokenizer.vocab_size  # rows beyond the tokenizer's vocabulary are never normalised over
     metrics: Dict[str, float] = {}
     for step in range(1, cfg.sft.total_steps + 1):
         examples = [data[i] for i in sampler.next_batch()]
-        mbs = sft_micro_batches(examples, batching)
+        mbs = sft_micro_batches(examples, batching, dp_group=groups.dp_group)
         counts = objective.global_counts([{"input_ids": mb["label_mask"], "mask": mb["label_mask"]} for mb in mbs],
                                          [], groups)
 

@@ -6,7 +6,11 @@ import types
 import pytest
 import torch
 
-from hpa.engine.collate import TokenRows, chunks, collate, pair_groups, pair_micro_batches, pair_rows, row_groups
+import math
+import random
+
+from hpa.engine.collate import (TokenRows, budget_groups, chunks, collate, pair_budget_groups, pair_groups,
+                                pair_micro_batches, pair_rows, row_groups)
 from hpa.engine.micro_batch import MicroBatch
 
 
@@ -100,3 +104,62 @@ def test_row_groups_by_size_or_token_budget():
     assert row_groups(4, micro_batch_size=1, lengths=[5, 5, 5, 5], token_budget=10) == [[0, 1], [2, 3]]
     assert row_groups(3, micro_batch_size=1, lengths=[5, 4, 4], token_budget=9, packed=True) == [[0, 1], [2]]
     assert row_groups(3, micro_batch_size=1, lengths=[5, 4, 4], token_budget=9) == [[0], [1, 2]]
+
+
+def _random_pairs(rng, m, low, high):
+    return [_pair([1] * rng.randint(1, low), [2] * rng.randint(1, high), [3] * rng.randint(1, high)) for _ in range(m)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pair_budget_groups_are_ceil_of_the_pair_tokens_over_the_budget(seed):
+    """Packed: every micro-batch within the budget, a pair's two rows in one micro-batch, and as many
+    micro-batches as ceil(pair tokens / budget) wherever C / ceil(C / B) + u <= B (u: the longest pair); never
+    more than ceil(C / (B - u)) (the bound of the balanced split, budget_groups's docstring)."""
+    rng = random.Random(seed)
+    m = rng.randint(1, 80)
+    pairs = _random_pairs(rng, m, 30, 120)
+    tokens = [len(p.chosen_input_ids) + len(p.rejected_input_ids) for p in pairs]
+    total, longest = sum(tokens), max(tokens)
+    budget = rng.randint(longest + 1, max(longest + 2, total + 50))
+    groups = pair_budget_groups(pairs, budget, packed=True)
+    # each group is the chosen rows of its pairs, then their rejected rows; every row exactly once
+    assert sorted(r for g in groups for r in g) == list(range(2 * m))
+    for g in groups:
+        half = len(g) // 2
+        assert [r - m for r in g[half:]] == g[:half] and all(r < m for r in g[:half])
+        assert sum(tokens[i] for i in g[:half]) <= budget
+    fewest = math.ceil(total / budget)
+    assert fewest <= len(groups) <= math.ceil(total / (budget - longest))
+    if total / fewest + longest <= budget:
+        assert len(groups) == fewest
+
+
+def test_budget_groups_by_hand():
+    # packed: 30 tokens over a budget of 10 -> 3 groups of 10
+    assert budget_groups([6, 4, 5, 5, 3, 7], 10, packed=True) == [[0, 1], [2, 3], [4, 5]]
+    # at least min_count groups (the update's mini-batches), at most one unit a group
+    assert len(budget_groups([1, 1, 1], 100, packed=True, min_count=2)) == 2
+    assert budget_groups([1, 1], 100, packed=True, min_count=5) == [[0], [1]]
+    # a unit over the budget gets a group of its own
+    assert budget_groups([30, 2, 2], 10, packed=True) == [[0], [1], [2]]
+    # padded: a group costs rows x its widest unit: pairs of widths 4, 4, 1 (2 rows each) within 16
+    assert budget_groups([8, 8, 2], 16, widths=[4, 4, 1], rows_per_unit=2) == [[0, 2], [1]]
+    assert budget_groups([], 10) == []
+    with pytest.raises(ValueError, match="token_budget"):
+        budget_groups([1], 0)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_pair_micro_batches_by_token_budget_keep_pairs_whole_and_their_reference_log_probs(packed):
+    ref = torch.tensor([-1.0, -2.0, -3.0, -4.0, -5.0, -6.0])  # [2m]: chosen rows, then rejected rows
+    # pair tokens 6 + 2 + 4 | 2 + 3 | 4 + 4: 25 real tokens; a budget of 13 takes two micro-batches packed
+    mbs = pair_micro_batches(PAIRS, micro_batch_size=1, pad_id=0, packed=packed, token_budget=13, ref_seq_logp=ref)
+    by_pair = {}
+    for mb in mbs:
+        half = mb.num_rows // 2
+        assert mb.kind == "pairs" and mb.num_rows % 2 == 0
+        assert (mb.tokens if packed else mb.computed_tokens) <= 13
+        for c, r in zip(mb["ref_seq_logp"][:half].tolist(), mb["ref_seq_logp"][half:].tolist()):
+            by_pair[c] = r
+    assert by_pair == {-1.0: -4.0, -2.0: -5.0, -3.0: -6.0}  # every pair once, its chosen and rejected together
+    assert len(mbs) == (2 if packed else 3)

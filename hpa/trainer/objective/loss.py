@@ -40,8 +40,7 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
     step_weights = weights.scheduled()
     factors = weights.factors.scales()
 
-    def loss_fn(batch, logits, hidden):
-        batch = MicroBatch.of(batch)
+    def part_loss(batch, logits, hidden):
         stream = stream_of(batch)
         outputs = stream.prepare(batch, logits, hidden, groups, vocab_size, temperature)
         values, metrics = {}, {}
@@ -51,6 +50,19 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
                 metrics.update(term_metrics)
         total, _ = hpa_objective(values, step_weights, factors=factors)
         return total, metrics
+
+    def loss_fn(batch, logits, hidden):
+        # a mixed micro-batch (rows of several streams in one sequence): each stream's terms on its own rows;
+        # a metric of several parts of one stream is their sum (a loss share) or their mean
+        parts = MicroBatch.of(batch).split(logits, hidden)
+        total, metrics, seen = None, {}, {}
+        for part, (part_logits, part_hidden) in parts:
+            value, part_metrics = part_loss(part, part_logits, part_hidden)
+            total = value if total is None else total + value
+            for k, v in part_metrics.items():
+                metrics[k] = metrics[k] + v if k in metrics else v
+                seen[k] = seen.get(k, 0) + 1
+        return total, {k: v if k in SHARE_KEYS or seen[k] == 1 else v / seen[k] for k, v in metrics.items()}
 
     return loss_fn
 
