@@ -233,3 +233,46 @@ def test_a_launcher_variable_that_is_not_a_number_is_one_line(monkeypatch, capsy
         read_launch_env({"RANK": "0", "WORLD_SIZE": "eight"})
     with pytest.raises(UserError, match="MASTER_PORT"):
         read_launch_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "x"})
+
+
+# -------------------------------------------------------------------------------------------- LoRA adapters
+
+
+def _adapters(tmp_path, name, record):
+    path = tmp_path / name
+    path.mkdir()
+    if record is not None:
+        (path / "lora.json").write_text(json.dumps(record))
+    return path
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "train"])
+def test_lora_adapters_are_checked_before_any_model_loads(command, data, tmp_path, capsys, monkeypatch):
+    """A missing, unmarked or mismatched ``model.lora.adapter_path``, and ``generate``/``serve`` with LoRA on and
+    no adapters, are one line naming the key from the config's start-up checks: no process group, no base load
+    (``launched`` fails the test if reached)."""
+    import hpa.distributed
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a model was about to load")
+
+    monkeypatch.setattr(hpa.distributed, "launched", launched)
+    (tmp_path / "base").mkdir()
+    extra = ["--prompts", str(tmp_path / "prompts.jsonl"), "--output", str(tmp_path / "o.jsonl")] \
+        if command == "generate" else []
+    lora = [*data, f"model.policy_path={tmp_path / 'base'}", "model.lora.rank=4", "model.lora.alpha=8",
+            "algorithm.advantage.estimator=grpo", "serve.port=0"]
+    step = _adapters(tmp_path, "step_1", None)
+    (step / "manifest.json").write_text("{}")
+    _adapters(step, "policy", {"adapters_only": True, "rank": 8, "scaling": 2.0, "num_adapters": 8})
+    cases = [(_adapters(tmp_path, "plain", None), "not a LoRA adapter checkpoint (no lora.json)"),
+             (tmp_path / "gone", "does not exist"),
+             (step, "rank 8 scaled by 2.0 but model.lora gives rank 4 scaled by 2")]
+    if command != "train":
+        cases.append((None, "is not set"))
+    for path, needle in cases:
+        adapter = [] if path is None else [f"model.lora.adapter_path={path}"]
+        _one_line_error(capsys, main([command, *extra, *lora, *adapter]), "model.lora.adapter_path", needle)
+    # the record of a run checkpoint (its policy/) with the right rank and scaling passes to the model load
+    with pytest.raises(AssertionError, match="about to load"):
+        main([command, *extra, *lora, "model.lora.rank=8", "model.lora.alpha=16", f"model.lora.adapter_path={step}"])
