@@ -344,6 +344,9 @@ class TrustGateConfig:
         check_range("slack", self.slack, low=0.0)
         check_range("kp", self.kp, low=0.0)
         check_range("ki", self.ki, low=0.0)
+        if self.enabled is not False and self.kp == 0 and self.ki == 0:
+            raise ConfigError("kp", "and ki are both 0: λ never rises and the gate does nothing; give kp or ki "
+                                    "above 0, or turn the gate off (enabled: false)")
         check_range("reward_ema", self.reward_ema, low=0.0, high=1.0, high_open=True)
         check_range("baseline_steps", self.baseline_steps, low=1)
         check_range("baseline_prompts", self.baseline_prompts, low=0)
@@ -463,7 +466,7 @@ class CoverageConfig:
         if self.hold_min_skill is not None:
             check_range("hold_min_skill", self.hold_min_skill, low=0.0, high=1.0)
         check_range("released_kl", self.released_kl, low=0.0)
-        check_range("released_pairs", self.released_pairs, low=0.0)
+        check_range("released_pairs", self.released_pairs, low=0.0, low_open=True)  # 0: no pairs where released
         check_range("kl_boost", self.kl_boost, low=0.0)
         check_choice("kl_boost_shape", self.kl_boost_shape, KL_BOOST_SHAPES)
         if self.kl_boost_target is not None:
