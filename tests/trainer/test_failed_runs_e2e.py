@@ -45,3 +45,10 @@ def test_a_malformed_sft_record_is_one_line(demo, tmp_path):
         proc = _hpa(command, *overrides(demo, tmp_path / command, [f"data.sft_path={bad}", *extra]))
         last = _one_line(proc)
         assert last.startswith(f"hpa {command}: ") and "sft.jsonl:2: key 'response': is missing" in last, last
+
+
+def test_a_policy_given_as_a_reward_model_is_one_line(demo, tmp_path):
+    proc = _hpa("train", *overrides(demo, tmp_path / "run", [f"reward.model_paths=[{demo / 'init'}]",
+                                                             "reward.num_heads=2"]))
+    last = _one_line(proc)
+    assert last.startswith("hpa train: ") and "reward.model_paths[0]" in last and "is not a reward model" in last, last
