@@ -497,11 +497,14 @@ def _layer_suffixes(gpt) -> List[str]:
 
 def _local_weight(params: Dict[str, torch.Tensor], adapted: Dict[str, Any], name: str) -> torch.Tensor:
     """This rank's shard of parameter ``name``, with its LoRA update merged in when an enabled adapter has
-    one (``W + scaling · B A``): an export or a vLLM sync of a LoRA model carries the policy, not the base."""
+    one (``W + scaling · B A``, in fp32, rounded once: ``lora.merged_weight``): an export or a vLLM sync of a LoRA
+    model carries the policy, not the base."""
+    from . import lora
+
     tensor = params[name].detach()
     adapter = adapted.get(name)
     if adapter is not None and adapter.enabled:
-        tensor = tensor + adapter.delta_weight().detach().to(tensor.dtype)
+        tensor = lora.merged_weight(tensor, adapter)
     return tensor
 
 
