@@ -311,7 +311,8 @@ class TrustGateConfig:
         slack: violation that costs nothing: margins above the ceiling (the two ceilings) or relative
             regression of the NLL (heldout_nll; 0.02 = 2 %).
         kp: proportional gain (λ per unit of violation beyond the slack).
-        ki: integral gain (λ per unit of accumulated violation, one unit per step).
+        ki: integral gain (λ per unit of accumulated violation, one unit per step). kp and ki both 0 is an
+            error: λ would never rise.
         reward_ema: smoothing of the learned reward (EMA factor).
         baseline_steps: start_rollouts with ``baseline_prompts`` 0: the first updates whose rollouts' mean
             learned reward is the baseline (the gate is open until then).
@@ -442,7 +443,7 @@ class CoverageConfig:
             what it gets wrong from the pairs and demonstrations faster than from rollouts it scores on a
             learned reward (hackable 116 and 117 fell behind ``dpo-rpo``, whose pair term has no balance
             factor below 1). Where the hold is kept, or nothing was measured, the pairs weigh as the other
-            keys say. 1: no change. Default 2 since 2026-12-06 (1 before): chosen against 3 on 10 released
+            keys say. 1: no change; above 0 (0 would drop the pairs where they are meant to teach). Default 2 since 2026-12-06 (1 before): chosen against 3 on 10 released
             hackable and 7 released split tasks already run (2: +0.021 on average, 15 of the 17 higher, worst
             −0.007; 3: +0.019, worst −0.013), confirmed on tasks never run before (docs/results.md, "More
             pairs where the hold is released").

@@ -94,7 +94,8 @@ class LoRAConfig:
     weight as before.
 
     Attributes:
-        rank: the adapters' rank r; 0: LoRA off (full fine-tuning).
+        rank: the adapters' rank r; 0: LoRA off (full fine-tuning). At most the width (the smaller of its
+            input and output features) of every targeted linear: a larger r adds parameters, not rank.
         alpha: the scaling numerator: the update is (alpha / r) · B·A, or (alpha / sqrt(r)) · B·A with rslora.
         dropout: dropout on the adapter's input (the base path never sees it).
         target_modules: which of megatron's linear layers carry adapters: linear_qkv | linear_proj |
