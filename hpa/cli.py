@@ -23,6 +23,9 @@ from hpa.config.presets import PRESETS, with_preset
 from hpa.config.schema import to_dict
 
 
+EXIT_ALL_SKIPPED = 65  # EX_DATAERR: hpa train ran to its end without applying one update
+
+
 @dataclasses.dataclass(frozen=True)
 class Command:
     help: str
@@ -112,6 +115,12 @@ def train(argv: List[str]) -> int:
               f"(checkpoint.on_save_failure=stop); the previous checkpoint and 'latest' are intact, "
               f"free space or fix the disk and run the same command again to resume", file=sys.stderr)
         return EXIT_SAVE_FAILED
+    if trainer.exit_reason == "all_skipped":
+        print(f"hpa train: every optimizer step of the run's {trainer.state.step} steps was skipped (a non-finite or "
+              f"spiking gradient norm, guard/skipped_steps={trainer.guard.skipped_steps}): nothing was learned; "
+              f"lower optim.lr or model.lora.alpha, or check the loss scale (metrics.jsonl: actor/grad_norm)",
+              file=sys.stderr)
+        return EXIT_ALL_SKIPPED
     if trainer.exit_reason in ("signal", "max_steps_per_run"):
         saved = "after saving a checkpoint" if trainer.state.last_save_ok else \
             "but its checkpoint could not be saved (the previous one is kept)"

@@ -790,13 +790,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError("--gpu-memory-gb", f"must be a positive number of GB, got {args.gpu_memory_gb}",
                               source="command line")
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
-        reward_cfg = load_config(args.reward_config) if args.reward_config else None
+        reward_cfg = _reward_config(args.reward_config) if args.reward_config else None
         result = plan(cfg, args.world_size, args.gpu_memory_gb, reward_cfg)
     except ConfigError as exc:
         print(f"hpa plan: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0 if result["fits"] else 1
+
+
+def _reward_config(path: str):
+    """``--reward-config``'s config; a missing file or a directory is said of that flag, not of ``--config``."""
+    from hpa.config import load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        if exc.key != "--config":
+            raise
+        raise ConfigError("--reward-config", exc.message, source=exc.source) from None
 
 
 if __name__ == "__main__":

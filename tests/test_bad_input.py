@@ -233,3 +233,83 @@ def test_a_launcher_variable_that_is_not_a_number_is_one_line(monkeypatch, capsy
         read_launch_env({"RANK": "0", "WORLD_SIZE": "eight"})
     with pytest.raises(UserError, match="MASTER_PORT"):
         read_launch_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "x"})
+
+
+# -------------------------------------------------------------------------------------------- LoRA adapters
+
+
+def _adapters(tmp_path, name, record):
+    path = tmp_path / name
+    path.mkdir()
+    if record is not None:
+        (path / "lora.json").write_text(json.dumps(record))
+    return path
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "train"])
+def test_lora_adapters_are_checked_before_any_model_loads(command, data, tmp_path, capsys, monkeypatch):
+    """A missing, unmarked or mismatched ``model.lora.adapter_path``, and ``generate``/``serve`` with LoRA on and
+    no adapters, are one line naming the key from the config's start-up checks: no process group, no base load
+    (``launched`` fails the test if reached)."""
+    import hpa.distributed
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a model was about to load")
+
+    monkeypatch.setattr(hpa.distributed, "launched", launched)
+    (tmp_path / "base").mkdir()
+    extra = ["--prompts", str(tmp_path / "prompts.jsonl"), "--output", str(tmp_path / "o.jsonl")] \
+        if command == "generate" else []
+    lora = [*data, f"model.policy_path={tmp_path / 'base'}", "model.lora.rank=4", "model.lora.alpha=8",
+            "algorithm.advantage.estimator=grpo", "serve.port=0"]
+    step = _adapters(tmp_path, "step_1", None)
+    (step / "manifest.json").write_text("{}")
+    _adapters(step, "policy", {"adapters_only": True, "rank": 8, "scaling": 2.0, "num_adapters": 8})
+    cases = [(_adapters(tmp_path, "plain", None), "not a LoRA adapter checkpoint (no lora.json)"),
+             (tmp_path / "gone", "does not exist"),
+             (step, "rank 8 scaled by 2.0 but model.lora gives rank 4 scaled by 2")]
+    if command != "train":
+        cases.append((None, "is not set"))
+    for path, needle in cases:
+        adapter = [] if path is None else [f"model.lora.adapter_path={path}"]
+        _one_line_error(capsys, main([command, *extra, *lora, *adapter]), "model.lora.adapter_path", needle)
+    # the record of a run checkpoint (its policy/) with the right rank and scaling passes to the model load
+    with pytest.raises(AssertionError, match="about to load"):
+        main([command, *extra, *lora, "model.lora.rank=8", "model.lora.alpha=16", f"model.lora.adapter_path={step}"])
+
+
+# -------------------------------------------------------------------------------------------- values that do nothing
+
+
+@pytest.mark.parametrize("overrides,needles", [
+    (["model.lora.rank=65", "algorithm.advantage.estimator=grpo"], ("model.lora.rank", "65", "at most 64")),
+    (["algorithm.hpa.gate.kp=0", "algorithm.hpa.gate.ki=0"], ("algorithm.hpa.gate.kp", "ki are both 0")),
+    (["algorithm.hpa.coverage.released_pairs=0"], ("algorithm.hpa.coverage.released_pairs", "out of range (0.0")),
+])
+def test_values_that_do_nothing_are_refused(overrides, needles, capsys):
+    """A LoRA rank above a targeted layer's width (tiny: 64 wide) adds parameters and nothing else, and ``hpa plan``
+    would call it a fit; a gate with no gain never acts; no pairs where the coverage hold is released drops the
+    pair stream there. Each is one line naming the key, from ``hpa plan`` as from every command."""
+    _one_line_error(capsys, main(["plan", "--world-size", "1", "--gpu-memory-gb", "80", *overrides]), *needles)
+    load_config(None, ["model.lora.rank=64", "algorithm.advantage.estimator=grpo"])  # the width itself is fine
+    load_config(None, ["algorithm.hpa.gate.kp=0", "algorithm.hpa.gate.ki=0", "algorithm.hpa.gate.enabled=false"])
+    load_config(None, ["algorithm.hpa.gate.kp=0"])
+
+
+def test_plan_names_the_reward_config_flag(tmp_path, capsys):
+    argv = ["plan", "--world-size", "1", "--gpu-memory-gb", "80", "--reward-config"]
+    err = _one_line_error(capsys, main([*argv, str(tmp_path / "missing.yaml")]), "--reward-config", "missing.yaml")
+    assert "'--config'" not in err
+    _one_line_error(capsys, main([*argv, str(tmp_path)]), "--reward-config", "is a directory")
+
+
+def test_a_malformed_record_is_a_user_error(tmp_path):
+    """Every data file's malformed record (``data.sft_path`` and ``data.heldout_preference_path`` included) is a
+    ``UserError``, which the command line prints as one line (tests/trainer/test_failed_runs_e2e.py runs it)."""
+    from hpa.config import UserError
+    from hpa.data.preferences import PreferenceDataset, SFTDataset
+
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n')
+    for dataset in (SFTDataset, PreferenceDataset):
+        with pytest.raises(UserError, match=r"bad\.jsonl:1: key '(response|chosen)': is missing"):
+            dataset.load(str(tmp_path / "bad.jsonl"), None, max_prompt_length=8, max_response_length=8)

@@ -311,7 +311,8 @@ class TrustGateConfig:
         slack: violation that costs nothing: margins above the ceiling (the two ceilings) or relative
             regression of the NLL (heldout_nll; 0.02 = 2 %).
         kp: proportional gain (λ per unit of violation beyond the slack).
-        ki: integral gain (λ per unit of accumulated violation, one unit per step).
+        ki: integral gain (λ per unit of accumulated violation, one unit per step). kp and ki both 0 is an
+            error: λ would never rise.
         reward_ema: smoothing of the learned reward (EMA factor).
         baseline_steps: start_rollouts with ``baseline_prompts`` 0: the first updates whose rollouts' mean
             learned reward is the baseline (the gate is open until then).
@@ -344,6 +345,9 @@ class TrustGateConfig:
         check_range("slack", self.slack, low=0.0)
         check_range("kp", self.kp, low=0.0)
         check_range("ki", self.ki, low=0.0)
+        if self.enabled is not False and self.kp == 0 and self.ki == 0:
+            raise ConfigError("kp", "and ki are both 0: λ never rises and the gate does nothing; give kp or ki "
+                                    "above 0, or turn the gate off (enabled: false)")
         check_range("reward_ema", self.reward_ema, low=0.0, high=1.0, high_open=True)
         check_range("baseline_steps", self.baseline_steps, low=1)
         check_range("baseline_prompts", self.baseline_prompts, low=0)
@@ -439,7 +443,7 @@ class CoverageConfig:
             what it gets wrong from the pairs and demonstrations faster than from rollouts it scores on a
             learned reward (hackable 116 and 117 fell behind ``dpo-rpo``, whose pair term has no balance
             factor below 1). Where the hold is kept, or nothing was measured, the pairs weigh as the other
-            keys say. 1: no change. Default 2 since 2026-12-06 (1 before): chosen against 3 on 10 released
+            keys say. 1: no change; above 0 (0 would drop the pairs where they are meant to teach). Default 2 since 2026-12-06 (1 before): chosen against 3 on 10 released
             hackable and 7 released split tasks already run (2: +0.021 on average, 15 of the 17 higher, worst
             −0.007; 3: +0.019, worst −0.013), confirmed on tasks never run before (docs/results.md, "More
             pairs where the hold is released").
@@ -463,7 +467,7 @@ class CoverageConfig:
         if self.hold_min_skill is not None:
             check_range("hold_min_skill", self.hold_min_skill, low=0.0, high=1.0)
         check_range("released_kl", self.released_kl, low=0.0)
-        check_range("released_pairs", self.released_pairs, low=0.0)
+        check_range("released_pairs", self.released_pairs, low=0.0, low_open=True)  # 0: no pairs where released
         check_range("kl_boost", self.kl_boost, low=0.0)
         check_choice("kl_boost_shape", self.kl_boost_shape, KL_BOOST_SHAPES)
         if self.kl_boost_target is not None:

@@ -97,7 +97,8 @@ class LoRAConfig:
     weight as before.
 
     Attributes:
-        rank: the adapters' rank r; 0: LoRA off (full fine-tuning).
+        rank: the adapters' rank r; 0: LoRA off (full fine-tuning). At most the width (the smaller of its
+            input and output features) of every targeted linear: a larger r adds parameters, not rank.
         alpha: the scaling numerator: the update is (alpha / r) · B·A, or (alpha / sqrt(r)) · B·A with rslora.
         dropout: dropout on the adapter's input (the base path never sees it).
         target_modules: which of megatron's linear layers carry adapters: linear_qkv | linear_proj |
@@ -814,12 +815,26 @@ def check_lora(cfg: Config) -> None:
             raise ConfigError("model.recompute_granularity", "full recomputation re-runs the critic's layers in "
                               "backward, outside the block that switches the critic's adapters on; with LoRA "
                               "and a critic use selective or null")
+    for target, (width_in, width_out) in lora_linear_widths(m).items():
+        if target in m.lora.target_modules and m.lora.rank > min(width_in, width_out):
+            raise ConfigError("model.lora.rank", f"{m.lora.rank} is above the width of {target} ({width_out} x "
+                              f"{width_in}): its update B·A has rank {min(width_in, width_out)} at most, the rest is "
+                              f"parameters and memory for nothing; give at most {min(width_in, width_out)}")
     if m.reference_path and m.reference_path != m.policy_path:
         raise ConfigError("model.reference_path", "with LoRA the reference is the frozen base (model.policy_path) "
                           "with the adapters off; unset model.reference_path or set model.lora.rank: 0")
     if m.transformer_impl == "transformer_engine":
         raise ConfigError("model.transformer_impl", "LoRA adapts megatron's local parallel linears; Transformer "
                           "Engine's fused layer-norm linears are not supported: use local (or auto on CPU)")
+
+
+def lora_linear_widths(m: ModelConfig) -> Dict[str, Tuple[int, int]]:
+    """``(in, out)`` features of each linear LoRA can adapt, whole (before tensor parallelism)."""
+    d, f = m.hidden_size // m.num_attention_heads, m.ffn_hidden_size or 4 * m.hidden_size
+    gated = 2 if m.activation == "swiglu" else 1
+    return {"linear_qkv": (m.hidden_size, (m.num_attention_heads + 2 * m.kv_heads) * d),
+            "linear_proj": (m.num_attention_heads * d, m.hidden_size),
+            "linear_fc1": (m.hidden_size, gated * f), "linear_fc2": (f, m.hidden_size)}
 
 
 def component_advantages(cfg: Config) -> bool:

@@ -15,7 +15,7 @@ from .schema import Config, demonstrations_needed
 
 # what each command reads: (dotted key, "file" | "dir" | "any"); an unset optional key is skipped
 _TOKENIZER = ("data.tokenizer_path", "any")
-_POLICY = (("model.policy_path", "any"),)
+_POLICY = (("model.policy_path", "any"), ("model.lora.adapter_path", "dir"))
 PATHS_READ = {
     "train": (_TOKENIZER, ("data.prompt_path", "file"), ("data.preference_path", "file"),
               ("data.eval_prompt_path", "file"), ("data.adversarial_prompt_path", "file"),
@@ -28,6 +28,9 @@ PATHS_READ = {
     "generate": (_TOKENIZER, *_POLICY, ("model.reference_path", "any")),
 }
 REQUIRED = {"sft": ("data.sft_path",), "serve": ("model.policy_path",), "generate": ("model.policy_path",)}
+# the adapter checkpoint's record beside its shards (hpa.models.lora.MARKER); a run checkpoint holds it in policy/
+LORA_RECORD = "lora.json"
+RUN_CHECKPOINT_MANIFEST = "manifest.json"  # hpa.models.weights.MANIFEST
 # what a command reads only when a feature is on: (command, the feature's test, the path's entry)
 PATHS_READ_WHEN = (("train", demonstrations_needed, ("data.sft_path", "file")),)
 _KIND_WORD = {"file": "a file", "dir": "a directory", "any": "a file or directory"}
@@ -61,7 +64,42 @@ def check_paths(cfg: Config, command: str) -> None:
                 raise ConfigError(item, f"{path!r} is a directory; give a file")
             if kind == "dir" and not os.path.isdir(path):
                 raise ConfigError(item, f"{path!r} is a file; give a checkpoint directory")
+    _check_adapters(cfg, command)
     _check_reward_models(cfg)
+
+
+def _check_adapters(cfg: Config, command: str) -> None:
+    """``model.lora.adapter_path`` is an adapter checkpoint of ``model.lora``'s rank and scaling (its record,
+    as ``hpa.models.lora_io.load_adapters`` reads it), and ``hpa generate``/``serve`` with LoRA on have one:
+    told before the base loads, which on a large base takes minutes."""
+    lora, key = cfg.model.lora, "model.lora.adapter_path"
+    if command in ("generate", "serve") and lora.enabled:
+        if lora.adapter_path is None:
+            raise ConfigError(key, f"hpa {command} with model.lora.rank {lora.rank} serves trained adapters and it "
+                                   "is not set; give a LoRA run's checkpoint (<run_dir>/checkpoints/step_N), or "
+                                   "model.lora.rank=0 to use the base alone")
+    if lora.adapter_path is None:
+        return
+    path = lora.adapter_path
+    if os.path.isfile(os.path.join(path, RUN_CHECKPOINT_MANIFEST)) and os.path.isdir(os.path.join(path, "policy")):
+        path = os.path.join(path, "policy")
+    record = os.path.join(path, LORA_RECORD)
+    try:
+        with open(record) as f:
+            info = json.load(f)
+    except OSError:
+        raise ConfigError(key, f"{lora.adapter_path!r} is not a LoRA adapter checkpoint (no {LORA_RECORD}); give a "
+                               "LoRA run's checkpoint (<run_dir>/checkpoints/step_N) or an 'hpa convert "
+                               "peft-to-megatron' output") from None
+    except ValueError as exc:
+        raise ConfigError(key, f"{record} is not valid JSON ({exc})") from None
+    rank, scaling = info.get("rank") if isinstance(info, dict) else None, \
+        info.get("scaling") if isinstance(info, dict) else None
+    if rank != lora.rank or not isinstance(scaling, (int, float)) or \
+            abs(scaling - lora.scaling) > 1e-6 * abs(lora.scaling):
+        raise ConfigError(key, f"{record} records adapters of rank {rank} scaled by {scaling} but model.lora gives "
+                               f"rank {lora.rank} scaled by {lora.scaling:g}; set model.lora.rank, alpha and rslora "
+                               "to the adapters' (their run's config.yaml)")
 
 
 def _check_reward_models(cfg: Config) -> None:

@@ -26,6 +26,7 @@ import re
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from hpa.config.errors import UserError
 from hpa.data.tokenizer import Tokenizer
 
 # Implementation names of the data config's choices (tests compare them with hpa.config.data).
@@ -33,8 +34,9 @@ ON_ERROR_MODES = ("raise", "skip")
 PROMPT_TRUNCATION_MODES = ("skip", "truncate_left")
 
 
-class RecordError(ValueError):
-    """A malformed record. The message names the file, the line and the key, and the fix."""
+class RecordError(UserError):
+    """A malformed record. The message names the file, the line and the key, and the fix (a user's mistake: one
+    line from the command line, whichever data file it is in)."""
 
     def __init__(self, location: str, message: str, key: Optional[str] = None):
         self.location = location
@@ -45,7 +47,7 @@ class RecordError(ValueError):
                          f"to count it and write it to the rejects file)")
 
 
-class DataFileError(ValueError):
+class DataFileError(UserError):
     """A data file that cannot be read as a whole; the message names the file (and column) and the fix."""
 
     def __init__(self, path: str, message: str, column: Optional[str] = None):

@@ -497,11 +497,14 @@ def _layer_suffixes(gpt) -> List[str]:
 
 def _local_weight(params: Dict[str, torch.Tensor], adapted: Dict[str, Any], name: str) -> torch.Tensor:
     """This rank's shard of parameter ``name``, with its LoRA update merged in when an enabled adapter has
-    one (``W + scaling · B A``): an export or a vLLM sync of a LoRA model carries the policy, not the base."""
+    one (``W + scaling · B A``, in fp32, rounded once: ``lora.merged_weight``): an export or a vLLM sync of a LoRA
+    model carries the policy, not the base."""
+    from . import lora
+
     tensor = params[name].detach()
     adapter = adapted.get(name)
     if adapter is not None and adapter.enabled:
-        tensor = tensor + adapter.delta_weight().detach().to(tensor.dtype)
+        tensor = lora.merged_weight(tensor, adapter)
     return tensor
 
 
@@ -706,19 +709,32 @@ def build_convert_parser() -> argparse.ArgumentParser:
     return add_convert_arguments(parser)
 
 
-def _model_cfg_for_export(args) -> Tuple[ModelConfig, str, Optional[dict]]:
+def _export_config(args) -> Tuple[Optional[Path], Optional[dict]]:
+    """``(the YAML whose model section describes --megatron-dir, or None, its hpa_convert.json or None)``:
+    ``--config``, else the checkpoint's own ``hpa_convert.json`` (an imported checkpoint), else the ``config.yaml``
+    of the run that wrote it (``<run_dir>/checkpoints/step_N/policy``, as for a LoRA checkpoint)."""
+    from .lora_io import run_config_of
+
     meta_file = Path(args.megatron_dir) / META_FILE
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
-    if args.config is not None:
+    if args.config is not None or meta is not None:
+        return (Path(args.config) if args.config is not None else None), meta
+    return run_config_of(args.megatron_dir), None
+
+
+def _model_cfg_for_export(args) -> Tuple[ModelConfig, str, Optional[dict]]:
+    config, meta = _export_config(args)
+    if config is not None:
         from hpa.config import load_config
 
-        model_cfg = load_config(args.config).model
-    elif meta is not None:
-        model_cfg = ModelConfig(**meta["model"])
+        model_cfg = load_config(str(config)).model
+        base_meta = Path(model_cfg.policy_path or "", META_FILE)  # the HF config a run started from
+        if meta is None and model_cfg.policy_path and base_meta.is_file():
+            meta = json.loads(base_meta.read_text())
     else:
-        raise FileNotFoundError(f"{meta_file} not found; pass --config with the YAML the checkpoint was "
-                                "trained with (its model section describes the architecture)")
-    model_cfg = dataclasses.replace(model_cfg, transformer_impl=args.transformer_impl)
+        model_cfg = ModelConfig(**meta["model"])
+    model_cfg = dataclasses.replace(model_cfg, transformer_impl=args.transformer_impl,
+                                    lora=dataclasses.replace(model_cfg.lora, rank=0, adapter_path=None))
     family = args.family or (meta or {}).get("family") or ("qwen2" if model_cfg.add_qkv_bias else "llama")
     return model_cfg, family, (meta or {}).get("hf_config")
 
@@ -793,6 +809,11 @@ def _check_arguments(args) -> None:
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None and not os.path.isdir(value):
             raise ConfigError(flag, f"{value!r} is not a directory", source="command line")
+    if args.direction == "megatron-to-hf" and _export_config(args) == (None, None) and \
+            not (Path(source) / "lora.json").is_file() and not (Path(source) / "policy" / "lora.json").is_file():
+        raise ConfigError("--config", f"{source} has no {META_FILE} (written by 'hpa convert hf-to-megatron') and no "
+                                      "run's config.yaml above it; pass --config with the YAML it was trained with "
+                                      "(its model section describes the architecture)", source="command line")
     out = Path(args.out)
     if args.direction != "megatron-to-hf" and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("--out", f"{out} exists and is not an empty directory; choose a new directory",

@@ -366,6 +366,14 @@ class CriticView(nn.Module):
         return out
 
 
+def merged_weight(weight: torch.Tensor, adapter) -> torch.Tensor:
+    """``W + scaling · B A`` computed in fp32 and rounded once to ``W``'s dtype. In bf16, rounding ``B A`` and
+    its scaling first, then the sum, loses more of a small update than the one rounding the merged weight
+    cannot avoid (docs/lora.md, "vLLM")."""
+    delta = (adapter.B.detach().float() @ adapter.A.detach().float()) * adapter.scaling
+    return (weight.detach().float() + delta).to(weight.dtype)
+
+
 def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """This rank's local state dict with every adapted weight replaced by ``W + scaling · B A`` (its shard)
     and the adapter keys left out: what a model without LoRA loads to compute the same forward."""
@@ -375,7 +383,7 @@ def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, adapter in adapters(gpt):
             key = name[:-len(SUFFIX)] + ".weight"
-            state[key] = state[key] + adapter.delta_weight().to(state[key].dtype)
+            state[key] = merged_weight(state[key], adapter)
     return state
 
 
@@ -388,7 +396,7 @@ def merge_adapters_(model: nn.Module) -> None:
     with torch.no_grad():
         for name, adapter in adapters(gpt):
             base = modules[name[:-len(SUFFIX)]]
-            base.weight.add_(adapter.delta_weight().to(base.weight.dtype))
+            base.weight.copy_(merged_weight(base.weight, adapter))
             adapter.B.zero_()
 
 

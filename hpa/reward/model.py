@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -41,6 +42,7 @@ from hpa.engine.forward import forward_only
 from hpa.engine.batching import Batching
 from hpa.engine.collate import TokenRows, chunks, collate
 
+logger = logging.getLogger("hpa")
 # Written next to megatron's files in a saved reward model directory.
 REWARD_MODEL_INFO = "hpa_reward_model.json"
 DEFAULT_BATCHING = Batching(micro_batch_size=8, pad_id=0)  # a ModelReward built without one: 8 sequences a micro-batch
@@ -207,11 +209,12 @@ def read_reward_model_info(path: os.PathLike) -> Optional[Dict[str, object]]:
     try:
         return json.loads(info_path.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{info_path} is not valid JSON ({exc}); re-save the reward model with 'hpa train-rm'")
+        raise ConfigError("reward.model_paths", f"{info_path} is not valid JSON ({exc}); re-save the reward model "
+                          "with 'hpa train-rm'") from None
 
 
-def reward_model_config(policy: ModelConfig, path: os.PathLike,
-                        info: Optional[Dict[str, object]] = None) -> ModelConfig:
+def reward_model_config(policy: ModelConfig, path: os.PathLike, info: Optional[Dict[str, object]] = None, *,
+                        key: str = "reward.model_paths") -> ModelConfig:
     """The ``ModelConfig`` a saved reward model is built with.
 
     A reward model that records its architecture is built from it (the run's dtype and layer
@@ -219,32 +222,68 @@ def reward_model_config(policy: ModelConfig, path: os.PathLike,
     policy's architecture (checked against the hidden size it records).
 
     Raises:
-        ValueError: on an unknown or invalid recorded architecture, or an old record whose hidden size
-            is not the policy's.
+        ConfigError: naming ``key`` on an unknown or invalid recorded architecture, or an old record whose
+            hidden size is not the policy's.
     """
     info = read_reward_model_info(path) if info is None else info
+    record = str(Path(path, REWARD_MODEL_INFO))
     if info is None or "architecture" not in info:
         if info is not None and info.get("hidden_size") not in (None, policy.hidden_size):
-            raise ValueError(f"reward model {path} has hidden size {info.get('hidden_size')} but model."
-                             f"hidden_size={policy.hidden_size}, and its {REWARD_MODEL_INFO} records no "
-                             "architecture to build it from; use the config the reward model was trained with")
+            raise ConfigError(key, f"reward model {path} has hidden size {info.get('hidden_size')} but model."
+                              f"hidden_size={policy.hidden_size}, and its {REWARD_MODEL_INFO} records no "
+                              "architecture to build it from; use the config the reward model was trained with",
+                              source=record)
         return dataclasses.replace(policy, policy_path=None, reference_path=None, critic_path=None,
                                    lora=LoRAConfig())
-    arch = dict(info["architecture"])
+    arch = info["architecture"]
+    if not isinstance(arch, dict):
+        raise ConfigError(key, f"its recorded architecture is {arch!r}, not a mapping of model.* keys; re-save the "
+                          "reward model with 'hpa train-rm'", source=record)
     unknown = sorted(set(arch) - set(ARCHITECTURE_FIELDS))
     if unknown:
-        raise ValueError(f"{Path(path, REWARD_MODEL_INFO)} records unknown architecture keys {unknown}; "
-                         f"known: {', '.join(ARCHITECTURE_FIELDS)}")
+        raise ConfigError(key, f"reward model {path} records unknown architecture keys {unknown}; known: "
+                          f"{', '.join(ARCHITECTURE_FIELDS)}", source=record)
     try:
         return dataclasses.replace(policy, **arch, policy_path=None, reference_path=None, critic_path=None,
                                    lora=LoRAConfig())
-    except ConfigError as exc:
-        raise ValueError(f"{Path(path, REWARD_MODEL_INFO)}: its recorded architecture is invalid: {exc}") from None
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(key, f"reward model {path}: its recorded architecture is invalid: {exc}",
+                          source=record) from None
+
+
+def checkpoint_tokenizer(path: os.PathLike) -> Tuple[Optional[Dict[str, object]], Optional[str]]:
+    """The tokenizer a checkpoint was trained with, and where that is said: a reward model's
+    ``hpa_reward_model.json`` record, else the ``data.tokenizer_*`` of the run's ``config.yaml`` up to three
+    directories above it (``<run_dir>/reward_model``, ``<run_dir>/sft``, ``<run_dir>/checkpoints/step_N/policy``),
+    fingerprinted now; ``(None, None)`` when neither names a tokenizer that can still be read."""
+    import yaml
+
+    from hpa.config.errors import UserError
+    from hpa.data.tokenizer import build_tokenizer
+
+    info = read_reward_model_info(path) if Path(path).is_dir() else None
+    if info is not None and isinstance(info.get("tokenizer"), dict):
+        return info["tokenizer"], str(Path(path, REWARD_MODEL_INFO))
+    for parent in list(Path(path).resolve().parents)[:3]:
+        config = parent / "config.yaml"
+        if not config.is_file():
+            continue
+        try:
+            data = (yaml.safe_load(config.read_text()) or {}).get("data") or {}
+            kind, file = data.get("tokenizer_kind"), data.get("tokenizer_path")
+            if not (isinstance(kind, str) and isinstance(file, str) and os.path.exists(file)):
+                return None, None
+            return tokenizer_record(build_tokenizer(kind, file)), f"{config} (data.tokenizer_path)"
+        except (yaml.YAMLError, AttributeError, UserError):
+            return None, None
+    return None, None
 
 
 def check_reward_tokenizer(path: os.PathLike, info: Optional[Dict[str, object]],
-                           tokenizer: Optional[Dict[str, object]]) -> None:
+                           tokenizer: Optional[Dict[str, object]], *, key: str = "reward.model_paths") -> None:
     """A reward model scores the policy's token ids, so it must have been trained with the same tokenizer.
+    An older record without the tokenizer is checked against its run's ``config.yaml`` (``checkpoint_tokenizer``);
+    with neither, a warning says that nothing could be checked.
 
     Args:
         path: the reward model directory.
@@ -258,35 +297,112 @@ def check_reward_tokenizer(path: os.PathLike, info: Optional[Dict[str, object]],
     if tokenizer is None:
         return
     recorded = (info or {}).get("tokenizer")
-    if recorded is not None and recorded.get("fingerprint") != tokenizer["fingerprint"]:
-        raise ConfigError("reward.model_paths", f"reward model {path} was trained with the tokenizer "
-                          f"{recorded.get('path')!r} ({recorded.get('kind')}, {recorded.get('vocab_size')} ids) but "
-                          f"the policy uses data.tokenizer_path={tokenizer['path']!r} ({tokenizer['kind']}, "
-                          f"{tokenizer['vocab_size']} ids), and the two map ids to different pieces; a reward model "
-                          "must share the policy's tokenizer: train it with 'hpa train-rm "
-                          f"data.tokenizer_path={tokenizer['path']}'", source=str(Path(path, REWARD_MODEL_INFO)))
+    source = str(Path(path, REWARD_MODEL_INFO))
+    if not isinstance(recorded, dict):
+        recorded, source = checkpoint_tokenizer(path)
+    if recorded is None:
+        logger.warning("reward model %s records no tokenizer (an older %s) and no run config.yaml above it names "
+                       "one: it must have been trained with data.tokenizer_path=%s, which cannot be checked; re-save "
+                       "it with 'hpa train-rm' to record it", path, REWARD_MODEL_INFO, tokenizer["path"])
+        return
+    check_same_tokenizer(recorded, tokenizer, key=key, what=f"reward model {path}", source=source)
+
+
+def check_same_tokenizer(recorded: Dict[str, object], tokenizer: Dict[str, object], *, key: str, what: str,
+                         source: str) -> None:
+    """Raise a ConfigError naming ``key`` and both tokenizer files when the fingerprints differ."""
+    if recorded.get("fingerprint") != tokenizer["fingerprint"]:
+        raise ConfigError(key, f"{what} was trained with the tokenizer {recorded.get('path')!r} "
+                          f"({recorded.get('kind')}, {recorded.get('vocab_size')} ids) but this run uses "
+                          f"data.tokenizer_path={tokenizer['path']!r} ({tokenizer['kind']}, {tokenizer['vocab_size']} "
+                          "ids), and the two map ids to different pieces; a reward model must share the policy's "
+                          f"tokenizer: train it with 'hpa train-rm data.tokenizer_path={tokenizer['path']}'",
+                          source=source)
+
+
+def check_reward_weights(rm: ModelConfig, path: os.PathLike, num_heads: int, *, recorded: bool,
+                         key: str = "reward.model_paths") -> None:
+    """The shapes megatron saved at ``path`` (its metadata, no tensor read) against those of the reward model
+    ``rm`` with ``num_heads`` heads, before anything is built: a policy checkpoint (an output layer over the
+    vocabulary, no bias) and a model of another size are named here instead of a shape error in megatron's load.
+    ``recorded``: whether ``rm`` is the architecture the checkpoint records (else it is the policy's)."""
+    from megatron.core import dist_checkpointing
+
+    from hpa.config.schema import lora_linear_widths
+    from hpa.models.weights import MANIFEST
+
+    directory = Path(path)
+    if (directory / MANIFEST).is_file() and (directory / "policy").is_dir():
+        directory = directory / "policy"
+    try:
+        found = {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(str(directory)).items()
+                 if hasattr(v, "global_shape")}
+    except Exception as exc:  # noqa: BLE001  a file megatron cannot read: its own message, one line
+        raise ConfigError(key, f"{path} cannot be read as a megatron checkpoint ({type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:200]})") from None
+    head = found.get("output_layer.weight")
+    if head is None or "output_layer.bias" not in found:
+        what = "no output layer" if head is None else f"an output layer {list(head)} without a bias"
+        raise ConfigError(key, f"{path} is not a reward model: it has {what} (a policy's over the vocabulary; a "
+                          f"reward model's is [{num_heads}, hidden] with a bias); give the reward_model/ directory "
+                          "that 'hpa train-rm' wrote, or train one from it (reward.training.backbone_path)")
+    widths = lora_linear_widths(rm)
+    expected = {**{f"decoder.layers.{parent}.{name}.weight": (rm.num_layers, widths[name][1], widths[name][0])
+                   for parent, name in (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
+                                        ("mlp", "linear_fc1"), ("mlp", "linear_fc2"))},
+                "output_layer.weight": (num_heads, rm.hidden_size)}
+    for name, shape in expected.items():
+        if name in found and found[name] != shape:
+            fix = f"its {REWARD_MODEL_INFO} records an architecture that does not match its weights; re-save it " \
+                  "with 'hpa train-rm'" if recorded else f"it has no {REWARD_MODEL_INFO} with its architecture, so " \
+                  f"it is built as the policy (model.*): a reward model of its own size needs that record (hpa " \
+                  f"train-rm writes it)"
+            if name == "output_layer.weight" and found[name][0] != num_heads:
+                fix = f"set reward.num_heads: {found[name][0]}"
+            raise ConfigError(key, f"reward model {path}: {name} is {list(found[name])}, {list(shape)} expected; "
+                              f"{fix}")
+
+
+def _checked_reward_config(model: ModelConfig, groups: ParallelGroups, path: os.PathLike, num_heads: int, *,
+                           tokenizer: Optional[Dict[str, object]], key: str) -> ModelConfig:
+    """The architecture of the reward model at ``path`` after every check that needs no model built: its
+    heads, tokenizer, recorded architecture, layout and saved shapes."""
+    info = read_reward_model_info(path)
+    if info is not None and info.get("num_heads") != num_heads:
+        raise ConfigError("reward.num_heads", f"{num_heads}, but reward model {path} has {info.get('num_heads')} "
+                          f"heads; set reward.num_heads: {info.get('num_heads')}")
+    check_reward_tokenizer(path, info, tokenizer, key=key)
+    rm_cfg = reward_model_config(model, path, info, key=key)
+    _check_layout(rm_cfg, groups, path)
+    check_reward_weights(rm_cfg, path, num_heads, recorded=info is not None and "architecture" in info, key=key)
+    return rm_cfg
+
+
+def check_reward_models(reward: RewardConfig, model: ModelConfig, groups: ParallelGroups, *,
+                        tokenizer: Optional[Dict[str, object]] = None) -> None:
+    """Every check of ``reward.model_paths`` that ``ModelReward.from_config`` makes before building a model; a run
+    makes it before its policy loads."""
+    for i, path in enumerate(reward.model_paths):
+        _checked_reward_config(model, groups, path, reward.num_heads, tokenizer=tokenizer,
+                               key=f"reward.model_paths[{i}]")
 
 
 def load_reward_model(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, path: os.PathLike,
-                      num_heads: int, *, tokenizer: Optional[Dict[str, object]] = None, trainable: bool = False):
+                      num_heads: int, *, tokenizer: Optional[Dict[str, object]] = None, trainable: bool = False,
+                      key: str = "reward.model_paths"):
     """Build the reward model saved at ``path`` (under any TP/PP layout) from its recorded architecture
     (``reward_model_config``; ``model`` is the policy's) with ``num_heads`` heads, and load it.
 
     Args:
         tokenizer: the policy's ``tokenizer_record``, checked against the one the reward model records.
+        key: the config key that named ``path``, for the errors.
 
     Raises:
-        ValueError: when the checkpoint records a different number of heads, or its architecture does
-            not split over ``parallel``.
-        ConfigError: when it was trained with another tokenizer.
+        ConfigError: when the checkpoint records a different number of heads, was trained with another
+            tokenizer, is not a reward model or not one of the architecture it is built with, or its
+            architecture does not split over ``parallel``.
     """
-    info = read_reward_model_info(path)
-    if info is not None and info.get("num_heads") != num_heads:
-        raise ValueError(f"reward model {path} has {info.get('num_heads')} heads but reward.num_heads="
-                         f"{num_heads}; set reward.num_heads: {info.get('num_heads')}")
-    check_reward_tokenizer(path, info, tokenizer)
-    rm_cfg = reward_model_config(model, path, info)
-    _check_layout(rm_cfg, groups, path)
+    rm_cfg = _checked_reward_config(model, groups, path, num_heads, tokenizer=tokenizer, key=key)
     rm = build_reward(rm_cfg, parallel, groups, num_heads=num_heads)
     load_model_weights(rm, path, groups)
     if not trainable:
@@ -302,8 +418,8 @@ def _check_layout(rm: ModelConfig, groups: ParallelGroups, path: os.PathLike) ->
                                    ("num_query_groups", rm.kv_heads, tp, "TP"),
                                    ("num_layers", rm.num_layers, pp, "PP")):
         if value % size:
-            raise ValueError(f"reward model {path}: its {key}={value} does not split over the run's {what}={size}; "
-                             f"train the reward model with a {key} divisible by {size}")
+            raise ConfigError("reward.model_paths", f"reward model {path}: its {key}={value} does not split over "
+                              f"the run's {what}={size}; train the reward model with a {key} divisible by {size}")
 
 
 class ModelReward:
@@ -348,8 +464,8 @@ class ModelReward:
         if not reward.model_paths:
             raise ValueError("reward.model_paths is empty; list the reward model checkpoint(s) "
                              "(the reward_model/ directory of an 'hpa train-rm' run)")
-        models = [load_reward_model(model, parallel, groups, path, reward.num_heads, tokenizer=tokenizer)
-                  for path in reward.model_paths]
+        models = [load_reward_model(model, parallel, groups, path, reward.num_heads, tokenizer=tokenizer,
+                                    key=f"reward.model_paths[{i}]") for i, path in enumerate(reward.model_paths)]
         if with_embeddings is None:
             with_embeddings = reward.shaping.beta > 0 and reward.shaping.diversity_source == "reward_model"
         hidden_size = unwrap(models[0]).config.hidden_size  # the embeddings are the first model's

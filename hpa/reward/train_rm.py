@@ -45,7 +45,8 @@ from hpa.distributed.console import progress_bar
 from hpa.distributed.comm import all_reduce_sum, barrier, broadcast_tensor
 from hpa.models import build_reward
 from hpa.registry import Registry
-from hpa.reward.model import (architecture_of, gather_last_token, read_reward_model_info, score_sequences,
+from hpa.reward.model import (architecture_of, check_same_tokenizer, checkpoint_tokenizer, gather_last_token,
+                              read_reward_model_info, score_sequences,
                               tokenizer_record, write_reward_model_info)
 from hpa.models.weights import load_model_weights, save_model_weights
 from hpa.engine.batching import Batching
@@ -229,6 +230,15 @@ def check_recorded_architecture(model: ModelConfig, path: str, key: str) -> None
                                f"dimensions: {fix}")
 
 
+def _check_start_tokenizer(rt, tokenizer: Dict[str, object]) -> None:
+    """A starting checkpoint trained with another tokenizer embeds other pieces under the same ids: refused by
+    name where its record or its run's config.yaml says which tokenizer it had (``checkpoint_tokenizer``)."""
+    for key, path in (("reward.training.init_path", rt.init_path), ("reward.training.backbone_path", rt.backbone_path)):
+        recorded, source = checkpoint_tokenizer(path) if path is not None else (None, None)
+        if recorded is not None:
+            check_same_tokenizer(recorded, tokenizer, key=key, what=f"the starting checkpoint {path}", source=source)
+
+
 class _MetricsSink:
     """Appends one JSON object per line to ``rm_metrics.jsonl`` on the main rank."""
 
@@ -334,6 +344,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
                                       seed=cfg.data.seed if cfg.data.seed is not None else t.seed,
                                       shuffle=cfg.data.shuffle)
 
+    _check_start_tokenizer(rt, tokenizer_record(tokenizer))
     set_seed(t.seed)
     model = build_reward(cfg.model, cfg.parallel, groups, num_heads=num_heads)
     if rt.init_path is not None:

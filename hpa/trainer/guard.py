@@ -28,6 +28,7 @@ class Guard:
         self.grad_norms: Deque[float] = deque(maxlen=cfg.grad_spike_window)
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self.applied_this_launch = 0  # not saved: a launch that applies no update has learned nothing
         self.rollbacks = 0
         self.lr_scale = 1.0
         self.history: Deque[tuple] = deque(maxlen=cfg.early_stop_window)
@@ -56,6 +57,7 @@ class Guard:
     def record(self, updated: bool) -> None:
         if updated:
             self.consecutive_skips = 0
+            self.applied_this_launch += 1
         else:
             self.skipped_steps += 1
             self.consecutive_skips += 1

@@ -126,7 +126,8 @@ class HPATrainer:
     def train(self) -> Dict[str, float]:
         """Run to ``trainer.total_steps`` (or an early stop, a signal, ``max_steps_per_run``).
 
-        Sets ``exit_reason`` (and writes it to ``exit_status.json``) to ``done``, ``early_stop``,
+        Sets ``exit_reason`` (and writes it to ``exit_status.json``) to ``done``, ``all_skipped`` (the run
+        ended but the guard skipped every optimizer step of this launch: nothing was learned), ``early_stop``,
         ``signal`` or ``max_steps_per_run`` (in the last two cases a checkpoint was saved, unless
         ``state.last_save_ok`` is False, and the next launch resumes from the newest one), ``save_failed`` (``checkpoint.on_save_failure=stop``) or
         ``collective_failure`` (a collective timed out or lost a peer; the error names the phase and
@@ -186,6 +187,8 @@ class HPATrainer:
             if stop:
                 self.exit_reason = stop
                 break
+        if steps_this_run and not self.guard.applied_this_launch and self.exit_reason == "done":
+            self.exit_reason = "all_skipped"  # every update's gradient norm was non-finite or a spike
         return last
 
     def train_step(self) -> Dict[str, float]:

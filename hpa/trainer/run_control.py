@@ -82,7 +82,7 @@ def write_exit_status(run_dir: Path, reason: str, step: int, best_step: int) -> 
     """``<run_dir>/exit_status.json``: why this process stopped and where (``done``: at ``total_steps``);
     every process of the run also appends its line to ``<run_dir>/exit_history.jsonl``."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    status = json.dumps({"reason": reason, "step": step, "resumable": reason not in ("done", "early_stop"),
+    status = json.dumps({"reason": reason, "step": step, "resumable": reason not in ("done", "early_stop", "all_skipped"),
                          "best_step": best_step})
     (run_dir / "exit_status.json").write_text(status)
     with open(run_dir / "exit_history.jsonl", "a") as f:

@@ -84,6 +84,10 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
     if cfg.algorithm.replay.enabled:  # the SFT examples, replayed in every step (algorithm.replay)
         replay_sampler = sampler(len(demonstrations), t.replay_batch_size, seed + 2, "trainer.replay_batch_size",
                                  cfg.data.sft_path)
+    if cfg.reward.model_paths:  # before the policy loads: a reward model that cannot load is told in a moment
+        from hpa.reward.model import check_reward_models, tokenizer_record
+
+        check_reward_models(cfg.reward, cfg.model, groups, tokenizer=tokenizer_record(tokenizer))
     policy, reference, critic = build_models(cfg, groups)
     engine = build_rollout_engine(cfg.rollout, unwrap(policy.model), groups, TokenizerInfo.from_tokenizer(tokenizer),
                                   model_cfg=cfg.model, checkpoint_path=cfg.model.policy_path)

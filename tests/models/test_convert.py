@@ -285,3 +285,40 @@ def test_export_writes_sharded_safetensors_that_transformers_loads(converted, lo
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids()).logits, models["llama"](input_ids()).logits,
                                    atol=0, rtol=0)
+
+
+def test_a_full_run_checkpoint_exports_with_its_run_config(local_groups, tmp_path, capsys):
+    """docs/training.md's export of ``<run_dir>/checkpoints/step_N/policy`` (a full, non-LoRA run): the model
+    section comes from the run's ``config.yaml`` as for a LoRA checkpoint, and the export holds the checkpoint's
+    tensors; a checkpoint with neither that nor ``hpa_convert.json`` is one line naming ``--config``."""
+    from hpa.cli import main
+    from hpa.config import load_config, write_resolved
+    from hpa.config.schema import ParallelConfig
+    from hpa.models import build_reference
+    from hpa.models.convert import hf_tensors_from_megatron, run_convert
+    from hpa.models.weights import save_model_weights
+
+    cfg = load_config(None, [])
+    torch.manual_seed(0)
+    model = build_reference(cfg.model, ParallelConfig(), local_groups)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    run = tmp_path / "run"
+    write_resolved(cfg, run)
+    ckpt = run / "checkpoints" / "step_00000001" / "policy"
+    save_model_weights(model, ckpt, local_groups)
+    assert run_convert(["megatron-to-hf", "--megatron-dir", str(ckpt), "--out", str(tmp_path / "hf")],
+                       groups=local_groups) == 0
+    exported = read_safetensors(tmp_path / "hf")
+    expected = dict(hf_tensors_from_megatron(model, cfg.model, local_groups))
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metadata.json").write_text("{}")
+    code = main(["convert", "megatron-to-hf", "--megatron-dir", str(bare), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--config" in err and "hpa_convert.json" in err, err

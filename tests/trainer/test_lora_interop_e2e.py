@@ -43,7 +43,7 @@ def test_export_merged_and_peft_and_back(demo, lora_run, tmp_path):
     import peft
     import transformers
 
-    run_dir, _ = lora_run
+    run_dir, first_run = lora_run
     ckpt = run_dir / "checkpoints" / "step_00000002"
     convert("megatron-to-hf", "--megatron-dir", str(ckpt), "--out", str(tmp_path / "merged"),
             "--peft-dir", str(tmp_path / "peft"))
@@ -65,5 +65,9 @@ def test_export_merged_and_peft_and_back(demo, lora_run, tmp_path):
     records = launch(demo, tmp_path / "continued", 1, [*LORA, "trainer.total_steps=1",
                                                         f"model.lora.adapter_path={tmp_path / 'imported'}"])
     first = records[0]
-    # the continued run starts from the imported adapters: away from the base, which is its reference
+    # the continued run starts from the imported adapters: away from the base, which is its reference, and where
+    # the first run ended (its evaluation after step 2 is greedy, of the same prompts, against the same base)
+    ended = [r for r in first_run if r["step"] == 2][0]
     assert first["step"] == 0 and first["eval/kl"] > 0
+    for key in ("eval/kl", "eval/score", "eval/response_length"):
+        assert first[key] == pytest.approx(ended[key], rel=1e-5, abs=1e-6), key
