@@ -1,5 +1,5 @@
-"""Re-draw demo tasks and ablate each, then one table over all of them: the sweep of docs/results.md
-("Re-drawn tasks") as one command.
+"""Re-draw demo tasks and ablate each, then one table over all of them: the sweep of the records under experiments/
+(redrawn-tasks.md and after) as one command.
 
 Each task is ``FAMILY:SEED`` (``hackable:9``): ``DEMO_FAMILY=FAMILY DEMO_SEED=SEED DEMO_TRAIN=0 bash
 launch/demo.sh ROOT/FAMILY_sSEED`` makes it (data, tokenizer, SFT policy, reward ensemble; skipped when
@@ -12,7 +12,7 @@ a task. Usage::
     python -m experiments.tools.redraw_sweep --root runs/sweep --tasks hackable:9 --variants hpa dpo-rpo \\
         --table-only --table runs/sweep/table.md       # the table of what ran
 
-The whole sweep of docs/results.md ("Choose on some tasks, confirm on the rest", 2026-11-27) is one command
+The whole sweep of experiments/choose-confirm-28-tasks.md is one command
 (``SEED`` ranges are inclusive; ``--choose`` names the tasks the constants were chosen on, the rest are
 labelled *confirm*; split tasks also run ``--parts``, the PPO-only and DPO-only variants they must beat)::
 
