@@ -8,7 +8,7 @@
 # the reverse prompts uncovered, and the PPO reward is the learned ensemble alone (no rule reward), so the
 # policy can exploit it; the gold score (exact match) is only evaluated.
 # DEMO_TRAIN=0 stops after the reward ensemble (no HPA run, no report): a task to ablate
-# (python -m data_tools.redraw_ablation writes its ablation file; docs/objective.md).
+# (python -m experiments.tools.redraw_ablation writes its ablation file; docs/objective.md).
 # DEMO_FAMILY=split: the rule reward judges only the reverse prompts (the others have no ground truth) and the
 # preference pairs cover only add and copy, so each signal alone teaches part of the task.
 set -euo pipefail

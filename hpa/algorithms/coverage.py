@@ -1,6 +1,6 @@
 """Coverage of the reward models' preference data: how far a prompt (or a sequence) lies from the pairs the
 reward models were trained on, and how far to trust their score there (``algorithm.hpa.coverage``, on by
-default since 2026-11-27; measured in docs/results.md).
+default; measured in experiments/start-rollouts-and-coverage.md).
 
 A reward model is validated only near its training data; far from it the learned reward extrapolates and a
 policy can exploit it. The distance is the k-nearest-neighbour cosine distance in the reward model's own

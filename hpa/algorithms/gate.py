@@ -14,7 +14,7 @@ read on held-out preference pairs (never trained on). Four signals (``algorithm.
 
       e_t = (R_t - ceiling) / margin - slack      (R_t: the learned reward's EMA over the steps)
 
-- ``sampled_ceiling`` (the default of 2026-11-26): the same constraint with the ceiling moved onto the
+- ``sampled_ceiling`` (the default before ``start_rollouts``): the same constraint with the ceiling moved onto the
   rollouts' scale. The ceiling is a score of chosen responses, the kind a policy gives greedily; the rollouts are sampled (temperature,
   top-p), and sampled responses score lower than greedy ones of the same policy, so a policy whose greedy
   answers are already above the ceiling can keep its sampled rollouts below it for a whole run (measured
@@ -39,18 +39,19 @@ read on held-out preference pairs (never trained on). Four signals (``algorithm.
       ceiling = baseline + max(0, chosen - greedy)
       e_t = (R_t - ceiling) / margin - slack
 
-  Since 2026-11-28 the baseline is measured before the first update (``set_baseline``): the start policy
+  The baseline is measured before the first update (``set_baseline``): the start policy
   samples its rollouts to up to 1,024 training prompts (``baseline_prompts``), as every step samples. Five
   batches were too few: one batch's mean learned reward moves by a quarter of a reward unit from step to step
   on the demo tasks (the mix of prompt kinds), so the mean of five lay up to a margin or more from the
-  start's level, and by that draw the gate stayed open, or shut, for a whole run (docs/results.md).
+  start's level, and by that draw the gate stayed open, or shut, for a whole run
+  (experiments/gate-baseline-at-start-up.md).
 
 - ``heldout_nll``: the policy's per-token NLL of the held-out chosen responses against its best value
   so far, counted only while the learned reward rises:
 
       e_t = (nll_t - best_t) / best_t - slack     (clipped at 0 while the learned reward is not rising)
 
-  Measured on the hackable demo task it does not close (docs/results.md, the hackable task): the DPO
+  Measured on the hackable demo task it does not close (experiments/demo-tables.md, the hackable task): the DPO
   term's anchor keeps lowering that NLL while PPO exploits the reward elsewhere.
 
 All feed the same PI form of the Lagrangian method (Stooke et al., ICML 2020), one multiplier for the
@@ -241,7 +242,7 @@ class TrustGate:
         self.integral, self.lam = state["integral"], state["lam"]
         self.ceiling, self.margin = state.get("ceiling", self.ceiling), state.get("margin", self.margin)
         self.offset = state.get("offset", self.offset)
-        # start_rollouts (2026-11-27): a checkpoint from before keeps the headroom measured at this start
+        # start_rollouts: a checkpoint from before it keeps the headroom measured at this start
         self.headroom = state.get("headroom", self.headroom)
         self.baseline = state.get("baseline", self.baseline)
         self.baseline_sum = state.get("baseline_sum", self.baseline_sum)

@@ -234,8 +234,9 @@ class ReplayConfig:
 
     Attributes:
         coef: γ, the weight of the replayed examples' NLL per token next to the DPO loss; 0 is off. None
-            (default since 2026-11-28): ``DEFAULT_REPLAY_COEF`` (0.5) when ``data.sft_path`` is given, else
-            0; the root ``Config`` resolves it, so a loaded config always holds a number (docs/results.md).
+            (default): ``DEFAULT_REPLAY_COEF`` (0.5) when ``data.sft_path`` is given, else 0; the root
+            ``Config`` resolves it, so a loaded config always holds a number (chosen in
+            experiments/replay-and-hold-min-skill.md).
     """
 
     coef: Optional[float] = None
@@ -296,18 +297,20 @@ class TrustGateConfig:
     Attributes:
         enabled: None (default): on whenever per-component advantages are in effect and
             ``data.heldout_preference_path`` is set; true requires both; false is off.
-        signal: start_rollouts (default since 2026-11-27): λ rises while the learned reward of the rollouts
+        signal: start_rollouts (default): λ rises while the learned reward of the rollouts
             (EMA) is above the start policy's own rollouts' learned reward on the training prompts (the first
             update's batch: the same prompts, sampled the same way) plus the headroom the held-out
             preferences support (chosen - the start's greedy responses on the held-out prompts, at least 0),
-            in units of the held-out chosen - rejected margin (docs/objective.md);
-            sampled_ceiling (the default of 2026-11-26): λ rises while the learned reward of the rollouts (EMA)
-            is above the reward models' mean score of the held-out chosen responses lowered by the start policy's
-            greedy - sampled learned reward on the held-out prompts (the rollouts are sampled, the chosen
-            responses are not; ``hpa.algorithms.gate``), in units of their mean chosen - rejected margin;
-            reward_ceiling: the same without the offset (the default until 2026-11-26: on re-drawn
-            hackable tasks it stayed open while the policy was hacked, docs/results.md); heldout_nll: λ rises while the policy's per-token NLL of the held-out
-            chosen responses regresses beyond its best while the learned reward rises.
+            in units of the held-out chosen - rejected margin (docs/objective.md; chosen in
+            experiments/start-rollouts-and-coverage.md); sampled_ceiling (the default before): λ rises while
+            the learned reward of the rollouts (EMA) is above the reward models' mean score of the held-out
+            chosen responses lowered by the start policy's greedy - sampled learned reward on the held-out
+            prompts (the rollouts are sampled, the chosen responses are not; ``hpa.algorithms.gate``), in
+            units of their mean chosen - rejected margin;
+            reward_ceiling: the same without the offset (the first default: on re-drawn hackable tasks it
+            stayed open while the policy was hacked, experiments/redrawn-tasks.md); heldout_nll: λ rises
+            while the policy's per-token NLL of the held-out chosen responses regresses beyond its best while
+            the learned reward rises.
         slack: violation that costs nothing: margins above the ceiling (the two ceilings) or relative
             regression of the NLL (heldout_nll; 0.02 = 2 %).
         kp: proportional gain (λ per unit of violation beyond the slack).
@@ -321,9 +324,9 @@ class TrustGateConfig:
             every step samples) to this many training prompts (evenly spaced over ``data.prompt_path``; all of
             them when there are fewer), and their mean learned reward is the baseline; the gate acts from
             the first update. 0: the first ``baseline_steps`` updates' batches are the baseline (the
-            behaviour before 2026-11-28: five batches are too few, their mean lies a margin or more from the
-            start's own level on the demo tasks, and the gate stayed open or shut for a whole run by that
-            draw, docs/results.md).
+            earlier behaviour: five batches are too few, their mean lies a margin or more from the start's
+            own level on the demo tasks, and the gate stayed open or shut for a whole run by that draw,
+            experiments/gate-baseline-at-start-up.md).
         headroom_scale: start_rollouts: the headroom above the baseline is this times what the held-out
             preferences support (their chosen responses' learned reward minus the start's greedy responses'
             on the same prompts, at least 0). 0: the ceiling is the baseline, the learned reward may not rise
@@ -388,9 +391,9 @@ class CoverageConfig:
     held-out pairs.
 
     Attributes:
-        enabled: weight the learned component per row by its coverage trust. None (default since
-            2026-11-27): on whenever per-component advantages are in effect and reward models and held-out
-            pairs are given; true requires all three; false is off.
+        enabled: weight the learned component per row by its coverage trust. None (default; chosen in
+            experiments/start-rollouts-and-coverage.md): on whenever per-component advantages are in effect
+            and reward models and held-out pairs are given; true requires all three; false is off.
         space: ``prompt`` (each prompt alone against every pair's prompt: one trust per prompt, the same
             for every response to it, as a rule abstains per prompt; it separates the uncovered kind of the
             hackable demo tasks best, docs/objective.md) or ``sequence`` (prompt + response against the
@@ -405,13 +408,13 @@ class CoverageConfig:
             term to the reference is weighted by ``kl_boost_shape`` (a far prompt's KL counts
             ``1 + kl_boost`` times; a covered one's is unchanged; a row a rule reward judges, its prompt
             having a ground truth, keeps 1). 0: the trust only zeroes the learned advantage. Default 100
-            since 2026-11-27 (0 before): chosen among 0, 20 and 100 on 6 hackable and 1 split re-drawn
-            tasks, confirmed on tasks never run before (docs/results.md).
-        kl_boost_shape: which rows the boost holds: ``far`` (default since 2026-11-27: ``1 + kl_boost``
+            (0 before): chosen among 0, 20 and 100 on 6 hackable and 1 split re-drawn tasks, confirmed on
+            tasks never run before (experiments/far-rows-kl-boost.md).
+        kl_boost_shape: which rows the boost holds: ``far`` (default: ``1 + kl_boost``
             only where the trust is 0; a row with some support keeps 1 and learns what its pairs teach) or
             ``linear`` (``1 + kl_boost·(1 - trust)``, a partly covered row in proportion; the shape before).
             ``far`` was chosen against ``linear`` on 10 hackable and 1 split re-drawn tasks and confirmed on
-            tasks never run before (docs/results.md).
+            tasks never run before (experiments/hold-shape.md).
         kl_boost_target: None (default): the boost is ``kl_boost`` throughout. A number: the boost adapts,
             starting at ``kl_boost``: each step it grows where the far rows' KL to the reference (the k3
             estimate per sampled token of the policy that sampled them, over the DP ranks, logged as
@@ -419,7 +422,7 @@ class CoverageConfig:
             ``e^0.2`` a step, between 0.01 and ``10·kl_boost`` (``coverage/kl_boost``; saved in
             checkpoints). The hold then follows how far the other terms push the far rows: released
             where they stay near the start, held where they drift. Needs ``kl_boost > 0`` and shape
-            ``far``. A probe, not a default (docs/results.md).
+            ``far``. A probe, not a default (experiments/hold-size-probes.md).
         hold_min_skill: hold the far rows only where the start did well there, as its demonstrations
             measure it. At start-up the start decodes greedily the prompt of every example of
             ``data.sft_path`` that no pair covers (trust 0; at most 512 of them out of at most 8,192 examples,
@@ -428,25 +431,27 @@ class CoverageConfig:
             for the run: there is little to keep, and a hold would pin what the start got wrong (with the SFT
             replay on, the demonstrations then teach it). Logged as ``coverage/start_skill`` and
             ``coverage/kl_boost``; saved in checkpoints. None, no ``data.sft_path``, or fewer than 32 far
-            examples: the boost is ``kl_boost`` throughout. Default 0.6 (docs/results.md).
+            examples: the boost is ``kl_boost`` throughout. Default 0.6 (chosen in
+            experiments/replay-and-hold-min-skill.md).
         released_kl: where ``hold_min_skill`` releases the hold (the start's skill measured and below it),
             every rollout row's hierarchical-KL term weighs this much (``w_kl`` times this, in effect), a
             row a rule judges included: the start does the far kind badly, so nothing it did is worth the
             full hold, on any row. Where the hold is kept, or nothing was measured, every row is as the
-            other keys say. 1: the KL as everywhere else. Default 0.25 since 2026-12-05 (1 before): the full
-            KL held a weak start's covered kinds near what it got wrong (hackable 40, below ``dpo-rpo``);
-            chosen on the 74 re-drawn tasks of 2026-11-26 to 2026-11-29, confirmed on tasks made on
-            2026-12-05 and never run before: at ``dpo-rpo``'s interval on 19 of 20, hackable 117 below it by
-            0.008 (docs/results.md).
+            other keys say. 1: the KL as everywhere else. Default 0.25 (1 before): the full KL held a
+            weak start's covered kinds near what it got wrong (a re-drawn hackable task below ``dpo-rpo``,
+            experiments/lighter-kl-probes.md); chosen on 74 re-drawn tasks, confirmed on
+            20 never run before: at ``dpo-rpo``'s interval on 19 of 20, one below it by 0.008
+            (experiments/released-kl.md).
         released_pairs: where ``hold_min_skill`` releases the hold, the pair stream (DPO, its anchor and the
             SFT replay) weighs this much more, on top of the automatic balance's factor: a weak start learns
             what it gets wrong from the pairs and demonstrations faster than from rollouts it scores on a
-            learned reward (hackable 116 and 117 fell behind ``dpo-rpo``, whose pair term has no balance
-            factor below 1). Where the hold is kept, or nothing was measured, the pairs weigh as the other
-            keys say. 1: no change; above 0 (0 would drop the pairs where they are meant to teach). Default 2 since 2026-12-06 (1 before): chosen against 3 on 10 released
+            learned reward (two weak re-drawn hackable tasks fell behind ``dpo-rpo``, whose pair term has
+            no balance factor below 1). Where the hold is kept, or nothing was measured, the pairs weigh as
+            the other keys say. 1: no change; above 0 (0 would drop the pairs where they are meant to teach).
+            Default 2 (1 before): chosen against 3 on 10 released
             hackable and 7 released split tasks already run (2: +0.021 on average, 15 of the 17 higher, worst
-            −0.007; 3: +0.019, worst −0.013), confirmed on tasks never run before (docs/results.md, "More
-            pairs where the hold is released").
+            −0.007; 3: +0.019, worst −0.013), confirmed on tasks never run before
+            (experiments/released-pairs.md).
     """
 
     enabled: Optional[bool] = None

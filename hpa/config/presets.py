@@ -2,7 +2,8 @@
 
 ``recipe`` is the HPA recipe as published (w_ppo = w_dpo = 0.4, w_kl = 0.2) without the parts hpa adds
 by default to decide how far the learned reward is trusted: the preference anchor, per-component
-advantages, the trust gate and the automatic balance, and the SFT replay (docs/results.md).
+advantages, the trust gate and the automatic balance, and the SFT replay (docs/results.md, "The defaults and
+where each was chosen").
 """
 
 from __future__ import annotations

@@ -332,7 +332,7 @@ class TrainerConfig:
     checkpoint (for time-sliced jobs); the next launch resumes.
 
     ``sequence_packing`` packs the rows of every micro-batch of the training forwards and backwards
-    (policy, reference, critic; rollouts, preference pairs, SFT; ``hpa train-rm``'s pairs since 2026-11-27)
+    (policy, reference, critic; rollouts, preference pairs, SFT; ``hpa train-rm``'s pairs)
     into one sequence with attention kept
     inside each row, so no pad is computed; the numbers are those of the padded layout up to rounding.
     ``ppo_max_token_len_per_rank`` then counts real tokens per micro-batch of the update (padded tokens

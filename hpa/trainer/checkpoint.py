@@ -175,8 +175,8 @@ _FP32_BUFFER = "dtype_(torch.float32, torch.float32)"
 
 def check_fp32_norm_buffer(directory: Path, model) -> None:
     """Raise ``CheckpointError`` when ``directory`` (a model's part of a run checkpoint that failed to load) holds
-    a distributed optimizer's buffer of fp32 weights and ``model`` has no fp32 weight: saved by an hpa from
-    before 2026-11-28, whose bf16/fp16 models kept the local spec's norm weights in fp32."""
+    a distributed optimizer's buffer of fp32 weights and ``model`` has no fp32 weight: saved by an older hpa,
+    whose bf16/fp16 models kept the local spec's norm weights in fp32."""
     from megatron.core import dist_checkpointing
 
     if any(p.dtype == torch.float32 for p in model.parameters()):
@@ -184,7 +184,7 @@ def check_fp32_norm_buffer(directory: Path, model) -> None:
     if any(_FP32_BUFFER in key for key in dist_checkpointing.load_tensors_metadata(str(directory))):
         raise CheckpointError(
             f"{directory}: its distributed-optimizer state holds the norms' weights in an fp32 buffer of their "
-            f"own (hpa before 2026-11-28 left them in fp32 in a 16-bit model); today's model holds them in "
+            f"own (an older hpa left them in fp32 in a 16-bit model); today's model holds them in "
             f"{next(model.parameters()).dtype}, so that state does not load. Start a new run from its weights "
             f"instead (model.policy_path or model.critic_path={directory}); its optimizer then starts afresh")
 

@@ -14,7 +14,7 @@ holds the whole table ``[N, 2]``, gathered over DP: across epochs the pair sampl
 Like a checkpoint, the directory is written as ``.tmp`` and renamed when complete. At start-up the main rank
 verifies the manifest and compares the key: a match is reused (whatever the DP size); a changed key rebuilds
 it, and so does a corrupt or truncated file, with a warning naming it (the reference's fingerprint in the key,
-``weights_digest``, changed on 2026-11-28: a cache built before is rebuilt once). The values are those of
+``weights_digest``: a cache built by an hpa that fingerprinted otherwise is rebuilt once). The values are those of
 ``phases.reference_pair_log_probs``, the live path's own function, so cached and live are the same bits.
 """
 

@@ -1,12 +1,13 @@
-"""data_tools.redraw_sweep: task specs, one run's numbers, the verdict against the reference and the table."""
+"""experiments.tools.redraw_sweep: task specs, one run's numbers, the verdict against the reference and the table."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from data_tools import redraw_sweep
-from data_tools.redraw_sweep import main, parse_task, parse_tasks, parts_verdict, run_numbers, table, verdict
+from experiments.tools import redraw_sweep
+from experiments.tools.redraw_sweep import main, parse_task, parse_tasks, parts_verdict, run_numbers, table, verdict
 from hpa.ablate import Interval
 
 
@@ -92,6 +93,8 @@ def test_redraw_makes_a_root_that_is_not_there(tmp_path, monkeypatch):
 
     def run(cmd, **kwargs):
         calls.append((cmd, kwargs["env"]["DEMO_FAMILY"], kwargs["env"]["DEMO_SEED"]))
+        # the script is the repository's launch/demo.sh, run from the repository root (the tool lives two levels down)
+        assert Path(cmd[1]).is_file() and Path(cmd[1]) == Path(kwargs["cwd"]) / "launch" / "demo.sh"
         kwargs["stdout"].write("made\n")
 
     monkeypatch.setattr(redraw_sweep.subprocess, "run", run)

@@ -1,22 +1,22 @@
-"""Re-draw demo tasks and ablate each, then one table over all of them: the sweep of docs/results.md
-("Re-drawn tasks") as one command.
+"""Re-draw demo tasks and ablate each, then one table over all of them: the sweep of the records under experiments/
+(redrawn-tasks.md and after) as one command.
 
 Each task is ``FAMILY:SEED`` (``hackable:9``): ``DEMO_FAMILY=FAMILY DEMO_SEED=SEED DEMO_TRAIN=0 bash
 launch/demo.sh ROOT/FAMILY_sSEED`` makes it (data, tokenizer, SFT policy, reward ensemble; skipped when
-it is there), ``data_tools.redraw_ablation`` writes its ablation file and ``hpa ablate`` runs it (runs
+it is there), ``experiments.tools.redraw_ablation`` writes its ablation file and ``hpa ablate`` runs it (runs
 that finished before are kept). The tasks run one after the other, ``--parallel`` runs at a time within
 a task. Usage::
 
-    OMP_NUM_THREADS=1 python -m data_tools.redraw_sweep --root runs/sweep --tasks hackable:9 split:3 \\
+    OMP_NUM_THREADS=1 python -m experiments.tools.redraw_sweep --root runs/sweep --tasks hackable:9 split:3 \\
         --variants hpa dpo-rpo --seeds 1 2 3 --table runs/sweep/table.md
-    python -m data_tools.redraw_sweep --root runs/sweep --tasks hackable:9 --variants hpa dpo-rpo \\
+    python -m experiments.tools.redraw_sweep --root runs/sweep --tasks hackable:9 --variants hpa dpo-rpo \\
         --table-only --table runs/sweep/table.md       # the table of what ran
 
-The whole sweep of docs/results.md ("Choose on some tasks, confirm on the rest", 2026-11-27) is one command
+The whole sweep of experiments/choose-confirm-28-tasks.md is one command
 (``SEED`` ranges are inclusive; ``--choose`` names the tasks the constants were chosen on, the rest are
 labelled *confirm*; split tasks also run ``--parts``, the PPO-only and DPO-only variants they must beat)::
 
-    OMP_NUM_THREADS=1 python -m data_tools.redraw_sweep --root runs/redraw \
+    OMP_NUM_THREADS=1 python -m experiments.tools.redraw_sweep --root runs/redraw \
         --tasks hackable:5 hackable:9-27 split:3-7 standard:1-3 --choose hackable:5 hackable:9-11 \
         --variants hpa dpo-rpo --seeds 1 2 3 --parallel 1 --table runs/redraw/table.md
 
@@ -41,13 +41,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from data_tools.redraw_ablation import FAMILY_FILES, redraw_ablation
+from experiments.tools.redraw_ablation import FAMILY_FILES, redraw_ablation
 from hpa.ablate import Interval
 
 KINDS = ("reverse", "add", "copy")
 PARTS_FAMILY = "split"  # the family whose tasks each signal covers only in part: the default must beat each part
 COLLAPSE_MARGIN = 0.1  # hpa ablate's collapse_margin default
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def parse_task(spec: str) -> Tuple[str, int]:

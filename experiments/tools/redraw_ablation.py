@@ -7,7 +7,7 @@ The file takes the family's shipped ablation (``configs/ablate_demo.yaml``, ``ab
 data path, the SFT policy and the reward ensemble point into ``DIR``, and the variants are the ones asked
 for. Usage::
 
-    python -m data_tools.redraw_ablation --family hackable --task-dir runs/redraw/hackable_s3 \\
+    python -m experiments.tools.redraw_ablation --family hackable --task-dir runs/redraw/hackable_s3 \\
         --variants hpa dpo-rpo --custom 'hpa-coverage: algorithm.hpa.coverage.enabled=true' \\
         --out runs/redraw/hackable_s3/ablate.yaml
     OMP_NUM_THREADS=1 hpa ablate --config runs/redraw/hackable_s3/ablate.yaml
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 
 import yaml
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 FAMILY_FILES = {"standard": "ablate_demo.yaml", "hackable": "ablate_hackable.yaml", "split": "ablate_split.yaml"}
 # the task's own files (launch/demo.sh's layout under its OUT_DIR)
 TASK_PATHS = {
@@ -100,7 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_ablation(doc)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            f.write(f"# written by python -m data_tools.redraw_ablation --family {args.family} "
+            f.write(f"# written by python -m experiments.tools.redraw_ablation --family {args.family} "
                     f"--task-dir {args.task_dir}\n")
             yaml.safe_dump(doc, f, sort_keys=False, width=120)
     except (ValueError, OSError) as exc:  # ConfigError is a ValueError; a missing task or an unwritable --out

@@ -1,9 +1,9 @@
-"""data_tools.redraw_ablation: the ablation file of a re-drawn demo task, as hpa ablate reads it."""
+"""experiments.tools.redraw_ablation: the ablation file of a re-drawn demo task, as hpa ablate reads it."""
 
 import pytest
 import yaml
 
-from data_tools.redraw_ablation import main, redraw_ablation
+from experiments.tools.redraw_ablation import main, redraw_ablation
 from hpa.ablate import load_ablate_config, plan_runs
 
 
