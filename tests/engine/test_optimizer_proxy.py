@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# the module loaded by its file path, as bench/step_proxies.py loads it; its own process (it initialises torch.distributed)
+# the module loaded by its file path, as bench/step_proxies.py loads it, in a process of its own (it initialises
+# torch.distributed)
 _CODE = (
     "import importlib.util, json, sys\n"
     "spec = importlib.util.spec_from_file_location('optimizer_proxy', 'bench/proxies/optimizer.py')\n"
@@ -18,6 +21,7 @@ _CODE = (
 )
 
 
+@pytest.mark.e2e  # runs bench/proxies/optimizer.py's measure() in a process of its own (about 20 s)
 def test_optimizer_step_ops_stay_under_the_bound():
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", _CODE], cwd=ROOT, env=env, capture_output=True, text=True,

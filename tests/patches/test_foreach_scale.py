@@ -1,6 +1,7 @@
 """``megatron_patches.foreach_scale`` and ``hpa.engine.optimizer.use_multi_tensor_adam``: the optimizer step's
 clipping, main -> model copy and Adam as multi-tensor operations, bit for bit megatron's own path on CPU."""
 
+import pytest
 import torch
 
 import megatron_patches
@@ -90,6 +91,7 @@ def _steps_worker(groups, dtype_name, patched):
     return [p.detach().clone() for p in ddp.parameters()], main, norms, kernels
 
 
+@pytest.mark.multirank
 def test_steps_are_bit_identical_to_megatrons_path():
     for dtype_name in ("float32", "bfloat16"):
         [(ref, ref_main, ref_norms, ref_kernels)] = run_ranks(_steps_worker, args=(dtype_name, False))

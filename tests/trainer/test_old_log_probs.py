@@ -3,8 +3,6 @@ forward runs and nothing reads the old log-probs before the update, the step ski
 takes the update forward's own, detached; a run gives the same metrics and the same weights as with the
 separate forward."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -50,6 +48,7 @@ def _weights_worker(groups, first, second):
     return sorted(out[0]) == sorted(out[1]) and all(torch.equal(out[0][k], out[1][k]) for k in out[0])
 
 
+@pytest.mark.e2e
 def test_a_run_with_the_shortcut_equals_one_with_the_old_policy_forward(demo):
     # step 1 measures the balance (two backward passes), step 2 runs one
     extra = [*ON_POLICY, "trainer.total_steps=2", "checkpoint.save_interval=2", "algorithm.hpa.balance.measure_steps=1"]
