@@ -128,9 +128,10 @@ class _UpdateLogProbs:
         self.seen[rows] = True
 
     def result(self) -> torch.Tensor:
+        """``[b, r]`` on the host, where the batch's per-row tensors are (as ``forward.forward_only`` gives them)."""
         if self.log_probs is None or not bool(self.seen.all()):
             raise RuntimeError("the update's forward did not give every rollout row's log-probs")
-        return self.log_probs
+        return self.log_probs.cpu()
 
 
 def score(batch: RolloutBatch, ground_truths, reward, tokenizer, ctx: StepContext) -> Dict[str, float]:

@@ -53,15 +53,18 @@ def test_a_run_with_the_shortcut_equals_one_with_the_old_policy_forward(demo):
     # step 1 measures the balance (two backward passes), step 2 runs one
     extra = [*ON_POLICY, "trainer.total_steps=2", "checkpoint.save_interval=2", "algorithm.hpa.balance.measure_steps=1"]
     runs, forwards = {}, {}
-    for name, flag in (("shortcut", "true"), ("forward", "false")):
-        metrics = launch(demo, demo / f"old_lp_{name}", 1, [*extra, f"trainer.old_log_probs_from_update={flag}"])
+    for name, flag, env in (("shortcut", "true", {}), ("forward", "false", {}),
+                            ("shortcut_on_test_device", "true", {"HPA_TEST_MODEL_DEVICE": "lazy"})):
+        metrics = launch(demo, demo / f"old_lp_{name}", 1, [*extra, f"trainer.old_log_probs_from_update={flag}"],
+                         env=env)
         runs[name] = [{k: v for k, v in m.items() if not k.startswith(VOLATILE)} for m in metrics]
         forwards[name] = [m["step"] for m in metrics if "timing_s/old_logprob" in m]
-    assert forwards == {"shortcut": [], "forward": [1, 2]}  # the old-policy forward ran without the shortcut only
+    # the old-policy forward ran without the shortcut only
+    assert forwards == {"shortcut": [], "forward": [1, 2], "shortcut_on_test_device": []}
     shortcut, forward = runs["shortcut"], runs["forward"]
     assert [m["step"] for m in shortcut] == [0, 1, 2]
-    for a, b in zip(shortcut, forward):
-        assert a == b
+    for a, b, c in zip(shortcut, forward, runs["shortcut_on_test_device"]):
+        assert a == b == c
     trained = [m for m in shortcut if "actor/pg_loss" in m]
     assert trained and all("rollout/logprob_diff_mean" in m and "actor/reward_kl" in m for m in trained)
     ck = "checkpoints/step_00000002"
