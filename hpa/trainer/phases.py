@@ -257,6 +257,8 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
     The metrics carry ``_tokens`` and ``_padded_tokens``: this rank's real tokens and the positions its
     updates computed (``tokens_computed``), and ``hpa/pairs_factor``, the factor the last update scaled the
     pair stream by (the balance's times the coverage trust's ``released_pairs`` where it releases the hold).
+    On an on-policy step (``ctx.old_from_update``) the PPO term's old log-probs are the update forward's own,
+    detached, and the batch gets them as ``old_log_probs`` ``[b, r]`` after the update.
 
     Args:
         weights: the step's weights and factors (the ``pairs`` factor scales the pair stream).
