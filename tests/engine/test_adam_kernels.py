@@ -1,10 +1,10 @@
 """``hpa.engine.optimizer.use_multi_tensor_adam``: torch's Adam under megatron (no TE or apex) steps all of a
 group's tensors at once, foreach off CUDA, fused on CUDA, with each ``step`` state where its kernel reads it
-(also after a checkpoint load brought back another choice); other optimizers are left alone."""
+(also after a checkpoint load brought back another choice); other optimizers are left alone. The fused kernel
+on CUDA: ``tests/gpu/test_fused_adam.py``."""
 
 import types
 
-import pytest
 import torch
 
 from hpa.engine.optimizer import use_multi_tensor_adam
@@ -52,29 +52,3 @@ def test_a_load_that_brings_back_another_kernel_is_undone():
     assert [g["foreach"] for g in fresh.optimizer.param_groups] == [True, True]
     steps = [fresh.optimizer.state[p]["step"] for p in fresh_params]
     assert all(s.device.type == "cpu" and s.dtype == torch.float32 and float(s) == 1.0 for s in steps)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_on_cuda_close_to_foreach_and_resumes_from_host_steps():
-    ref_params, params = _params("cuda"), _params("cuda")
-    ref, opt = _wrapped(ref_params, foreach=True), _wrapped(params)
-    use_multi_tensor_adam(opt)
-    assert [g["fused"] for g in opt.optimizer.param_groups] == [True, True]
-    for seed in range(3):
-        _step(ref, ref_params, seed)
-        _step(opt, params, seed)
-    assert all(opt.optimizer.state[p]["step"].device.type == "cuda" for p in params)
-    for a, b in zip(ref_params, params):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    # a load whose steps are host tensors (the distributed optimizer's restore_steps makes them so)
-    saved = ref.optimizer.state_dict()
-    for p in params:
-        opt.optimizer.state[p]["step"] = torch.tensor(3.0)
-    use_multi_tensor_adam(opt)
-    assert all(opt.optimizer.state[p]["step"].device.type == "cuda" for p in params)
-    _step(opt, params, 3)
-    _step(ref, ref_params, 3)
-    for a, b in zip(ref_params, params):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert saved["param_groups"][0]["foreach"] is True
