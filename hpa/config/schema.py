@@ -363,6 +363,9 @@ class TrainerConfig:
         peak_tflops_per_device: the device's peak TFLOP/s, for ``perf/mfu``; null: from the CUDA device's name
             where known (dense bf16: H100 SXM and H200 SXM 989, H200 NVL 835, H100 PCIe 756), else MFU is NaN.
         max_steps_per_run: end this process after that many steps with a checkpoint; the next launch resumes.
+        old_log_probs_from_update: on an on-policy step (``old_log_probs_from_update(cfg)``, docs/training.md)
+            skip the old-policy forward: the update's own forward, detached, gives the old log-probs (PPO
+            ratio exactly 1). false: always a separate old-policy forward.
     """
 
     total_steps: int
@@ -380,6 +383,7 @@ class TrainerConfig:
     eval_interval: int = 0
     peak_tflops_per_device: Optional[float] = None
     max_steps_per_run: Optional[int] = None
+    old_log_probs_from_update: bool = True
 
     def __post_init__(self):
         _positive(self, "total_steps", "global_batch_size", "micro_batch_size", "preference_batch_size",
@@ -866,6 +870,25 @@ def coverage_enabled(cfg: Config) -> bool:
     if enabled is not None:
         return enabled
     return component_advantages(cfg) and bool(cfg.reward.model_paths) and cfg.data.heldout_preference_path is not None
+
+
+def old_log_probs_from_update(cfg: Config) -> bool:
+    """Whether a step's old log-probs come from the update's own forward (``trainer.old_log_probs_from_update``):
+    the old policy is the policy the update's forward runs (one PPO epoch of one mini-batch, no dropout, one
+    pipeline stage) and nothing reads the old log-probs or the old pooled hidden states before the update (no
+    in-reward KL, no truncated importance weights, no coverage trust, no diversity on the policy's
+    embeddings, no refilling rollout filter). The KL controller's ``actor/reward_kl`` and the rollout/training log-prob
+    metrics are then computed after the update, from the same values. verl's FSDP actor (v0.6.0 to v0.7.0,
+    ``dp_actor.update_policy``) takes the detached log-probs the same way but still runs its old-policy forward."""
+    t, m, a = cfg.trainer, cfg.model, cfg.algorithm
+    one_update = t.ppo_epochs == 1 and (t.ppo_mini_batch_size is None or t.ppo_mini_batch_size == t.global_batch_size)
+    no_dropout = m.hidden_dropout == 0 and m.attention_dropout == 0 and (m.lora.rank == 0 or m.lora.dropout == 0)
+    shaping, f = cfg.reward.shaping, a.rollout_filter
+    refills = f.name == "dapo_groups" and f.max_refill_rounds > 0  # the log-prob metrics are the first round's
+    read_before = (a.kl.use_kl_in_reward or a.ppo.rollout_is_threshold is not None or coverage_enabled(cfg)
+                   or (shaping.beta > 0 and shaping.diversity_source == "policy") or refills)
+    return (t.old_log_probs_from_update and one_update and no_dropout and not read_before
+            and cfg.parallel.pipeline_model_parallel_size == 1)
 
 
 def demonstrations_needed(cfg: Config) -> bool:

@@ -38,6 +38,7 @@ from hpa.config.schema import CheckpointConfig
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import is_collective_failure
+from hpa.engine.optimizer import use_multi_tensor_adam
 from hpa.models import lora
 from hpa.models.heads import unwrap
 from hpa.models.weights import MANIFEST, dist_save, sharded_state_dict
@@ -366,6 +367,7 @@ class CheckpointManager:
             with torch.no_grad():  # the distributed optimizer copies into its main params, which may be leaves
                 optimizer.load_state_dict(loaded["optimizer"])
             restore_steps(optimizer)
+            use_multi_tensor_adam(optimizer)  # the saved param groups brought back the kernel they were saved with
         state = torch.load(path / "trainer_state.pt", weights_only=True)
         rng_file = path / "rng" / f"rank_{self.groups.rank:05d}.pt"
         if state.get("layout") == self.groups.layout and rng_file.is_file():

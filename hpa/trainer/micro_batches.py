@@ -25,10 +25,11 @@ from hpa.rollout.base import RolloutBatch
 
 # per-row tensors of a RolloutBatch that the losses read; "values" (GAE critic) and "is_weights"
 # (truncated importance sampling) and "kl_weights" (the coverage trust's abstention) are present only when
-# configured
+# configured; on an on-policy step "old_log_probs" is absent (the update's forward gives it) and "row_ids" (each
+# row's index in the batch) says where the update's log-probs go
 ROLLOUT_ROW_KEYS = ("mask", "old_log_probs", "ref_log_probs", "ref_pooled", "advantages", "returns", "values",
-                    "is_weights", "kl_weights")
-OPTIONAL_ROW_KEYS = frozenset({"values", "is_weights", "kl_weights"})
+                    "is_weights", "kl_weights", "row_ids")
+OPTIONAL_ROW_KEYS = frozenset({"old_log_probs", "values", "is_weights", "kl_weights", "row_ids"})
 
 
 def mini_batches(num_rows: int, num_mini_batches: int) -> List[List[int]]:

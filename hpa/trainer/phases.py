@@ -16,7 +16,7 @@ from hpa.algorithms import advantages as adv_lib
 from hpa.algorithms.kl import apply_kl_penalty
 from hpa.algorithms.ppo import truncated_importance_weights
 from hpa.config.algorithm import AlgorithmConfig
-from hpa.config.schema import Config, TrainerConfig, component_advantages
+from hpa.config.schema import Config, TrainerConfig, component_advantages, old_log_probs_from_update
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine import forward
@@ -47,6 +47,8 @@ class StepContext:
         reward_shares: the rule and learned shares of per-component advantages (``component_shares``), None
             when the advantage is computed from the whole reward.
         timer: ``timer(name)`` is a context manager adding the block's wall time to ``timing_s/<name>``.
+        old_from_update: the step is on-policy (``hpa.config.schema.old_log_probs_from_update``): no old-policy
+            forward; the update's forward gives the old log-probs.
     """
 
     groups: ParallelGroups
@@ -58,6 +60,7 @@ class StepContext:
     hidden_size: int
     reward_shares: Optional[Dict[str, float]] = None
     timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
+    old_from_update: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config, groups: ParallelGroups, *, vocab_size: int, pad_id: int,
@@ -68,22 +71,28 @@ class StepContext:
                    temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
                    hidden_size=cfg.model.hidden_size,
                    reward_shares=component_shares(cfg.reward) if component_advantages(cfg) else None,
+                   old_from_update=old_log_probs_from_update(cfg),
                    **({"timer": timer} if timer is not None else {}))
 
 
 def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepContext) -> Dict[str, float]:
     """Reference and rollout-policy log-probs ``[b, r]`` and response-pooled hidden states ``[b, h]``
-    (``ref_*``, ``old_*``), and the truncated importance weights when configured (``is_weights``)."""
+    (``ref_*``, ``old_*``), and the truncated importance weights when configured (``is_weights``).
+
+    On an on-policy step (``ctx.old_from_update``) only the reference runs: ``update_policy`` sets
+    ``old_log_probs`` from its own forward and ``old_policy_metrics`` follows it."""
     kw = dict(batching=ctx.batching, vocab_size=ctx.vocab_size, temperature=ctx.temperature,
               hidden_size=ctx.hidden_size, lengths=batch.sequence_lengths)
     with ctx.timer("reference"):
         ref = forward.sequence_log_probs(reference, batch.sequences, batch.response_mask, ctx.groups, **kw)
+    batch.set("ref_log_probs", ref["log_probs"]).set("ref_pooled", ref["pooled"])
+    metrics = {"perf/forward_tokens": float(batch.sequence_lengths.sum())}  # this rank's, in each forward pass
+    if ctx.old_from_update:
+        return comm.reduce_metrics(metrics, ctx.groups.dp_group)
     with ctx.timer("old_logprob"):
         old = forward.sequence_log_probs(policy, batch.sequences, batch.response_mask, ctx.groups, **kw)
-    batch.set("ref_log_probs", ref["log_probs"]).set("ref_pooled", ref["pooled"])
     batch.set("old_log_probs", old["log_probs"]).set("old_pooled", old["pooled"])
-    metrics = dict(logprob_consistency(batch.log_probs, old["log_probs"], batch.response_mask))
-    metrics["perf/forward_tokens"] = float(batch.sequence_lengths.sum())  # this rank's, in each forward pass
+    metrics.update(logprob_consistency(batch.log_probs, old["log_probs"], batch.response_mask))
     threshold = ctx.algorithm.ppo.rollout_is_threshold
     if threshold is not None:
         weights, is_m = truncated_importance_weights(old["log_probs"], batch.log_probs, batch.response_mask,
@@ -93,13 +102,46 @@ def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepCo
     return comm.reduce_metrics({k: float(v) for k, v in metrics.items()}, ctx.groups.dp_group)
 
 
+def old_policy_metrics(batch: RolloutBatch, ctx: StepContext) -> Dict[str, float]:
+    """On an on-policy step, after the update has set ``old_log_probs``: the rollout/training log-prob metrics
+    that ``reference_and_old_policy`` gives on the other steps."""
+    metrics = logprob_consistency(batch.log_probs, batch.get("old_log_probs"), batch.response_mask)
+    return comm.reduce_metrics({k: float(v) for k, v in metrics.items()}, ctx.groups.dp_group)
+
+
+class _UpdateLogProbs:
+    """The update forward's log-probs of a batch's rows ``[b, r]``, detached, filled micro-batch by micro-batch
+    (each carries its rows' ``row_ids``)."""
+
+    def __init__(self, batch: RolloutBatch):
+        self.log_probs: Optional[torch.Tensor] = None
+        self.seen: Optional[torch.Tensor] = None  # [b] bool
+        self.shape = (batch.batch_size, batch.response_mask.shape[1])
+
+    def __call__(self, mb: MicroBatch, outputs: Dict[str, torch.Tensor]) -> None:
+        logp = outputs["log_probs"].detach()  # [n, r]
+        if self.log_probs is None:
+            self.log_probs = logp.new_zeros(self.shape)
+            self.seen = torch.zeros(self.shape[0], dtype=torch.bool, device=logp.device)
+        rows = mb["row_ids"].to(logp.device)
+        self.log_probs[rows] = logp
+        self.seen[rows] = True
+
+    def result(self) -> torch.Tensor:
+        """``[b, r]`` on the host, where the batch's per-row tensors are (as ``forward.forward_only`` gives them)."""
+        if self.log_probs is None or not bool(self.seen.all()):
+            raise RuntimeError("the update's forward did not give every rollout row's log-probs")
+        return self.log_probs.cpu()
+
+
 def score(batch: RolloutBatch, ground_truths, reward, tokenizer, ctx: StepContext) -> Dict[str, float]:
     """Shaped reward at each response's last token (``token_scores``), per row (``shaped_rewards``, and
     ``raw_rewards``: r̂ before shaping; with per-component advantages ``rule_judged``, the rows a rule reward
     scores: a rule is configured and the prompt has a ground truth) and the loss ``mask``: rows with a non-finite reward get an all-zero
     mask, so they reach no loss and move no baseline (``hpa.trainer.rollout_filter`` zeroes the rows it
     drops the same way)."""
-    shaped = reward(RewardInputs.from_batch(batch, tokenizer, ground_truths), policy_embeddings=batch.get("old_pooled"),
+    shaped = reward(RewardInputs.from_batch(batch, tokenizer, ground_truths),
+                    policy_embeddings=batch.extras.get("old_pooled"),  # none on an on-policy step
                     all_gather=lambda t: comm.all_gather_cat(t, ctx.groups.dp_group))
     valid = shaped.valid
     batch.set("rule_scores", shaped.rule)
@@ -228,6 +270,8 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
     The metrics carry ``_tokens`` and ``_padded_tokens``: this rank's real tokens and the positions its
     updates computed (``tokens_computed``), and ``hpa/pairs_factor``, the factor the last update scaled the
     pair stream by (the balance's times the coverage trust's ``released_pairs`` where it releases the hold).
+    On an on-policy step (``ctx.old_from_update``) the PPO term's old log-probs are the update forward's own,
+    detached, and the batch gets them as ``old_log_probs`` ``[b, r]`` after the update.
 
     Args:
         weights: the step's weights and factors (the ``pairs`` factor scales the pair stream).
@@ -241,6 +285,10 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
     steps, grad_norms = [], []
     tokens = computed = 0.0
     lr = policy.optimizer.param_groups[0]["lr"]
+    update_log_probs = None
+    if ctx.old_from_update and batch is not None:  # on-policy: this update's forward gives the old log-probs
+        batch.set("row_ids", torch.arange(batch.batch_size, device=batch.response_mask.device))
+        update_log_probs = _UpdateLogProbs(batch)
     for index, num_minis, rollout_mbs in _mini_batches(batch, ctx):
         offline_mbs = offline[index::num_minis]
         real, positions = tokens_computed(rollout_mbs + offline_mbs)
@@ -251,7 +299,8 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
         # a measured update scales the pair gradients after both backward passes, not inside the loss
         loss_weights = weights.with_factors(dataclasses.replace(weights.factors, pairs=1.0)) if split else weights
         loss_fn = wrap_loss(objective.make_policy_loss(ctx.algorithm, loss_weights, counts, ctx.groups,
-                                                       vocab_size=ctx.vocab_size, temperature=ctx.temperature))
+                                                       vocab_size=ctx.vocab_size, temperature=ctx.temperature,
+                                                       observe_rollout=update_log_probs))
         zero_grad(policy.model, policy.optimizer)
         if split:
             records, norms = _measured_backward(policy, rollout_mbs, offline_mbs, loss_fn, ctx)
@@ -269,6 +318,8 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
         guard.record(updated)
         steps.append(objective.step_metrics(records, ctx.groups))
         grad_norms.append(grad_norm)
+    if update_log_probs is not None:
+        batch.set("old_log_probs", update_log_probs.result())
     metrics = objective.average(steps)
     finite = [g for g in grad_norms if math.isfinite(g)]
     metrics["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")

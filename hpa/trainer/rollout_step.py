@@ -22,6 +22,7 @@ class RolloutStep:
     def __init__(self, trainer):
         self.trainer = trainer
         self.cfg, self.groups, self.parts, self.ctx = trainer.cfg, trainer.groups, trainer.parts, trainer.ctx
+        self.observed_weights: Optional[StepWeights] = None
 
     def collect(self, weights: StepWeights) -> Tuple[RolloutBatch, Dict[str, float], StepWeights]:
         """This step's scored, filtered rollouts with their advantages (and values), their metrics, and the
@@ -37,6 +38,7 @@ class RolloutStep:
             with ctx.timer("values"):
                 phases.critic_values(batch, p.critic.model, ctx)
         controllers = self.trainer.controllers
+        self.observed_weights = weights  # what the controllers that observe after the update read
         observed = controllers.update("rollouts", StepSignals(batch=batch, metrics=metrics, weights=weights))
         weights = weights.with_factors(controllers.factors())
         metrics.update(phases.compute_advantages(batch, ctx, weights.reward_kl_coef,
@@ -46,8 +48,14 @@ class RolloutStep:
         return batch, metrics, weights
 
     def finish(self, batch: RolloutBatch) -> Dict[str, float]:
-        """The critic update and the response-length metrics, after the policy update."""
+        """The critic update and the response-length metrics, after the policy update; on an on-policy step
+        (``ctx.old_from_update``) first what reads the old log-probs the update gave: the rollout/training
+        log-prob metrics and the controllers that observe ``updated_rollouts`` (the KL controller)."""
         metrics: Dict[str, float] = {}
+        if self.ctx.old_from_update:
+            metrics.update(phases.old_policy_metrics(batch, self.ctx))
+            metrics.update(self.trainer.controllers.update("updated_rollouts", StepSignals(
+                batch=batch, metrics={}, weights=self.observed_weights)))
         if self.parts.critic is not None:
             with self.ctx.timer("update_critic"):
                 metrics.update(phases.update_critic(batch, self.parts.critic, self.ctx))

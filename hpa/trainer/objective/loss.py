@@ -9,7 +9,7 @@ PPO, with ``w_ppo = w_kl = 0`` it is plain DPO.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -30,11 +30,12 @@ def _aggregation(algo: AlgorithmConfig, counts: GlobalCounts) -> Aggregation:
 
 
 def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: GlobalCounts, groups: ParallelGroups,
-                     *, vocab_size: int, temperature: float):
+                     *, vocab_size: int, temperature: float,
+                     observe_rollout: Optional[Callable[[MicroBatch, Dict[str, torch.Tensor]], None]] = None):
     """The loss closure of the mixed step: the micro-batch's stream (its ``kind``) prepares what its terms
     read, each term of that stream in ``TERMS`` gives its value and metrics, and ``hpa_objective`` weights
     and sums them, each term's weight times its factor of ``weights.factors`` (the balance's ``pairs``:
-    ``w_dpo · b``).
+    ``w_dpo · b``). ``observe_rollout(batch, outputs)``, when given, sees each rollout micro-batch's outputs.
     """
     inputs = LossInputs(algo=algo, weights=weights, counts=counts, aggregation=_aggregation(algo, counts))
     step_weights = weights.scheduled()
@@ -43,6 +44,8 @@ def make_policy_loss(algo: AlgorithmConfig, weights: StepWeights, counts: Global
     def part_loss(batch, logits, hidden):
         stream = stream_of(batch)
         outputs = stream.prepare(batch, logits, hidden, groups, vocab_size, temperature)
+        if observe_rollout is not None and stream.name == "rollout":
+            observe_rollout(batch, outputs)
         values, metrics = {}, {}
         for term in TERMS:
             if term.stream == stream.name:

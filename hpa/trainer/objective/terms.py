@@ -38,7 +38,10 @@ LossFn = Callable[[MicroBatch, Dict[str, torch.Tensor], LossInputs], Tuple[torch
 
 def ppo_term(batch: MicroBatch, out, inputs: LossInputs):
     ppo = inputs.algo.ppo
-    pg, m = policy_loss(batch["old_log_probs"], out["log_probs"], batch["advantages"], batch["mask"],
+    old = batch.get("old_log_probs")
+    if old is None:  # an on-policy step (``old_log_probs_from_update``): the old policy is this forward's
+        old = out["log_probs"].detach()
+    pg, m = policy_loss(old, out["log_probs"], batch["advantages"], batch["mask"],
                         name=ppo.policy_loss, clip_ratio=ppo.clip_ratio, clip_ratio_low=ppo.clip_ratio_low,
                         clip_ratio_high=ppo.clip_ratio_high, clip_ratio_c=ppo.clip_ratio_c,
                         aggregation=inputs.aggregation, importance_weights=batch.get("is_weights"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, Iterator, List
 
-from hpa.config.schema import Config, coverage_enabled, trust_gate_enabled
+from hpa.config.schema import Config, coverage_enabled, old_log_probs_from_update, trust_gate_enabled
 from hpa.trainer.objective.controllers.balance import GradientBalance
 from hpa.trainer.objective.controllers.base import Controller, ControllerInputs, StepSignals
 from hpa.trainer.objective.controllers.coverage import CoverageTrust
@@ -33,7 +33,9 @@ class ControllerEntry:
 
 
 CONTROLLERS: Dict[str, ControllerEntry] = {
-    "kl_ctrl": ControllerEntry(lambda cfg, run: KLCoefficient(cfg.algorithm.kl, run.groups), lambda cfg: True),
+    "kl_ctrl": ControllerEntry(lambda cfg, run: KLCoefficient(cfg.algorithm.kl, run.groups,
+                                                              after_update=old_log_probs_from_update(cfg)),
+                               lambda cfg: True),
     "trust_gate": ControllerEntry(lambda cfg, run: TrustGateController(cfg.algorithm.hpa.gate, cfg.rollout, run),
                                   trust_gate_enabled),
     "balance": ControllerEntry(lambda cfg, run: GradientBalance(cfg.algorithm.hpa.balance.measure_steps),

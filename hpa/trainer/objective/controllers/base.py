@@ -66,8 +66,9 @@ class Controller:
     """State that each step updates from what the step measured and that acts on the step's factors.
 
     A controller sets ``name`` (its key in the checkpoint's run state) and ``observes`` (the point whose
-    signals it reads: ``rollouts``, once the step's rollouts are scored, or ``gradients``, between the two
-    backward passes of a measured update), and overrides ``update``; the rest has defaults: it sets no
+    signals it reads: ``rollouts``, once the step's rollouts are scored, ``updated_rollouts``, once the policy
+    update has given an on-policy step's old log-probs, or ``gradients``, between the two backward passes of
+    a measured update), and overrides ``update``; the rest has defaults: it sets no
     factor, logs nothing beyond its updates' metrics, has no state and always measures.
     """
 

@@ -20,8 +20,10 @@ class KLCoefficient(Controller):
 
     name, observes = "kl_ctrl", "rollouts"
 
-    def __init__(self, kl: KLConfig, groups: ParallelGroups):
+    def __init__(self, kl: KLConfig, groups: ParallelGroups, after_update: bool = False):
         self.reward_estimator, self.groups = kl.reward_estimator, groups
+        if after_update:  # an on-policy step's old log-probs come from the update (no in-reward KL reads them)
+            self.observes = "updated_rollouts"
         self.controller = make_kl_controller(kl.controller, kl_coef=kl.init_kl_coef, target_kl=kl.target_kl,
                                              horizon=kl.horizon)
 
