@@ -29,6 +29,7 @@ from typing import Deque, Dict, List, Optional
 import torch
 
 from hpa.config.errors import ConfigError
+from hpa.rollout.base import FINISH_REASONS, RolloutBatch
 
 STALENESS_KEY = "rollout.max_staleness"
 
@@ -89,6 +90,30 @@ class VersionedRollout:
         return {"rows": dict(self.rows), "log_probs": self.log_probs, "versions": self.versions, "mask": self.mask}
 
 
+_BATCH_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids")
+_EXTRA = "extras."
+
+
+def rollout_entry(batch: RolloutBatch, version: int) -> VersionedRollout:
+    """A whole ``RolloutBatch`` sampled by policy ``version`` as one entry (its rows stay together)."""
+    rows = {name: getattr(batch, name) for name in _BATCH_FIELDS}
+    rows["finish_reasons"] = torch.tensor([FINISH_REASONS.index(r) for r in batch.finish_reasons], dtype=torch.int64)
+    rows["pad_token_id"] = torch.full((batch.batch_size,), batch.pad_token_id, dtype=torch.int64)
+    rows.update({_EXTRA + name: value for name, value in batch.extras.items()})
+    versions = torch.full(batch.log_probs.shape, int(version), dtype=torch.int64)
+    return VersionedRollout(rows=rows, log_probs=batch.log_probs, versions=versions, mask=batch.response_mask)
+
+
+def rollout_batch(entry: VersionedRollout) -> RolloutBatch:
+    """The ``RolloutBatch`` of an entry made by ``rollout_entry`` (the same tensors, not copies)."""
+    rows = entry.rows
+    pad = rows["pad_token_id"]
+    return RolloutBatch(**{name: rows[name] for name in _BATCH_FIELDS}, log_probs=entry.log_probs,
+                        finish_reasons=[FINISH_REASONS[int(i)] for i in rows["finish_reasons"]],
+                        pad_token_id=int(pad[0]) if pad.numel() else 0,
+                        extras={name[len(_EXTRA):]: value for name, value in rows.items() if name.startswith(_EXTRA)})
+
+
 class RolloutQueue:
     """FIFO of ``VersionedRollout`` entries that never returns one older than ``version − max_staleness``.
 
@@ -106,7 +131,7 @@ class RolloutQueue:
         self.num_dropped_rows = 0
         self.num_dropped_entries = 0
         self.num_discarded_rows = 0
-        self._last_lags = torch.zeros(0, dtype=torch.int64)  # per valid token of the last get
+        self._last_lags = torch.zeros(0, dtype=torch.int64)  # per valid token returned since the last metrics()
 
     @property
     def version(self) -> int:
@@ -172,10 +197,17 @@ class RolloutQueue:
                 break
             taken.append(self._entries.popleft())
             num_rows += entry.num_rows
-        lags = [self._version - entry.versions[entry.mask.bool()] for entry in taken]
-        self._last_lags = torch.cat(lags) if lags else torch.zeros(0, dtype=torch.int64)
+        self._last_lags = torch.cat([self._last_lags, *(self._version - entry.versions[entry.mask.bool()]
+                                                        for entry in taken)])
         self.num_returned_rows += num_rows
         return taken
+
+    def rewind(self, version: int) -> int:
+        """Go back to ``version`` (a rollback to an earlier checkpoint): what is queued was sampled by policies
+        that no longer exist, so it is discarded (counted). Returns the rows discarded."""
+        num_rows = self.discard()
+        self._version = int(version)
+        return num_rows
 
     def discard(self) -> int:
         """Drop every queued entry (counted as discarded, not as stale); returns the rows dropped."""
@@ -185,10 +217,12 @@ class RolloutQueue:
         return num_rows
 
     def metrics(self) -> Dict[str, float]:
-        """``async/lag_max`` and ``async/lag_mean`` over the valid tokens of the last ``get`` (0 when it returned
-        none), ``async/lag_frac_{i}`` for every lag i in 0..k (the staleness histogram), the cumulative
-        ``async/dropped_rows`` and ``async/discarded_rows``, ``async/queued_rows`` and ``async/policy_version``."""
+        """``async/lag_max`` and ``async/lag_mean`` over the valid tokens returned by ``get`` since the previous
+        ``metrics`` call (0 when none; the call starts a new window, e.g. one per step), ``async/lag_frac_{i}``
+        for every lag i in 0..k (the staleness histogram), the cumulative ``async/dropped_rows`` and
+        ``async/discarded_rows``, ``async/queued_rows`` and ``async/policy_version``."""
         lags = self._last_lags
+        self._last_lags = torch.zeros(0, dtype=torch.int64)
         metrics = {"async/lag_max": float(lags.max()) if lags.numel() else 0.0,
                    "async/lag_mean": float(lags.double().mean()) if lags.numel() else 0.0}
         for lag in range(self.max_staleness + 1):

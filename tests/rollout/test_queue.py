@@ -63,7 +63,26 @@ def test_drops_are_counted_and_never_returned():
     metrics = queue.metrics()
     assert metrics["async/lag_max"] == 1.0 and metrics["async/lag_frac_1"] == 1.0
     assert metrics["async/dropped_rows"] == 4.0 and metrics["async/queued_rows"] == 0.0
-    assert queue.get() == [] and queue.metrics()["async/lag_max"] == 0.0
+    assert queue.get() == [] and queue.metrics()["async/lag_max"] == 0.0  # a new window
+
+
+def test_lag_metrics_cover_every_get_since_the_last_report():
+    queue = RolloutQueue(2, version=2)
+    queue.put(_entry(0, width=2))
+    queue.put(_entry(2, width=2))
+    queue.get(max_rows=2)
+    queue.get(max_rows=2)
+    metrics = queue.metrics()
+    assert metrics["async/lag_max"] == 2.0 and metrics["async/lag_mean"] == 1.0
+    assert (metrics["async/lag_frac_0"], metrics["async/lag_frac_1"], metrics["async/lag_frac_2"]) == (0.5, 0.0, 0.5)
+
+
+def test_rewind_discards_what_newer_policies_sampled():
+    queue = RolloutQueue(1, version=5)
+    queue.put(_entry(5))
+    assert queue.rewind(3) == 2 and queue.version == 3 and len(queue) == 0
+    queue.put(_entry(3))
+    assert len(queue.get()) == 1
 
 
 def test_padding_tokens_do_not_count_for_the_lag():
@@ -100,13 +119,14 @@ def test_state_round_trip_through_torch_save():
     for tag, version in enumerate([5, 6, 7]):
         queue.put(_entry(version, tag=tag))
     queue.put(_entry(4))  # dropped
-    queue.get(max_rows=2)
+    queue.get(max_rows=2)  # its lags are still to report: they travel in the state
     buffer = io.BytesIO()
     torch.save(queue.state_dict(), buffer)
     buffer.seek(0)
     resumed = RolloutQueue(2)
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
-    assert resumed.version == 7 and resumed.metrics() == queue.metrics()
+    assert resumed.version == 7 and resumed.state_dict()["counters"] == queue.state_dict()["counters"]
+    assert resumed.metrics() == queue.metrics()
     for a, b in zip(queue.get(), resumed.get()):
         assert torch.equal(a.log_probs, b.log_probs) and torch.equal(a.versions, b.versions)
         assert torch.equal(a.rows["tag"], b.rows["tag"])
@@ -161,3 +181,21 @@ def test_schema_key_refuses_what_the_loop_cannot_do(value, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(None, [f"rollout.max_staleness={value}"])
     assert err.value.key == "rollout.max_staleness" and err.value.source == "command line", str(err.value)
+
+
+def test_a_rollout_batch_round_trips_through_an_entry():
+    from hpa.rollout.queue import rollout_batch, rollout_entry
+    from hpa.rollout.base import RolloutBatch
+
+    batch = RolloutBatch(prompt_ids=torch.tensor([[0, 5], [6, 7]]), prompt_mask=torch.tensor([[0, 1], [1, 1]]),
+                         response_ids=torch.tensor([[8, 9, 3], [4, 3, 3]]),
+                         response_mask=torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]),
+                         log_probs=-torch.rand(2, 3), finish_reasons=["length", "stop"], group_ids=torch.tensor([0, 0]),
+                         pad_token_id=3, extras={"scores": torch.tensor([0.5, -1.0])})
+    entry = rollout_entry(batch, 4)
+    assert entry.oldest_version() == entry.newest_version() == 4
+    back = rollout_batch(entry)
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "log_probs", "group_ids"):
+        assert getattr(back, name) is getattr(batch, name)
+    assert back.finish_reasons == batch.finish_reasons and back.pad_token_id == 3
+    assert back.extras.keys() == {"scores"} and back.extras["scores"] is batch.extras["scores"]
