@@ -1,4 +1,5 @@
-"""The rollout stream of an HPA step: roll out → reference / old-policy forwards → shaped reward →
+"""The rollout stream of an HPA step: roll out (through the versioned rollout queue, ``hpa/rollout/queue.py``)
+→ reference / old-policy forwards → shaped reward →
 rollout filter (with DAPO's refill: more rounds of the three before it) → critic values → the controllers
 that observe the rollouts → advantages; after the policy update, the critic update and the length
 metrics. A run whose ``w_ppo`` is 0 throughout is plain DPO and spends no rollouts (``NoRollouts``).
