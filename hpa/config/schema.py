@@ -255,6 +255,9 @@ class RolloutConfig:
         colocate: vLLM shares the training GPUs and sleeps during training (the mode implemented).
         cuda_graphs: native engine: decode from CUDA graphs (see above); false: eager decode.
         compile_decode: native engine with CUDA-graph decode: compile the decode step before its capture.
+        max_staleness: the most policy versions a trained row may lag the policy that sampled it (0: every
+            row is sampled by the current policy, the synchronous loop). Rows older than that are dropped
+            and counted (``hpa/rollout/queue.py``). Only 0 is accepted until the asynchronous loop is wired.
     """
 
     engine: str = "megatron"
@@ -269,9 +272,15 @@ class RolloutConfig:
     colocate: bool = True
     cuda_graphs: bool = True
     compile_decode: bool = True
+    max_staleness: int = 0
 
     def __post_init__(self):
         check_choice("engine", self.engine, ROLLOUT_ENGINES)
+        if self.max_staleness < 0:
+            raise ConfigError("max_staleness", f"must be an integer >= 0 (0: synchronous), got {self.max_staleness}")
+        if self.max_staleness > 0:
+            raise ConfigError("max_staleness", f"only 0 (the synchronous loop) is supported until the asynchronous "
+                                               f"loop is wired; got {self.max_staleness}")
         _positive(self, "n", "max_new_tokens", "vllm_tensor_parallel_size")
         check_range("temperature", self.temperature, low=0.0)
         check_range("top_p", self.top_p, low=0.0, high=1.0, low_open=True)

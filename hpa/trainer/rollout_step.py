@@ -1,4 +1,5 @@
-"""The rollout stream of an HPA step: roll out → reference / old-policy forwards → shaped reward →
+"""The rollout stream of an HPA step: roll out (through the versioned rollout queue, ``hpa/rollout/queue.py``)
+→ reference / old-policy forwards → shaped reward →
 rollout filter (with DAPO's refill: more rounds of the three before it) → critic values → the controllers
 that observe the rollouts → advantages; after the policy update, the critic update and the length
 metrics. A run whose ``w_ppo`` is 0 throughout is plain DPO and spends no rollouts (``NoRollouts``).
@@ -10,7 +11,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from hpa.distributed import comm
 from hpa.rollout.base import RolloutBatch, SamplingParams
+from hpa.rollout.queue import RolloutQueue, rollout_batch, rollout_entry
 from hpa.trainer import faults, phases, rollout_filter
 from hpa.trainer.metrics import length_metrics
 from hpa.trainer.objective import StepSignals, StepWeights
@@ -23,6 +26,10 @@ class RolloutStep:
         self.trainer = trainer
         self.cfg, self.groups, self.parts, self.ctx = trainer.cfg, trainer.groups, trainer.parts, trainer.ctx
         self.observed_weights: Optional[StepWeights] = None
+        # the hand-over from sampling to training; at max_staleness 0 (the only value the schema accepts
+        # until the asynchronous loop is wired) every rollout is taken back as soon as it is put, so the queue
+        # is empty between steps and a checkpoint needs nothing of it
+        self.queue = RolloutQueue(self.cfg.rollout.max_staleness)  # its version follows the run state: through_queue
 
     def collect(self, weights: StepWeights) -> Tuple[RolloutBatch, Dict[str, float], StepWeights]:
         """This step's scored, filtered rollouts with their advantages (and values), their metrics, and the
@@ -45,7 +52,16 @@ class RolloutStep:
                                                  weights.factors.learned_advantage))
         # after the advantages' metrics: the KL controller's actor/reward_kl (the DP mean) is the one logged
         metrics.update(observed)
+        metrics.update(self.queue_metrics())
         return batch, metrics, weights
+
+    def queue_metrics(self) -> Dict[str, float]:
+        """The step's ``async/lag_max`` (max over DP ranks) and the rows dropped as too old (summed)."""
+        queued = self.queue.metrics()
+        metrics = comm.reduce_metrics({"async/lag_max": queued["async/lag_max"]}, self.groups.dp_group, op="max")
+        metrics.update(comm.reduce_metrics({"async/dropped_rows": queued["async/dropped_rows"]},
+                                           self.groups.dp_group, op="sum"))
+        return metrics
 
     def finish(self, batch: RolloutBatch) -> Dict[str, float]:
         """The critic update and the response-length metrics, after the policy update; on an on-policy step
@@ -82,7 +98,19 @@ class RolloutStep:
         # a refill round's seed is far from every step's first round (a prime stride)
         seed = self.cfg.rollout.seed + self.trainer.state.step * g.data_parallel_size + g.dp_rank \
             + refill_round * 1_000_003
-        return generate(self.parts, self.ctx, prompt_ids, SamplingParams.from_config(self.cfg.rollout, seed=seed))
+        batch = generate(self.parts, self.ctx, prompt_ids, SamplingParams.from_config(self.cfg.rollout, seed=seed))
+        return self.through_queue(batch)
+
+    def through_queue(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch``, sampled by the current policy (version: the optimizer steps so far), put into the queue
+        and taken back: what the trainer gets is never older than ``rollout.max_staleness`` versions."""
+        step = self.trainer.state.step
+        if step < self.queue.version:  # the guard rolled back to an earlier checkpoint
+            self.queue.rewind(step)
+        self.queue.advance(step)
+        self.queue.put(rollout_entry(batch, step))
+        (entry,) = self.queue.get()  # at staleness 0: exactly the rollout just put
+        return rollout_batch(entry)
 
 
 class NoRollouts:
