@@ -124,8 +124,10 @@ def test_token_veto_by_hand():
 
 def test_combined_in_verls_order():
     correction = RolloutCorrection(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token",
-                                   rollout_rs_threshold=2.0, rollout_token_veto_threshold=0.3)
-    behaviour = torch.randn(2, 4, dtype=torch.float64)
+                                   rollout_rs_threshold=2.5, rollout_token_veto_threshold=0.3)
+    # the rejection bounds [0.4, 2.5] lie clear of every ratio: at a bound, the rounding of
+    # (behaviour + log ratio) - behaviour would decide
+    behaviour = torch.randn(2, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     (weights, kept), metrics = rollout_correction(behaviour + LOG_RATIO, behaviour, MASK, correction)
     # weights on the original mask (not zeroed by rejection or veto), mask after rejection, then the veto
     torch.testing.assert_close(weights, torch.tensor([[0.5, 2.0, 1.0, 0.0], [1.5, 0.25, 0.0, 0.0]],
