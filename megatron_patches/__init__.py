@@ -1,7 +1,8 @@
 """Patches of megatron-core, applied once and explicitly: CPU/gloo support (``apply_cpu_patches``, by
-``hpa.distributed.init`` when CUDA is not in use), the local layer spec's packed-sequence RoPE
-(``apply_model_patches``, by ``hpa.models.specs`` on every device) and a sync-free gradient norm where TE and
-apex are absent (``apply_optimizer_patches``, by ``hpa.engine.optimizer`` on every device).
+``hpa.distributed.init`` when CUDA is not in use), the local layer spec's packed-sequence RoPE and its
+row-parallel linears' TP group (``apply_model_patches``, by ``hpa.models.specs`` on every device) and a
+sync-free gradient norm where TE and apex are absent (``apply_optimizer_patches``, by ``hpa.engine.optimizer``
+on every device).
 
 Each patch lives in its own module and says what it changes, why, the upstream version it targets
 and when it can be removed. Nothing is patched on import. None of the patches changes numerics.
@@ -26,7 +27,7 @@ PATCHES: Tuple[str, ...] = (
 )
 
 # the local layer spec's, on every device
-MODEL_PATCHES: Tuple[str, ...] = ("packed_rope",)
+MODEL_PATCHES: Tuple[str, ...] = ("packed_rope", "row_parallel_group")
 
 # the optimizer's, on every device (``hpa.engine.optimizer.build_optimizer``)
 OPTIMIZER_PATCHES: Tuple[str, ...] = ("foreach_l2norm",)
