@@ -27,7 +27,7 @@ PATCHES: Tuple[str, ...] = (
 )
 
 # the local layer spec's, on every device
-MODEL_PATCHES: Tuple[str, ...] = ("packed_rope", "row_parallel_group")
+MODEL_PATCHES: Tuple[str, ...] = ("packed_rope", "row_parallel_group", "column_parallel_comm")
 
 # the optimizer's, on every device (``hpa.engine.optimizer.build_optimizer``)
 OPTIMIZER_PATCHES: Tuple[str, ...] = ("foreach_l2norm",)
