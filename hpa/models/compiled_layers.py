@@ -30,6 +30,10 @@ from typing import Optional
 import torch
 
 _COMPILED = {}  # fullgraph -> the compiled layer call
+# graphs of the one compiled layer function: a run's regimes multiply (padded or packed, gradients on or off,
+# training or eval mode, frozen or trainable parameters, LoRA adapters on or off, packed chunks in one piece or
+# several): a 2-step CPU run already compiles 4; past dynamo's default of 8 the layers would run eagerly
+RECOMPILE_LIMIT = 64
 
 
 def compile_wanted(setting: Optional[bool], device: torch.device, *, use_te: bool,
@@ -68,6 +72,8 @@ def compile_layers(gpt, *, fullgraph: bool = False) -> int:
     Returns:
         The number of layers compiled.
     """
+    # dynamo's limit is per compiled function (its code object); raising it changes nothing for other functions
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in gpt.decoder.layers:
         layer.__dict__["_hpa_compile_fullgraph"] = fullgraph
         # a bound method, not a closure: a deep copy of the model calls its own layers
