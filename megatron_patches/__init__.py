@@ -1,8 +1,8 @@
 """Patches of megatron-core, applied once and explicitly: CPU/gloo support (``apply_cpu_patches``, by
-``hpa.distributed.init`` when CUDA is not in use), the local layer spec's packed-sequence RoPE and its
-row-parallel linears' TP group (``apply_model_patches``, by ``hpa.models.specs`` on every device) and a
-sync-free gradient norm where TE and apex are absent (``apply_optimizer_patches``, by ``hpa.engine.optimizer``
-on every device).
+``hpa.distributed.init`` when CUDA is not in use), the local layer spec's packed-sequence RoPE
+(``apply_model_patches``, by ``hpa.models.specs`` on every device) and the optimizer's multi-tensor fallbacks
+where TE and apex are absent (a sync-free gradient norm, one-operation clipping and main -> model copies:
+``apply_optimizer_patches``, by ``hpa.engine.optimizer`` on every device).
 
 Each patch lives in its own module and says what it changes, why, the upstream version it targets
 and when it can be removed. Nothing is patched on import. None of the patches changes numerics.
@@ -26,7 +26,8 @@ PATCHES: Tuple[str, ...] = (
     "sequence_parallel_norm",
 )
 
-# the local layer spec's, on every device
+# the local layer spec's, on every device: packed RoPE, the row-parallel linears' own TP group (no warning per
+# call), the column-parallel ones' collectives inside compiled layers (``hpa.models.compiled_layers``)
 MODEL_PATCHES: Tuple[str, ...] = ("packed_rope", "row_parallel_group", "column_parallel_comm")
 
 # the optimizer's, on every device (``hpa.engine.optimizer.build_optimizer``)
