@@ -72,7 +72,8 @@ def compile_layers(gpt, *, fullgraph: bool = False) -> int:
     Returns:
         The number of layers compiled.
     """
-    # dynamo's limit is per compiled function (its code object); raising it changes nothing for other functions
+    # dynamo's limit counts graphs per function (code object) and is one setting for all: other compiled functions
+    # may recompile this often too before they fall back to eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in gpt.decoder.layers:
         layer.__dict__["_hpa_compile_fullgraph"] = fullgraph

@@ -2,13 +2,13 @@
 packed, at three lengths, without a graph break and without a recompile per length; the key's resolution and
 its errors."""
 
-import dataclasses
+import copy
 import types
 
 import pytest
 import torch
 
-from multirank import layout_id, run_ranks
+from multirank import run_ranks
 
 VOCAB = 64
 # fp32 on CPU, relative to the largest value where that is above 1 (gradients reach ~50: a sum of 1e-6 there is
@@ -159,6 +159,8 @@ def test_a_call_with_an_inference_context_runs_eagerly(monkeypatch):
     assert torch.equal(layer(torch.zeros(2), inference_context=object()), torch.ones(2))
     assert calls == []
     assert layer(hidden_states=torch.zeros(2, 1, 3)) == "c" and len(calls) == 1
+    copied = copy.deepcopy(gpt).decoder.layers[0]  # a copy's layers call themselves, not the original's
+    assert copied is not layer and copied.forward.__self__ is copied and compiled_layers.is_compiled(copied)
 
 
 def test_the_packed_embedding_output_gets_the_layers_strides():
