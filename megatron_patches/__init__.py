@@ -26,8 +26,9 @@ PATCHES: Tuple[str, ...] = (
     "sequence_parallel_norm",
 )
 
-# the local layer spec's, on every device
-MODEL_PATCHES: Tuple[str, ...] = ("packed_rope",)
+# the local layer spec's, on every device: packed RoPE, the row-parallel linears' own TP group (no warning per
+# call), the column-parallel ones' collectives inside compiled layers (``hpa.models.compiled_layers``)
+MODEL_PATCHES: Tuple[str, ...] = ("packed_rope", "row_parallel_group", "column_parallel_comm")
 
 # the optimizer's, on every device (``hpa.engine.optimizer.build_optimizer``)
 OPTIMIZER_PATCHES: Tuple[str, ...] = ("foreach_l2norm", "foreach_scale")

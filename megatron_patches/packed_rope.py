@@ -28,14 +28,19 @@ _recent = []
 
 def per_token_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     """``freqs`` ``[s, 1, 1, d]`` (positions 0..s-1) at the position of each of ``tokens`` packed tokens
-    within its row: ``[tokens, 1, d]``. Device operations only."""
-    for cu, table, n, out in _recent:
+    within its row: ``[tokens, 1, d]``. Device operations only.
+
+    Inside a compiled layer (``hpa.models.compile``) nothing is cached: the cache is Python state across
+    calls, which the compiler would guard on (a recompile per micro-batch); the gather is fused there."""
+    compiling = torch.compiler.is_compiling()
+    for cu, table, n, out in ([] if compiling else _recent):
         if cu is cu_seqlens and table is freqs and n == tokens:
             return out
     index = torch.arange(tokens, device=cu_seqlens.device)
     row_start = cu_seqlens[torch.searchsorted(cu_seqlens, index, right=True) - 1]
     out = freqs[(index - row_start).to(freqs.device), 0]
-    _recent[:] = [(cu_seqlens, freqs, tokens, out)] + _recent[:1]
+    if not compiling:
+        _recent[:] = [(cu_seqlens, freqs, tokens, out)] + _recent[:1]
     return out
 
 

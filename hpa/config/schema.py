@@ -173,6 +173,11 @@ class ModelConfig:
         make_vocab_size_divisible_by: the embedding rows are padded to a multiple of this times TP.
         recompute_granularity: activation recomputation: null (none) | selective (core attention) | full
             (whole layers).
+        compile: compile each transformer layer with ``torch.compile`` (forward and backward; the model around
+            the layers stays eager; docs/gpu.md, "Compiled layers"). null (auto): on where the layers are
+            megatron's local ones on CUDA (not yet measured faster there), off on CPU (compiling costs more
+            than it saves at test sizes) and with Transformer Engine's layers or selective recomputation;
+            true: on for the local layers on any device; false: eager.
         policy_path: initial policy weights (a Megatron checkpoint directory); null: random initialisation.
         reference_path: the frozen reference's weights; null: the policy's starting weights.
         critic_path: the critic's starting weights; null: the policy's backbone with a fresh value head.
@@ -199,6 +204,7 @@ class ModelConfig:
     transformer_impl: str = "auto"
     make_vocab_size_divisible_by: int = 128
     recompute_granularity: Optional[str] = None
+    compile: Optional[bool] = None
     policy_path: Optional[str] = None
     reference_path: Optional[str] = None
     critic_path: Optional[str] = None
@@ -217,6 +223,10 @@ class ModelConfig:
         check_range("hidden_dropout", self.hidden_dropout, low=0.0, high=1.0, high_open=True)
         check_range("attention_dropout", self.attention_dropout, low=0.0, high=1.0, high_open=True)
         check_range("norm_epsilon", self.norm_epsilon, low=0.0, low_open=True)
+        if self.compile and self.recompute_granularity == "selective":
+            raise ConfigError("compile", "true cannot trace recompute_granularity=selective (megatron's checkpoint "
+                              "inside the layer saves the RNG states); use full or null recomputation, or "
+                              "compile: false")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError("hidden_size", f"{self.hidden_size} is not divisible by "
                               f"num_attention_heads={self.num_attention_heads}")

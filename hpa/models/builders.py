@@ -16,6 +16,7 @@ from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.init import TEST_MODEL_DEVICE_ENV
 
 from . import device_boundary
+from .compiled_layers import compile_layers, compile_wanted
 from .heads import ScalarHead
 from .specs import gpt_layer_spec, use_transformer_engine
 
@@ -101,7 +102,7 @@ def _gpt(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):
 
     config = transformer_config(model, parallel, groups)
     use_te = use_transformer_engine(model.transformer_impl) and groups.device.type == "cuda"
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(use_te=use_te, normalization=model.normalization),
         vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
@@ -115,6 +116,10 @@ def _gpt(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):
         rotary_base=int(model.rotary_base),
         pg_collection=groups.pg_collection,
     ).to(device=compute_device(groups), dtype=config.params_dtype)
+    if compile_wanted(model.compile, compute_device(groups), use_te=use_te,
+                      recompute_granularity=model.recompute_granularity):
+        compile_layers(gpt)
+    return gpt
 
 
 def build_policy(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups):

@@ -109,7 +109,7 @@ def packed_local_attention():
                     out = sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
                                enable_gqa=gqa)
                     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s, b, hp]
-                if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
+                if uses_varlen_attention(query, dropout):
                     out = varlen_causal_attention(query, key, value, packed_seq_params, scale=self.softmax_scale)
                 else:
                     out = chunked_causal_attention(query, key, value, packed_seq_params, dropout=dropout,
@@ -118,6 +118,11 @@ def packed_local_attention():
 
         _PackedLocalAttention = PackedLocalAttention
     return _PackedLocalAttention
+
+
+def uses_varlen_attention(query: torch.Tensor, dropout: float) -> bool:
+    """Whether packed rows take torch's variable-length flash attention (else ``chunked_causal_attention``)."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
 
 
 # packed rows attended to without the varlen kernel are cut into chunks of consecutive rows of at most this many
