@@ -796,10 +796,15 @@ def _convert(args, groups: ParallelGroups, parallel_cfg: ParallelConfig) -> None
 
     if is_adapter_checkpoint(args.megatron_dir):
         lora_model, model_cfg, family, base = load_lora_checkpoint(args, parallel_cfg, groups)
+        base_dir = args.base_dir or model_cfg.policy_path
+        meta_file = Path(base_dir) / META_FILE  # a base imported from HF: its family and config.json
+        if meta_file.is_file():
+            meta = json.loads(meta_file.read_text())
+            family, base = args.family or meta.get("family", family), meta.get("hf_config")
         plain_cfg = dataclasses.replace(model_cfg, lora=dataclasses.replace(model_cfg.lora, rank=0))
         if args.peft_dir is not None:  # the adapters name the base they go on: the HF model it came from, else
             # one exported beside them (an absolute path: PEFT reads base_model_name_or_path as given)
-            hf_base, why = converted_from(args.base_dir or model_cfg.policy_path)
+            hf_base, why = converted_from(base_dir)
             base_out = hf_base or Path(args.peft_dir) / PEFT_BASE
             export_peft_adapter(lora_model, model_cfg, model_cfg.lora, groups, args.peft_dir,
                                 base_model_name_or_path=str(base_out.resolve()))

@@ -374,10 +374,8 @@ def build_lora_model(model_cfg: ModelConfig, parallel_cfg, groups: ParallelGroup
 def load_lora_checkpoint(args, parallel_cfg, groups: ParallelGroups):
     """``hpa convert megatron-to-hf`` of an adapter checkpoint: ``(model with its adapters, ModelConfig, family,
     HF config base)``; the config is ``--config`` or the run's ``config.yaml``, the base ``--base-dir`` or its
-    ``model.policy_path`` (the family and HF config those of the HF model it was imported from, if it was)."""
+    ``model.policy_path``."""
     import dataclasses
-
-    from .convert import META_FILE
 
     from hpa.config import load_config
 
@@ -397,10 +395,8 @@ def load_lora_checkpoint(args, parallel_cfg, groups: ParallelGroups):
     model = build_lora_model(model_cfg, parallel_cfg, groups, base_dir)
     load_adapters(model, args.megatron_dir, groups,
                   base_key="--base-dir" if args.base_dir else "model.policy_path")
-    meta_file = Path(base_dir) / META_FILE  # a base imported from HF: its family and config.json
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-    family = args.family or meta.get("family") or ("qwen2" if model_cfg.add_qkv_bias else "llama")
-    return model, model_cfg, family, meta.get("hf_config")
+    family = args.family or ("qwen2" if model_cfg.add_qkv_bias else "llama")
+    return model, model_cfg, family, None
 
 
 def merged_model(model, model_cfg: ModelConfig, parallel_cfg, groups: ParallelGroups):
