@@ -265,9 +265,14 @@ def test_lora_adapters_are_checked_before_any_model_loads(command, data, tmp_pat
     step = _adapters(tmp_path, "step_1", None)
     (step / "manifest.json").write_text("{}")
     _adapters(step, "policy", {"adapters_only": True, "rank": 8, "scaling": 2.0, "num_adapters": 8})
+    ok = {"adapters_only": True, "rank": 4, "scaling": 2.0, "num_adapters": 8}
+    targets = _adapters(tmp_path, "qkv", {**ok, "target_modules": ["linear_qkv"]})
+    shape = _adapters(tmp_path, "wide", {**ok, "base": {"config": {"num_layers": 2, "hidden_size": 128}}})
     cases = [(_adapters(tmp_path, "plain", None), "not a LoRA adapter checkpoint (no lora.json)"),
              (tmp_path / "gone", "does not exist"),
-             (step, "rank 8 scaled by 2.0 but model.lora gives rank 4 scaled by 2")]
+             (step, "model.lora.rank: 4, but the adapters of"),
+             (targets, "model.lora.target_modules: ['linear_fc1', 'linear_fc2', 'linear_proj', 'linear_qkv'], but"),
+             (shape, "model.hidden_size: 64, but the adapters of")]
     if command != "train":
         cases.append((None, "is not set"))
     for path, needle in cases:
@@ -276,6 +281,16 @@ def test_lora_adapters_are_checked_before_any_model_loads(command, data, tmp_pat
     # the record of a run checkpoint (its policy/) with the right rank and scaling passes to the model load
     with pytest.raises(AssertionError, match="about to load"):
         main([command, *extra, *lora, "model.lora.rank=8", "model.lora.alpha=16", f"model.lora.adapter_path={step}"])
+
+
+def test_a_resume_path_that_is_no_checkpoint_names_the_key(data, tmp_path, capsys, monkeypatch):
+    """``checkpoint.resume`` that is not a complete run checkpoint: one line before any process group starts."""
+    import hpa.distributed
+
+    monkeypatch.setattr(hpa.distributed, "launched", lambda *a, **k: pytest.fail("the run was about to start"))
+    (tmp_path / "step_1").mkdir()
+    for path, needle in ((tmp_path / "gone", "no manifest.json"), (tmp_path / "step_1", "not a complete run")):
+        _one_line_error(capsys, main(["train", *data, f"checkpoint.resume={path}"]), "checkpoint.resume", needle)
 
 
 # -------------------------------------------------------------------------------------------- values that do nothing

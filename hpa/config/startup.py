@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import filecmp
 import json
+import math
 import os
-from typing import List, Mapping, Optional, Tuple
+from pathlib import Path
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 from .schema import Config, demonstrations_needed
@@ -31,6 +33,7 @@ REQUIRED = {"sft": ("data.sft_path",), "serve": ("model.policy_path",), "generat
 # the adapter checkpoint's record beside its shards (hpa.models.lora.MARKER); a run checkpoint holds it in policy/
 LORA_RECORD = "lora.json"
 RUN_CHECKPOINT_MANIFEST = "manifest.json"  # hpa.models.weights.MANIFEST
+LATEST = "latest"  # the pointer to the newest run checkpoint (hpa.trainer.checkpoint)
 # what a command reads only when a feature is on: (command, the feature's test, the path's entry)
 PATHS_READ_WHEN = (("train", demonstrations_needed, ("data.sft_path", "file")),)
 _KIND_WORD = {"file": "a file", "dir": "a directory", "any": "a file or directory"}
@@ -65,13 +68,14 @@ def check_paths(cfg: Config, command: str) -> None:
             if kind == "dir" and not os.path.isdir(path):
                 raise ConfigError(item, f"{path!r} is a file; give a checkpoint directory")
     _check_adapters(cfg, command)
+    _check_resume(cfg, command)
     _check_reward_models(cfg)
 
 
 def _check_adapters(cfg: Config, command: str) -> None:
-    """``model.lora.adapter_path`` is an adapter checkpoint of ``model.lora``'s rank and scaling (its record,
-    as ``hpa.models.lora_io.load_adapters`` reads it), and ``hpa generate``/``serve`` with LoRA on have one:
-    told before the base loads, which on a large base takes minutes."""
+    """``model.lora.adapter_path`` is an adapter checkpoint of ``model.lora``'s rank, scaling and targets over a
+    base of ``model``'s shape (its record, as ``hpa.models.lora_io.load_adapters`` reads it), and ``hpa
+    generate``/``serve`` with LoRA on have one: told before the base loads, which on a large base takes minutes."""
     lora, key = cfg.model.lora, "model.lora.adapter_path"
     if command in ("generate", "serve") and lora.enabled:
         if lora.adapter_path is None:
@@ -83,23 +87,137 @@ def _check_adapters(cfg: Config, command: str) -> None:
     path = lora.adapter_path
     if os.path.isfile(os.path.join(path, RUN_CHECKPOINT_MANIFEST)) and os.path.isdir(os.path.join(path, "policy")):
         path = os.path.join(path, "policy")
-    record = os.path.join(path, LORA_RECORD)
+    if not os.path.isfile(os.path.join(path, LORA_RECORD)):
+        raise ConfigError(key, f"{lora.adapter_path!r} is not a LoRA adapter checkpoint (no {LORA_RECORD}); give a "
+                               "LoRA run's checkpoint (<run_dir>/checkpoints/step_N) or an 'hpa convert "
+                               "peft-to-megatron' output")
+    mismatch = lora_record_mismatch(_read_record(key, path), path, rank=lora.rank, scaling=lora.scaling,
+                                    targets=lora.target_modules, shape=base_shape(cfg.model))
+    if mismatch is not None:
+        raise ConfigError(key, "%s: %s" % mismatch)
+
+
+def _check_resume(cfg: Config, command: str) -> None:
+    """The checkpoint ``checkpoint.resume`` loads exists and holds what ``model`` and ``model.lora`` build: a LoRA
+    checkpoint's record (``lora.json``) gives its adapters' rank, scaling, targets and base shape, so another
+    setting is told before any model is built (``hpa.trainer.checkpoint.CheckpointManager.load`` checks again,
+    with the base's weights, after the build)."""
+    resume = cfg.checkpoint.resume
+    if command != "train" or resume == "never":
+        return
+    if resume != "auto" and not os.path.isfile(os.path.join(resume, RUN_CHECKPOINT_MANIFEST)):
+        raise ConfigError("checkpoint.resume", f"{resume!r} is not a complete run checkpoint (no "
+                                               f"{RUN_CHECKPOINT_MANIFEST}); give <run_dir>/checkpoints/step_N, "
+                                               "'auto' or 'never'")
+    path = resume_checkpoint(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.trainer.run_dir)
+    if path is None:
+        return
+    lora = cfg.model.lora
+    loads = f"checkpoint.resume={resume} loads {path}" if resume == "auto" else f"checkpoint.resume gives {path}"
+    new_run = "or set checkpoint.resume=never (or another trainer.run_dir) to start a new run"
+    loaded = ("policy", "critic") if cfg.algorithm.advantage.estimator == "gae" else ("policy",)
+    for directory in (os.path.join(path, name) for name in loaded):
+        if not os.path.isdir(directory):
+            continue
+        if not os.path.isfile(os.path.join(directory, LORA_RECORD)):
+            if lora.enabled:
+                raise ConfigError("model.lora.rank", f"{lora.rank}, but {loads}, a full-model checkpoint (no "
+                                                     f"{LORA_RECORD} in {directory}); resume it with model.lora.rank: "
+                                                     f"0, start a LoRA run from it with model.policy_path, {new_run}")
+            continue
+        info = _read_record("checkpoint.resume", directory)
+        if not lora.enabled:
+            raise ConfigError("model.lora.rank", f"0, but {loads}, whose {directory} holds LoRA adapters "
+                                                 f"({LORA_RECORD}); set model.lora.rank: {info.get('rank')} and the "
+                                                 f"alpha and target_modules of its run's config.yaml, {new_run}")
+        mismatch = lora_record_mismatch(info, directory, rank=lora.rank, scaling=lora.scaling,
+                                        targets=lora.target_modules, shape=base_shape(cfg.model))
+        if mismatch is not None:
+            raise ConfigError(mismatch[0], f"{mismatch[1]}, {new_run} ({loads})")
+
+
+def checkpoint_candidates(root) -> List[Path]:
+    """The run checkpoints ``step_N`` under ``root``, newest first (the ``latest`` pointer's target first); those
+    of saves that did not finish (``.tmp``) are none."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+                   key=lambda p: p.name, reverse=True)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if target in found:
+            found.remove(target)
+            found.insert(0, target)
+    return found
+
+
+def checkpoint_root(checkpoint_dir: Optional[str], run_dir) -> Path:
+    """Where a run's checkpoints go: ``checkpoint.dir``, else ``<trainer.run_dir>/checkpoints``."""
+    return Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints"
+
+
+def resume_checkpoint(resume: str, checkpoint_dir: Optional[str], run_dir: str) -> Optional[Path]:
+    """The checkpoint ``checkpoint.resume`` loads, as far as its files tell without reading the shards: a path
+    as given, ``auto`` the first candidate with a manifest, ``never`` None. (``CheckpointManager.find_resumable``
+    also verifies every file's checksum and, under ``auto``, falls back to an older one when one fails.)"""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        return Path(resume)
+    return next((p for p in checkpoint_candidates(checkpoint_root(checkpoint_dir, run_dir)) if (p / RUN_CHECKPOINT_MANIFEST).is_file()), None)
+
+
+def _read_record(key: str, directory: str) -> dict:
+    record = os.path.join(directory, LORA_RECORD)
     try:
         with open(record) as f:
             info = json.load(f)
-    except OSError:
-        raise ConfigError(key, f"{lora.adapter_path!r} is not a LoRA adapter checkpoint (no {LORA_RECORD}); give a "
-                               "LoRA run's checkpoint (<run_dir>/checkpoints/step_N) or an 'hpa convert "
-                               "peft-to-megatron' output") from None
-    except ValueError as exc:
-        raise ConfigError(key, f"{record} is not valid JSON ({exc})") from None
-    rank, scaling = info.get("rank") if isinstance(info, dict) else None, \
-        info.get("scaling") if isinstance(info, dict) else None
-    if rank != lora.rank or not isinstance(scaling, (int, float)) or \
-            abs(scaling - lora.scaling) > 1e-6 * abs(lora.scaling):
-        raise ConfigError(key, f"{record} records adapters of rank {rank} scaled by {scaling} but model.lora gives "
-                               f"rank {lora.rank} scaled by {lora.scaling:g}; set model.lora.rank, alpha and rslora "
-                               "to the adapters' (their run's config.yaml)")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, f"{record}: unreadable ({type(exc).__name__}: {exc}); it marks an adapter checkpoint "
+                               f"and records its LoRA settings") from None
+    if not isinstance(info, dict):
+        raise ConfigError(key, f"{record}: not a JSON object; it records an adapter checkpoint's LoRA settings")
+    return info
+
+
+def base_shape(model) -> dict:
+    """The shape of ``model`` (a ``ModelConfig``) as an adapter record's base fingerprint gives it
+    (``hpa.models.lora.base_fingerprint``: megatron's config, defaults resolved)."""
+    return {"num_layers": model.num_layers, "hidden_size": model.hidden_size,
+            "ffn_hidden_size": model.ffn_hidden_size or 4 * model.hidden_size,
+            "num_attention_heads": model.num_attention_heads, "num_query_groups": model.kv_heads}
+
+
+def lora_record_mismatch(info: Mapping, directory, *, rank: int, scaling: float, targets: Sequence[str],
+                         shape: Optional[Mapping] = None) -> Optional[Tuple[str, str]]:
+    """``(key, message)`` of the first setting that differs from the adapters an adapter checkpoint's record
+    (``lora.json`` in ``directory``) describes, None when none does: the rank, the scaling (alpha / rank, or /
+    sqrt(rank) with rsLoRA), the targets and, with ``shape`` (``base_shape``), the base's shape. A record without
+    the targets or the base (an older hpa's) is not checked for them. The one comparison of a record with
+    settings: at start-up (the config's) and on load (``hpa.models.lora.check_marker``, the model's)."""
+    path = os.path.join(str(directory), LORA_RECORD)
+    if info.get("rank") != rank:
+        return "model.lora.rank", (f"{rank}, but the adapters of {directory} have rank {info.get('rank')} ({path}); "
+                                   f"use the rank they were trained with (their run's config.yaml)")
+    recorded = info.get("scaling")
+    if not isinstance(recorded, (int, float)) or not math.isclose(recorded, scaling, rel_tol=1e-6):
+        return "model.lora.alpha", (f"scales the adapters by {scaling} (alpha / rank, or alpha / sqrt(rank) with "
+                                    f"model.lora.rslora), but those of {directory} were trained at {recorded} "
+                                    f"({path}); use the alpha and rslora they were trained with (their run's "
+                                    f"config.yaml)")
+    theirs = info.get("target_modules")
+    if theirs is not None and sorted(theirs) != sorted(targets):
+        return "model.lora.target_modules", (f"{sorted(targets)}, but {directory} holds adapters on {sorted(theirs)} "
+                                             f"({path}); use the targets they were trained with")
+    base = (info.get("base") or {}).get("config") if isinstance(info.get("base"), dict) else None
+    for name, value in (base or {}).items() if shape is not None else ():
+        if name in shape and shape[name] != value:
+            return f"model.{name}", (f"{shape[name]}, but the adapters of {directory} were trained over a base "
+                                     f"with {name} {value} ({path}); give the shape of the base they were trained "
+                                     f"on (their run's config.yaml)")
+    return None
 
 
 def _check_reward_models(cfg: Config) -> None:

@@ -478,9 +478,36 @@ def import_hf_checkpoint(hf: Any, out_dir: Union[str, os.PathLike], parallel_cfg
     if groups.is_main:
         meta = {"family": hf_config["model_type"], "model": dataclasses.asdict(model_cfg),
                 "hf_config": hf_config}
+        if isinstance(hf, (str, os.PathLike)):  # what converted_from checks the directory against
+            meta.update(hf_dir=str(Path(hf).resolve()), hf_files=_weight_files(hf))
         (Path(out_dir) / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
     barrier()
     return model_cfg
+
+
+def _weight_files(hf_dir: Union[str, os.PathLike]) -> Dict[str, int]:
+    return {f.name: f.stat().st_size for f in sorted(Path(hf_dir).glob("*.safetensors"))}
+
+
+def converted_from(base_dir: Union[str, os.PathLike]) -> Tuple[Optional[Path], Optional[str]]:
+    """``(the HF directory, None)`` that the megatron checkpoint ``base_dir`` was imported from by ``hpa convert
+    hf-to-megatron``, when its ``hpa_convert.json`` names it and it still holds what was imported (the same
+    config.json and weight files of the same sizes: cheap, no weight is read); else ``(None, why not)``."""
+    meta_file = Path(base_dir) / META_FILE
+    if not meta_file.is_file():
+        return None, f"{base_dir} was not imported from a Hugging Face directory (no {META_FILE})"
+    meta = json.loads(meta_file.read_text())
+    hf_dir = meta.get("hf_dir")
+    if hf_dir is None:
+        return None, f"{meta_file} does not name the directory it was imported from (an older hpa wrote it)"
+    path = Path(hf_dir)
+    if not (path / "config.json").is_file():
+        return None, f"{hf_dir}, which {base_dir} was imported from, is gone"
+    if json.loads((path / "config.json").read_text()) != meta.get("hf_config"):
+        return None, f"{hf_dir}/config.json is not the one {base_dir} was imported from"
+    if _weight_files(path) != meta.get("hf_files"):
+        return None, f"the weight files of {hf_dir} are not those {base_dir} was imported from"
+    return path, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -683,8 +710,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                      help="a LoRA checkpoint's frozen base (megatron weights; default: the config's "
                           "model.policy_path); the merged model (base + adapters) is written")
     exp.add_argument("--peft-dir", default=None,
-                     help="with a LoRA checkpoint: also write its adapters as a PEFT LoRA directory here and "
-                          "the base they go on (HF) in DIR/base, which adapter_config.json names: "
+                     help="with a LoRA checkpoint: also write its adapters as a PEFT LoRA directory here; "
+                          "adapter_config.json names the base they go on, the HF model the base was converted "
+                          "from when it is still there, else the base exported to DIR/base: "
                           "AutoPeftModelForCausalLM.from_pretrained(DIR)")
     peft = sub.add_parser("peft-to-megatron", help="PEFT LoRA adapter -> hpa adapter checkpoint (to train on)")
     peft.add_argument("--peft-dir", required=True, help="PEFT adapter directory (adapter_config.json + "
@@ -768,16 +796,26 @@ def _convert(args, groups: ParallelGroups, parallel_cfg: ParallelConfig) -> None
 
     if is_adapter_checkpoint(args.megatron_dir):
         lora_model, model_cfg, family, base = load_lora_checkpoint(args, parallel_cfg, groups)
+        base_dir = args.base_dir or model_cfg.policy_path
+        meta_file = Path(base_dir) / META_FILE  # a base imported from HF: its family and config.json
+        if meta_file.is_file():
+            meta = json.loads(meta_file.read_text())
+            family, base = args.family or meta.get("family", family), meta.get("hf_config")
         plain_cfg = dataclasses.replace(model_cfg, lora=dataclasses.replace(model_cfg.lora, rank=0))
-        if args.peft_dir is not None:  # the adapters name the base they go on, exported beside them
-            base_out = Path(args.peft_dir) / PEFT_BASE
+        if args.peft_dir is not None:  # the adapters name the base they go on: the HF model it came from, else
+            # one exported beside them (an absolute path: PEFT reads base_model_name_or_path as given)
+            hf_base, why = converted_from(base_dir)
+            base_out = hf_base or Path(args.peft_dir) / PEFT_BASE
             export_peft_adapter(lora_model, model_cfg, model_cfg.lora, groups, args.peft_dir,
                                 base_model_name_or_path=str(base_out.resolve()))
-            export_hf_checkpoint(base_model(lora_model, model_cfg, parallel_cfg, groups), plain_cfg, groups,
-                                 base_out, family=family, hf_config_base=base, tokenizer_dir=args.tokenizer_dir,
-                                 dtype=args.dtype)
+            if hf_base is None:
+                export_hf_checkpoint(base_model(lora_model, model_cfg, parallel_cfg, groups), plain_cfg, groups,
+                                     base_out, family=family, hf_config_base=base, tokenizer_dir=args.tokenizer_dir,
+                                     dtype=args.dtype)
             if groups.is_main:
-                print(f"wrote the PEFT adapter {args.peft_dir} and its base {base_out}")
+                print(f"wrote the PEFT adapter {args.peft_dir} over {hf_base}, the Hugging Face model its base was "
+                      f"converted from" if hf_base else
+                      f"wrote the PEFT adapter {args.peft_dir} and its base {base_out} ({why})")
         model = merged_model(lora_model, model_cfg, parallel_cfg, groups)
         model_cfg = plain_cfg
     else:

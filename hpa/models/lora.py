@@ -28,6 +28,7 @@ from torch import nn
 
 from hpa.config.errors import UserError
 from hpa.config.schema import LoRAConfig, ModelConfig
+from hpa.config.startup import LORA_RECORD, lora_record_mismatch
 from hpa.distributed.groups import ParallelGroups
 
 from .heads import unwrap
@@ -404,7 +405,7 @@ def merge_adapters_(model: nn.Module) -> None:
 # checkpoints: with LoRA a model's checkpoint holds its adapters only (the base is frozen and comes from
 # model.policy_path), marked by MARKER beside megatron's files
 
-MARKER = "lora.json"
+MARKER = LORA_RECORD
 
 
 def checkpoint_state_dict(model: nn.Module, sharded: Dict) -> Dict:
@@ -500,19 +501,10 @@ def check_marker(directory, model: nn.Module, groups: ParallelGroups, *, base_ke
     if not found:
         raise LoRAError(f"{directory} holds LoRA adapters but the model has none: set model.lora.rank: "
                         f"{info.get('rank')} (and the run's alpha and target_modules)")
-    rank, scaling = int(found[0].A.shape[0]), found[0].scaling
-    if info.get("rank") != rank:
-        raise LoRAError(f"model.lora.rank: {rank}, but the adapters of {directory} have rank {info.get('rank')} "
-                        f"({path}); use the rank they were trained with (their run's config.yaml)")
-    recorded = info.get("scaling")
-    if not isinstance(recorded, (int, float)) or not math.isclose(recorded, scaling, rel_tol=1e-6):
-        raise LoRAError(f"model.lora.alpha: scales the adapters by {scaling} (alpha / rank, or alpha / sqrt(rank) "
-                        f"with model.lora.rslora), but those of {directory} were trained at {recorded} ({path}); "
-                        f"use the alpha and rslora they were trained with (their run's config.yaml)")
-    targets, theirs = adapter_targets(model), info.get("target_modules")
-    if theirs is not None and sorted(theirs) != targets:
-        raise LoRAError(f"model.lora.target_modules: {targets}, but {directory} holds adapters on {sorted(theirs)} "
-                        f"({path}); use the targets they were trained with")
+    mismatch = lora_record_mismatch(info, directory, rank=int(found[0].A.shape[0]), scaling=found[0].scaling,
+                                    targets=adapter_targets(model))
+    if mismatch is not None:
+        raise LoRAError("%s: %s" % mismatch)
     mine = base_fingerprint(model, groups)
     base = info.get("base")
     if base is None:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from hpa.config.schema import CheckpointConfig
+from hpa.config.startup import LATEST, checkpoint_candidates, checkpoint_root
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import is_collective_failure
@@ -45,8 +46,6 @@ from hpa.models.weights import MANIFEST, dist_save, sharded_state_dict
 from hpa.trainer import faults
 
 logger = logging.getLogger("hpa")
-
-LATEST = "latest"
 
 
 class CheckpointError(RuntimeError):
@@ -226,7 +225,7 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, run_dir: os.PathLike, groups: ParallelGroups):
         self.cfg, self.groups = cfg, groups
-        self.root = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
+        self.root = checkpoint_root(cfg.dir, run_dir)
 
     @staticmethod
     def name(step: int) -> str:
@@ -312,17 +311,7 @@ class CheckpointManager:
 
     def candidates(self) -> List[Path]:
         """Complete checkpoints, newest first (the ``latest`` pointer's target first)."""
-        if not self.root.is_dir():
-            return []
-        found = sorted((p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
-                       key=lambda p: p.name, reverse=True)
-        pointer = self.root / LATEST
-        if pointer.is_file():
-            target = self.root / pointer.read_text().strip()
-            if target in found:
-                found.remove(target)
-                found.insert(0, target)
-        return found
+        return checkpoint_candidates(self.root)
 
     def find_resumable(self, resume: str) -> Optional[Path]:
         """The checkpoint to resume from: ``auto`` -> the newest one that verifies (falling back and saying

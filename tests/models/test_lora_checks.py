@@ -6,7 +6,8 @@
 * the base's fingerprint in ``lora.json``: adapters over another base are refused (``model.lora.adapter_path``,
   resume, ``convert --base-dir``), an old ``lora.json`` without it is a warning;
 * every adapter of a file lands and every target gets one (adapter checkpoints and PEFT imports);
-* resuming with another rank or alpha is refused naming the key.
+* resuming with another rank or alpha is refused naming the key, by ``hpa train`` before any model is built
+  (the checkpoint ``checkpoint.resume`` picks, its ``lora.json`` read at start-up), and by the load itself.
 """
 
 import dataclasses
@@ -228,6 +229,59 @@ def test_resume_with_another_base_or_lora_settings_is_refused_by_key(groups, bas
 def test_resume_over_its_own_base_and_settings_loads(groups, bases, run_checkpoint):
     manager, path = run_checkpoint
     manager.load(path, {"policy": _trainable(groups, bases / "base_a", model_config())})
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """``hpa train`` fails the test if it gets as far as building a model: its process group comes first."""
+    import hpa.distributed
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a model was about to be built")
+
+    monkeypatch.setattr(hpa.distributed, "launched", launched)
+
+
+def _train_argv(tmp_path, run_checkpoint, bases, cfg, *overrides):
+    """``hpa train`` over the run that wrote ``run_checkpoint`` (its run_dir), with ``cfg``'s model section."""
+    for name in ("tok.model", "prompts.jsonl", "prefs.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text("{}\n")  # read only after the start-up checks
+    _, path = run_checkpoint
+    return ["train", "--config", config_file(tmp_path / "config.yaml", cfg, bases / "base_a"),
+            f"trainer.run_dir={path.parent.parent}", f"data.tokenizer_path={tmp_path / 'tok.model'}",
+            f"data.prompt_path={tmp_path / 'prompts.jsonl'}", f"data.preference_path={tmp_path / 'prefs.jsonl'}",
+            f"data.eval_prompt_path={tmp_path / 'eval.jsonl'}", *overrides]
+
+
+@pytest.mark.parametrize("cfg,overrides,needles", [
+    (model_config(alpha=16.0), [], ("config key 'model.lora.alpha'", "trained at 2.0", "checkpoint.resume=auto")),
+    (model_config(rslora=True), [], ("config key 'model.lora.alpha'", "rslora", "trained at 2.0")),
+    (model_config(rank=8, alpha=16.0), [], ("config key 'model.lora.rank'", "8, but", "rank 4")),
+    (model_config(target_modules=("linear_qkv",)), [],
+     ("config key 'model.lora.target_modules'", "['linear_qkv'], but", "linear_fc1")),
+    (model_config(rank=0), [], ("config key 'model.lora.rank'", "holds LoRA adapters", "rank: 4")),
+    (dataclasses.replace(model_config(), num_layers=3), [], ("config key 'model.num_layers'", "3, but", "num_layers 2")),
+    (model_config(alpha=16.0), ["checkpoint.resume=PATH"], ("config key 'model.lora.alpha'", "checkpoint.resume=")),
+], ids=["other_alpha", "rslora", "other_rank", "other_targets", "lora_off", "other_shape", "resume_path"])
+def test_hpa_train_refuses_a_resume_with_other_lora_settings_before_any_model_is_built(
+        tmp_path, bases, run_checkpoint, no_model, capsys, cfg, overrides, needles):
+    from hpa.cli import main
+
+    overrides = [o.replace("PATH", str(run_checkpoint[1])) for o in overrides]
+    code = main(_train_argv(tmp_path, run_checkpoint, bases, cfg, *overrides))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_hpa_train_resuming_with_its_own_settings_gets_to_the_model(tmp_path, bases, run_checkpoint, no_model):
+    from hpa.cli import main
+
+    with pytest.raises(AssertionError, match="about to be built"):
+        main(_train_argv(tmp_path, run_checkpoint, bases, model_config()))
+    with pytest.raises(AssertionError, match="about to be built"):  # a new run: nothing is resumed
+        main(_train_argv(tmp_path, run_checkpoint, bases, model_config(alpha=16.0), "checkpoint.resume=never"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -192,6 +192,76 @@ def test_the_convert_peft_export_names_its_base_and_loads_the_usual_ways(exporte
     torch.testing.assert_close(hf_logits(on_base), merged, atol=ATOL, rtol=0)
 
 
+def _run_config(path, model_cfg, base_dir):
+    """A run's YAML (the embedded default's) with this model section over ``base_dir``."""
+    import json
+
+    import yaml
+
+    from hpa.config.load import default_config_path
+
+    config = yaml.safe_load(default_config_path().read_text())
+    config["model"] = {**json.loads(json.dumps(dataclasses.asdict(model_cfg))), "policy_path": str(base_dir)}
+    config["data"].update(max_prompt_length=16, max_response_length=8)
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_the_convert_peft_export_names_the_hf_base_the_run_was_converted_from(exported, groups, tmp_path):
+    """A base imported with ``hpa convert hf-to-megatron``: ``adapter_config.json`` names that HF directory (absolute:
+    PEFT reads ``base_model_name_or_path`` as given), no copy of the base is written, and both PEFT loaders give
+    the merged export's logits, which are megatron's (fp32, 1e-5). Moved away, the base is exported beside the
+    adapters as before; changed (its config.json), too."""
+    import json
+    import shutil
+
+    import transformers
+
+    from hpa.config.schema import LoRAConfig, ParallelConfig
+    from hpa.models.convert import converted_from, import_hf_checkpoint, run_convert
+    from hpa.models.lora import adapters
+    from hpa.models.lora_io import save_adapters
+
+    hf = tmp_path / "hf"
+    shutil.copytree(exported[0] / "base_hf", hf)
+    imported = import_hf_checkpoint(str(hf), tmp_path / "imported", ParallelConfig(), groups,
+                                    make_vocab_size_divisible_by=16)
+    cfg = dataclasses.replace(imported, lora=LoRAConfig(rank=4, alpha=8.0))
+    model = lora_model(groups, tmp_path / "imported", cfg)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for _, a in adapters(model):
+            a.B.normal_(0, 0.2)
+    save_adapters(model, tmp_path / "adapters", groups)
+    expected = megatron_logits(model, groups)
+    config = _run_config(tmp_path / "config.yaml", cfg, tmp_path / "imported")
+
+    def convert(name):
+        run_convert(["megatron-to-hf", "--megatron-dir", str(tmp_path / "adapters"), "--out",
+                     str(tmp_path / f"merged_{name}"), "--peft-dir", str(tmp_path / name), "--config", config],
+                    groups=groups)
+        merged = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"merged_{name}",
+                                                                             torch_dtype=torch.float32))
+        torch.testing.assert_close(merged, expected, atol=ATOL, rtol=0)
+        auto = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / name), torch_dtype=torch.float32).eval()
+        torch.testing.assert_close(hf_logits(auto), merged, atol=ATOL, rtol=0)
+        named = json.loads((tmp_path / name / "adapter_config.json").read_text())["base_model_name_or_path"]
+        base = transformers.AutoModelForCausalLM.from_pretrained(named, torch_dtype=torch.float32)
+        on_base = peft.PeftModel.from_pretrained(base, str(tmp_path / name)).eval()
+        torch.testing.assert_close(hf_logits(on_base), merged, atol=ATOL, rtol=0)
+        return named
+
+    assert converted_from(tmp_path / "imported") == (hf.resolve(), None)
+    assert convert("peft") == str(hf.resolve()) and not (tmp_path / "peft" / "base").exists()
+    hf.rename(tmp_path / "hf_moved")
+    assert convert("peft_moved") == str((tmp_path / "peft_moved" / "base").resolve())
+    shutil.copytree(tmp_path / "hf_moved", hf)
+    hf_config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**hf_config, "rms_norm_eps": 0.5}))
+    found, why = converted_from(tmp_path / "imported")
+    assert found is None and "config.json" in why
+
+
 def _tp2_pp2_export(groups, root):
     from hpa.config.schema import ParallelConfig
     from hpa.models.lora_io import build_lora_model, export_peft_adapter, load_adapters
