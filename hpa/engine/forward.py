@@ -31,20 +31,22 @@ def response_token_mask(ts: TrainingSequences, response_mask: torch.Tensor) -> t
 
 def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
                  fn: Callable[[dict, torch.Tensor, Optional[torch.Tensor]], Dict[str, torch.Tensor]],
-                 shapes: Dict[str, Tuple[int, ...]], *, capture_hidden: bool = True) -> Dict[str, torch.Tensor]:
+                 shapes: Dict[str, Tuple[int, ...]], *, capture_hidden: bool = True,
+                 hidden_head: bool = False) -> Dict[str, torch.Tensor]:
     """Run ``fn(batch, output, hidden)`` on every micro-batch, concatenate along rows, return on the host.
 
     Args:
         shapes: each output's trailing shape (after the row dimension), so stages that are not last
             can receive the broadcast.
         capture_hidden: hand the final hidden states to ``fn`` (otherwise ``hidden`` is None).
+        hidden_head: hand ``fn`` the LM head's input in place of the logits (``forward_backward``).
     """
     def loss_fn(batch, output, hidden):
         return output.new_zeros(()), fn(batch, output, hidden)
 
     with torch.no_grad():
         results = forward_backward(model, micro_batches, loss_fn, groups, forward_only=True,
-                                   capture_hidden=capture_hidden)
+                                   capture_hidden=capture_hidden, hidden_head=hidden_head)
     rows = sum(MicroBatch.of(mb).num_rows for mb in micro_batches)
     out = {}
     for key, trailing in shapes.items():
@@ -109,7 +111,8 @@ def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor
     shapes = {"log_probs": (r,)}
     if hidden_size is not None:
         shapes["pooled"] = (hidden_size,)
-    return in_row_order(forward_only(model, mbs, groups, fn, shapes, capture_hidden=hidden_size is not None), rows)
+    return in_row_order(forward_only(model, mbs, groups, fn, shapes, capture_hidden=hidden_size is not None,
+                                     hidden_head=True), rows)
 
 
 def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, batching: Batching,
@@ -133,7 +136,8 @@ def pair_sequence_log_probs(model, micro_batches: List[MicroBatch], groups: Para
         logp = label_log_probs(batch, logits, groups.tp_group, vocab_size=vocab_size)  # [b, s]
         return {"seq_logp": (logp * batch["label_mask"]).sum(dim=1, keepdim=True)}
 
-    return forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)}, capture_hidden=False)["seq_logp"][:, 0]
+    return forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)}, capture_hidden=False,
+                        hidden_head=True)["seq_logp"][:, 0]
 
 
 def response_kl(policy, reference, batch, groups: ParallelGroups, *, batching: Batching,
