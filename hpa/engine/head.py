@@ -57,6 +57,20 @@ def deferrable(module) -> bool:
     return isinstance(layer, ColumnParallelLinear) and (layer.bias is None or layer.skip_bias_add)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: megatron's copy-to-TP-region all-reduces
+    ``grad.contiguous()`` and returns ``grad``, so the reduction of a transposed gradient (the model's
+    ``[s, b, h] -> [b, s, h]`` output) would be lost."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 @contextlib.contextmanager
 def defer_output_layer(module) -> Iterator[List[torch.Tensor]]:
     """Inside the block the output layer of ``module`` (``deferrable``) returns its input, made ready as its
@@ -75,7 +89,7 @@ def defer_output_layer(module) -> Iterator[List[torch.Tensor]]:
             hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
                                                           group=layer.tp_group)
         else:  # identity, all-reduce of the gradient: as the linear's own
-            hidden = copy_to_tensor_model_parallel_region(input_, group=layer.tp_group)
+            hidden = _ContiguousGrad.apply(copy_to_tensor_model_parallel_region(input_, group=layer.tp_group))
         return hidden, None  # [s, b, h]
 
     layer.forward = forward  # the instance's, so the module's hooks still run

@@ -163,3 +163,60 @@ def test_heads_make_the_host_wait_for_nothing_forward_and_backward(packed):
         got, grad = on_host(got.detach()), on_host(x.grad)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the head from hidden states, in a model
+
+def model_worker(groups, sequence_parallel, tied):
+    """The mixed log-prob + entropy + label loss through ``forward_backward`` on a tiny policy, the model's logits
+    (``hidden_head=False``) against the hidden head (``True``): loss, records and every gradient buffer."""
+    from hpa.config.schema import ModelConfig, ParallelConfig
+    from hpa.engine.head import HeadInput, label_log_probs, response_log_probs
+    from hpa.engine.optimizer import wrap_ddp
+    from hpa.engine.step import forward_backward, snapshot_grads
+    from hpa.models import build_policy
+
+    torch.manual_seed(0)
+    vocab = 45  # padded to 48: three padded columns
+    model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=vocab,
+                            max_sequence_length=32, make_vocab_size_divisible_by=16,
+                            untie_embeddings_and_output_weights=not tied)
+    parallel = ParallelConfig(tensor_model_parallel_size=groups.tensor_model_parallel_size,
+                              sequence_parallel=sequence_parallel)
+    ddp = wrap_ddp(build_policy(model_cfg, parallel, groups), parallel, groups)
+    seen = []
+
+    def loss_fn(batch, output, hidden):
+        seen.append(type(output).__name__)
+        logp, ent = response_log_probs(batch, output, groups.tp_group, vocab_size=vocab, temperature=TEMPERATURE,
+                                       entropy=True, chunk_tokens=3)
+        labels = label_log_probs(batch, output, groups.tp_group, vocab_size=vocab, chunk_tokens=3)
+        loss = (logp * batch["mask"]).sum() - 0.1 * (ent * batch["mask"]).sum() \
+            + 0.5 * (labels * batch["label_mask"]).sum()
+        return loss, {"loss": loss.detach()}
+
+    out = {}
+    for packed in (False, True):
+        mbs = [_batch("rollout", packed)]
+        for hidden_head in (False, True):
+            ddp.zero_grad_buffer()
+            records = forward_backward(ddp, mbs, loss_fn, groups, capture_hidden=True, hidden_head=hidden_head)
+            out[(packed, hidden_head)] = (float(records[0]["loss"]), [g.clone() for g in snapshot_grads(ddp)])
+    return dict(out=out, seen=seen, head_input=HeadInput.__name__)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["tp1", "tp1_tied", "tp2", "tp2_sp"])
+def test_hidden_head_equals_the_model_logits_in_a_model(layout):
+    """Through megatron's output layer (TP region functions, sequence parallelism, a tied embedding): the loss
+    and every parameter gradient of the hidden head equal those of the model's logits."""
+    tp = 2 if layout.startswith("tp2") else 1
+    ranks = run_ranks(model_worker, tp=tp, args=(layout.endswith("_sp"), layout.endswith("_tied")))
+    for rank in ranks:
+        assert rank["seen"] == ["Tensor", rank["head_input"]] * 2  # the logits, then the head's input
+        for packed in (False, True):
+            (want, want_grads), (got, got_grads) = rank["out"][(packed, False)], rank["out"][(packed, True)]
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-5)
+            assert sum(float(g.abs().sum()) for g in got_grads) > 0
+            for g, w in zip(got_grads, want_grads):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
