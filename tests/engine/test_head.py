@@ -64,6 +64,7 @@ def _grad(fn, logits):
 def worker(groups):
     from hpa.config.algorithm import AlgorithmConfig
     from hpa.engine import head
+    from hpa.engine.head import HeadInput
     from hpa.trainer import objective
     from hpa.trainer.objective import streams
 
@@ -76,25 +77,33 @@ def worker(groups):
     for packed in (False, True):
         batch = _batch("rollout", packed)
         logits, hidden = _logits(batch, groups.tp_rank, tp)
+        full, _ = _logits(batch, 0, 1)  # the linear head's hidden states: the identity's shard rows make the logits
+        columns = slice(groups.tp_rank * (WIDTH // tp), (groups.tp_rank + 1) * (WIDTH // tp))
+        identity = torch.eye(WIDTH)[columns]  # [v/tp, WIDTH]
         w = torch.randn(2, *batch["mask"].shape, generator=torch.Generator().manual_seed(2))
         label_w = torch.randn(*batch["label_mask"].shape, generator=torch.Generator().manual_seed(3))
         for name, response, labels in (("fused", head.response_log_probs, head.label_log_probs),
+                                       ("linear", head.response_log_probs, head.label_log_probs),
                                        ("today", reference_response, reference_labels)):
+            def output(x, name=name):
+                return HeadInput(x, identity) if name == "linear" else x
+
             def rollout(x):
-                logp, ent = response(batch, x, tp_group, entropy=True, chunk_tokens=2, **kw)
+                logp, ent = response(batch, output(x), tp_group, entropy=True, chunk_tokens=2, **kw)
                 return (w[0] * logp + w[1] * ent).sum()
 
             def pairs(x):
-                logp = labels(batch, x, tp_group, chunk_tokens=2, **kw)
+                logp = labels(batch, output(x), tp_group, chunk_tokens=2, **kw)
                 return (logp * batch["label_mask"] * label_w).sum()
 
             streams.response_log_probs, streams.label_log_probs = response, labels
             loss_fn = objective.make_policy_loss(AlgorithmConfig(), weights, counts, groups, vocab_size=VOCAB_SIZE,
                                                  temperature=TEMPERATURE)
             for key, fn in (("rollout", rollout), ("pairs", pairs),
-                            ("rollout_loss", lambda x: loss_fn(batch, x, hidden)[0]),
-                            ("pair_loss", lambda x: loss_fn(_batch("pairs", packed), x, hidden)[0])):
-                value, grad = _grad(fn, logits)
+                            ("rollout_loss", lambda x: loss_fn(batch, output(x), hidden)[0]),
+                            ("pair_loss", lambda x: loss_fn(_batch("pairs", packed), output(x), hidden)[0])):
+                value, grad = _grad(fn, full if name == "linear" else logits)
+                grad = grad[..., columns] if name == "linear" else grad  # d hidden on the shard's columns
                 out[(packed, name, key)] = (value.item(), grad.numpy())
     return dict(tp_rank=groups.tp_rank, out=out)
 
@@ -110,13 +119,16 @@ def results_for(tp):
     return _RESULTS[tp]
 
 
+@pytest.mark.parametrize("name", ["fused", "linear"])
 @pytest.mark.parametrize("key", ["rollout", "pairs", "rollout_loss", "pair_loss"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.multirank
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_head_equals_todays_path(tp, packed, key):
+def test_head_equals_todays_path(tp, packed, key, name):
+    """The head on logits ("fused") and on hidden states (HeadInput, "linear": the gradient is d hidden on the
+    shard's columns, which the identity weight makes the logits' gradient)."""
     results = results_for(tp)
-    got, want = results[(packed, "fused", key)], results[(packed, "today", key)]
+    got, want = results[(packed, name, key)], results[(packed, "today", key)]
     assert got[0] == pytest.approx(want[0], abs=1e-5)
     np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-5)
     assert np.abs(got[1]).max() > 0  # the loss reaches the logits
@@ -135,19 +147,25 @@ def test_only_the_read_positions_get_gradient():
     assert grad.abs().sum(-1)[read].min() > 0 and not grad[~read].any()
 
 
+@pytest.mark.parametrize("name", ["fused", "linear"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_heads_make_the_host_wait_for_nothing_forward_and_backward(packed):
+def test_heads_make_the_host_wait_for_nothing_forward_and_backward(packed, name):
     """Both heads on a micro-batch on the (test) device, with the backward pass: no operation that would
     synchronise with a CUDA device (``SyncOps``), and the same values and gradients as on the host."""
     from hpa.distributed.device_mode import StrictDeviceMode, on_device, on_host
     from hpa.distributed.sync_ops import SyncOps
     from hpa.engine.head import label_log_probs, response_log_probs
 
+    from hpa.engine.head import HeadInput
+
     device = torch.device("lazy", 0)
     batch = _batch("rollout", packed)
     logits, _ = _logits(batch, 0, 1)
+    identity = torch.eye(WIDTH)
 
     def loss(b, x):
+        if name == "linear":
+            x = HeadInput(x, identity if x.device.type == "cpu" else on_device(identity))
         logp, ent = response_log_probs(b, x, None, vocab_size=VOCAB_SIZE, entropy=True, chunk_tokens=2)
         labels = label_log_probs(b, x, None, vocab_size=VOCAB_SIZE, chunk_tokens=2)
         return (logp * b["mask"]).sum() + (ent * b["mask"]).sum() + (labels * b["label_mask"]).sum()
