@@ -127,11 +127,13 @@ class _LinearHead(torch.autograd.Function):
         flat = hidden.reshape(-1, hidden.shape[-1])  # [M, h]
         w = weight[:num_valid]  # [n_valid, h]
         grad_hidden = torch.zeros_like(flat) if need_hidden else None  # [M, h]
-        grad_weight = torch.zeros_like(weight) if need_weight else None  # [v/tp, h]
         n = labels.shape[0]
+        grad_weight = weight.new_zeros(weight.shape) if need_weight and n == 0 else \
+            weight.new_empty(weight.shape) if need_weight else None  # [v/tp, h]
+        if need_weight:
+            grad_weight[num_valid:].zero_()  # vocab padding
         # several chunks of a low-precision weight accumulate d W in fp32 (one rounding, as one matmul)
-        accumulate = (torch.zeros(w.shape, dtype=_compute_dtype(weight), device=weight.device)
-                      if need_weight and weight.dtype != _compute_dtype(weight) and n > chunk_tokens else None)
+        accumulate = need_weight and weight.dtype != _compute_dtype(weight) and n > chunk_tokens and num_valid > 0
         index, on_shard = _label_index(labels, start, num_valid)
         for begin in range(0, n if num_valid > 0 else 0, chunk_tokens):
             rows = slice(begin, min(begin + chunk_tokens, n))
@@ -148,13 +150,19 @@ class _LinearHead(torch.autograd.Function):
                     grad_hidden[rows] += dx
                 else:  # a position selected twice gets both gradients
                     grad_hidden.index_add_(0, positions[rows], dx)
-            if accumulate is not None:
-                accumulate.add_(torch.mm(dz.t(), x))
-            elif need_weight:
-                grad_weight[:num_valid].addmm_(dz.t(), x)
+            if need_weight:  # the first chunk writes d W, the others add to it
+                if accumulate:
+                    part = torch.mm(dz.t(), x)  # [n_valid, h]
+                    total = part.float() if begin == 0 else total.add_(part)
+                elif begin == 0:
+                    torch.mm(dz.t(), x, out=grad_weight[:num_valid])
+                else:
+                    grad_weight[:num_valid].addmm_(dz.t(), x)
             del dz
-        if accumulate is not None:
-            grad_weight[:num_valid] = accumulate
+        if accumulate:
+            grad_weight[:num_valid] = total
+        elif need_weight and num_valid == 0:
+            grad_weight.zero_()
         if need_hidden:
             grad_hidden = grad_hidden.view(hidden.shape)
         return (grad_hidden, grad_weight) + none
