@@ -162,3 +162,49 @@ def test_triton_kernels_equal_the_torch_functions(dtype):
         want_grad = linear_head.chunk_grad(z.clone(), m, log_s, ent, g_lp, g_ent, index, on, 0.9)
         got = linear_head_triton.chunk_grad(z.clone(), m, log_s, ent, g_lp, g_ent, index, on, 0.9)
         torch.testing.assert_close(got.float(), want_grad.float(), rtol=2e-2, atol=1e-5)
+
+
+def _proxy():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "proxies" / "head.py"
+    spec = importlib.util.spec_from_file_location("proxy_head", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_proxy_head_bytes_per_token():
+    """``bench/proxies/head.py``: the head from hidden states moves at most 7.5 bf16 passes over a response
+    token's logits forward + backward with entropy at V = 151,936 (the floor of a head whose matmuls write the
+    logits: the forward's matmul writes and its kernel reads them, the backward's matmul writes them again, its
+    kernel reads them and writes their gradient, two matmuls read that: 7 passes, 2.13 MB, plus the weight's
+    share), against the head on the model's logits: at least ten times more."""
+    proxy = _proxy()
+    got = proxy.measure()
+    logit_pass = 2 * proxy.VOCAB
+    assert 7 * logit_pass <= got["head.bytes_per_token"] <= 7.5 * logit_pass
+    assert got["head.bytes_per_token_logits"] >= 10 * got["head.bytes_per_token"]
+    assert got["head.bytes_per_token_eager"] > got["head.bytes_per_token"]  # the regions unfused: the counter sees it
+
+
+def test_proxy_counter_models_the_traffic():
+    """The counter: a matmul reads both inputs and writes its output, a view moves nothing, a gather reads what it
+    outputs, a filled allocation writes its output only."""
+    proxy = _proxy()
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with proxy.HbmBytes() as counter:
+        torch.mm(a, b)
+    assert counter.total == 4 * (12 + 20 + 15)
+    with proxy.HbmBytes() as counter:
+        a.t()
+        a[:, :2]
+    assert counter.total == 0
+    index = torch.tensor([2])
+    with proxy.HbmBytes() as counter:
+        a.index_select(0, index)  # the index, the row read and written
+    assert counter.total == 8 + 2 * 16
+    with proxy.HbmBytes() as counter:
+        a.new_zeros(10)
+    assert counter.total == 40
