@@ -13,7 +13,7 @@ import torch
 
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
-from hpa.engine.head import label_log_probs, response_log_probs
+from hpa.engine.head import HeadInput, label_log_probs, response_log_probs
 from hpa.engine.micro_batch import MicroBatch
 from hpa.engine.step import forward_backward
 from hpa.algorithms.masked import mean_pool
@@ -42,7 +42,8 @@ def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
         hidden_head: hand ``fn`` the LM head's input in place of the logits (``forward_backward``).
     """
     def loss_fn(batch, output, hidden):
-        return output.new_zeros(()), fn(batch, output, hidden)
+        like = output.hidden if isinstance(output, HeadInput) else output
+        return like.new_zeros(()), fn(batch, output, hidden)
 
     with torch.no_grad():
         results = forward_backward(model, micro_batches, loss_fn, groups, forward_only=True,
