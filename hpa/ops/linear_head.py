@@ -83,7 +83,7 @@ def _kernels(device: torch.device):
             from . import linear_head_triton  # never imported on CPU
         except ImportError:
             return chunk_stats, chunk_grad
-        if linear_head_triton.usable(device):
+        if linear_head_triton.usable(device, chunk_stats, chunk_grad):
             return linear_head_triton.chunk_stats, linear_head_triton.chunk_grad
     return chunk_stats, chunk_grad
 

@@ -115,22 +115,21 @@ def chunk_grad(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor, entropy: O
 
 
 @functools.lru_cache(maxsize=None)
-def usable(device: torch.device) -> bool:
-    """Whether both kernels run on ``device`` and equal the torch functions on a small random chunk."""
-    from hpa.ops import linear_head
-
+def usable(device: torch.device, torch_stats, torch_grad) -> bool:
+    """Whether both kernels run on ``device`` and equal the torch functions ``torch_stats`` and ``torch_grad``
+    (``hpa.ops.linear_head``'s) on a small random chunk."""
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         z = 3 * torch.randn(6, 3000, device=device, generator=gen, dtype=torch.bfloat16)
         index = torch.randint(0, 3000, (6, 1), device=device, generator=gen)
         on = torch.tensor([True, True, False, True, True, True], device=device)
-        want = linear_head.chunk_stats(z.clone(), index, on, 0.7, True)
+        want = torch_stats(z.clone(), index, on, 0.7, True)
         got = chunk_stats(z.clone(), index, on, 0.7, True)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
         m, log_s = want[0], (want[1].log())
         ent = log_s - want[3] / want[1]
         g = torch.randn(2, 6, device=device, generator=gen)
-        want = linear_head.chunk_grad(z.clone(), m, log_s, ent, g[0], g[1], index, on, 0.7)
+        want = torch_grad(z.clone(), m, log_s, ent, g[0], g[1], index, on, 0.7)
         got = chunk_grad(z.clone(), m, log_s, ent, g[0], g[1], index, on, 0.7)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-4)
         return True
