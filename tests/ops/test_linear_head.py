@@ -208,3 +208,43 @@ def test_proxy_counter_models_the_traffic():
     with proxy.HbmBytes() as counter:
         a.new_zeros(10)
     assert counter.total == 40
+
+
+_INTERPRETED = """
+import torch
+from hpa.ops import linear_head, linear_head_triton
+from hpa.ops.linear_head import linear_log_probs_entropy
+
+gen = torch.Generator().manual_seed(1)
+x, w = torch.randn(2, 9, 8, generator=gen), torch.randn(1100, 8, generator=gen)
+positions, labels = torch.tensor([0, 3, 3, 17, 5, 9, 12]), torch.randint(0, 1050, (7,), generator=gen)
+g = torch.randn(2, 7, generator=gen)
+
+def run():
+    a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logp, ent = linear_log_probs_entropy(a, b, labels, None, 1050, 0.8, positions=positions, entropy=True,
+                                         chunk_tokens=3)
+    (g[0] * logp + g[1] * ent).sum().backward()
+    return logp, ent, a.grad, b.grad
+
+want = run()
+linear_head.chunk_stats, linear_head.chunk_grad = linear_head_triton.chunk_stats, linear_head_triton.chunk_grad
+for got, ref in zip(run(), want):
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+print("ok")
+"""
+
+
+def test_triton_kernels_in_triton_s_interpreter():
+    """Where Triton is installed (not in the project's CPU environment), its interpreter (``TRITON_INTERPRET=1``,
+    on the CPU) runs the kernels inside the whole head: values and both gradients equal the torch path."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), *sys.path]))
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
