@@ -2,8 +2,9 @@
 ``chunk_stats`` and ``chunk_grad``, each one pass over the chunk's logits.
 
 Imported only on CUDA (``hpa.ops.linear_head._kernels``). ``usable`` checks both kernels once per device
-against the torch functions and falls back to them, with a warning, if Triton fails or disagrees. No CPU
-test can run these kernels; ``tests/ops/test_linear_head.py`` compares them on a GPU (marked ``gpu``).
+against the torch functions and falls back to them, with a warning, if Triton fails or disagrees.
+``tests/ops/test_linear_head.py`` runs them under Triton's interpreter on a CPU where Triton is installed, and
+compares them on a GPU (marked ``gpu``).
 
 ``chunk_stats`` is an online softmax: each lane keeps a running max ``m``, ``Σ e^(t−m)`` and
 ``Σ e^(t−m)·(t−m)``, rescaled by ``e^δ`` (and the second by ``+ δ·Σ e^(t−m)``) when the max moves by ``δ``;
