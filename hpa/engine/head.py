@@ -40,10 +40,6 @@ class HeadInput:
     def device(self) -> torch.device:
         return self.hidden.device
 
-    def __getitem__(self, key) -> "HeadInput":
-        """Slices the leading dims of ``hidden`` (e.g. ``[:, :s]``)."""
-        return HeadInput(self.hidden[key], self.weight)
-
 
 Output = Union[torch.Tensor, HeadInput]  # logits [n, s, v/tp] | [1, T, v/tp], or the head's input
 
