@@ -1,4 +1,5 @@
-"""The log-prob + entropy head on CPU: today's separate vocab-parallel ops against the fused, chunked head.
+"""The log-prob + entropy head on CPU: today's separate vocab-parallel ops against the fused, chunked head, and
+the head from hidden states (``hpa.ops.linear_head``, eager and with its per-chunk regions compiled).
 
 Usage::
 
@@ -11,7 +12,11 @@ TP1, in fp32 (the CPU dtype) and bf16 (the GPU dtype): "separate" is ``vocab_par
 all of them), read out of the full logits through ``positions`` as the callers do. Per side it reports the aten ops dispatched, the largest fp32
 tensor any op creates, the peak of the fp32 bytes live at once that the ops allocated (the logits and
 their gradient buffer excluded when fp32: both sides hold those), and the median wall time of
-``--repeats`` runs (outside the dispatch mode). Prints one JSON line.
+``--repeats`` runs (outside the dispatch mode). "from_hidden" puts the output layer in the timed step: hidden
+states ``[tokens, --hidden]`` and a weight ``[vocab, --hidden]``, "logits" (``F.linear`` then the fused head),
+"linear" (``linear_log_probs_entropy``) and "linear_compiled" (its ``chunk_stats`` / ``chunk_grad`` through
+``torch.compile(fullgraph=True)``; the first call, which compiles, is not timed: ``compile_s``), at the
+``--select`` positions. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hpa.ops import linear_head
 from hpa.ops.fused_head import fused_log_probs_entropy
+from hpa.ops.linear_head import linear_log_probs_entropy
 from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 
 
@@ -101,6 +108,46 @@ def measure(head, base, labels, repeats):
             "wall_s": round(statistics.median(times), 3)}
 
 
+def from_hidden(args, dtype):
+    """Wall time of forward + backward from hidden states, output layer included (see the module docstring)."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(args.tokens, args.hidden, generator=gen).to(dtype)
+    weight = (torch.randn(args.vocab, args.hidden, generator=gen) / args.hidden ** 0.5).to(dtype)
+    labels = torch.randint(0, args.vocab, (args.tokens,), generator=gen)
+    positions = torch.arange(0, args.tokens, max(1, round(1 / args.select)))
+
+    def logits_head(x, w):
+        return fused_log_probs_entropy(torch.nn.functional.linear(x, w), labels[positions], None, temperature=0.9,
+                                       positions=positions, entropy=True, chunk_tokens=args.chunk_tokens)
+
+    def linear(x, w):
+        return linear_log_probs_entropy(x, w, labels[positions], None, temperature=0.9, positions=positions,
+                                        entropy=True, chunk_tokens=args.chunk_tokens)
+
+    def timed(head):
+        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        start = time.perf_counter()
+        step(head, x, w)
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(args.repeats):
+            x.grad = w.grad = None
+            start = time.perf_counter()
+            step(head, x, w)
+            times.append(time.perf_counter() - start)
+        return {"wall_s": round(statistics.median(times), 3), "first_s": round(first, 1)}
+
+    out = {"logits": timed(logits_head), "linear": timed(linear)}
+    eager = linear_head.chunk_stats, linear_head.chunk_grad
+    linear_head.chunk_stats = torch.compile(eager[0], fullgraph=True, dynamic=True)
+    linear_head.chunk_grad = torch.compile(eager[1], fullgraph=True, dynamic=True)
+    try:
+        out["linear_compiled"] = timed(linear)
+    finally:
+        linear_head.chunk_stats, linear_head.chunk_grad = eager
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=2048)
@@ -109,6 +156,7 @@ def main():
     p.add_argument("--select", type=float, default=1.0, help="share of the positions the fused head computes")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=64, help="hidden size of the from_hidden sides")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -118,7 +166,8 @@ def main():
     for dtype in ("float32", "bfloat16"):
         logits = base.to(getattr(torch, dtype))
         out[dtype] = {"separate": measure(separate, logits, labels, args.repeats),
-                      "fused": measure(fused(args.chunk_tokens, args.select), logits, labels, args.repeats)}
+                      "fused": measure(fused(args.chunk_tokens, args.select), logits, labels, args.repeats),
+                      "from_hidden": from_hidden(args, logits.dtype)}
     print(json.dumps(out))
 
 

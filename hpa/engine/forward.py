@@ -14,7 +14,7 @@ import torch
 
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
-from hpa.engine.head import label_log_probs, response_log_probs
+from hpa.engine.head import HeadInput, label_log_probs, response_log_probs
 from hpa.engine.micro_batch import MicroBatch
 from hpa.engine.step import forward_backward
 from hpa.algorithms.masked import mean_pool
@@ -54,20 +54,23 @@ def no_dropout(model) -> Iterator[None]:
 
 def forward_only(model, micro_batches: Sequence[dict], groups: ParallelGroups,
                  fn: Callable[[dict, torch.Tensor, Optional[torch.Tensor]], Dict[str, torch.Tensor]],
-                 shapes: Dict[str, Tuple[int, ...]], *, capture_hidden: bool = True) -> Dict[str, torch.Tensor]:
+                 shapes: Dict[str, Tuple[int, ...]], *, capture_hidden: bool = True,
+                 hidden_head: bool = False) -> Dict[str, torch.Tensor]:
     """Run ``fn(batch, output, hidden)`` on every micro-batch, concatenate along rows, return on the host.
 
     Args:
         shapes: each output's trailing shape (after the row dimension), so stages that are not last
             can receive the broadcast.
         capture_hidden: hand the final hidden states to ``fn`` (otherwise ``hidden`` is None).
+        hidden_head: hand ``fn`` the LM head's input in place of the logits (``forward_backward``).
     """
     def loss_fn(batch, output, hidden):
-        return output.new_zeros(()), fn(batch, output, hidden)
+        like = output.hidden if isinstance(output, HeadInput) else output
+        return like.new_zeros(()), fn(batch, output, hidden)
 
     with torch.no_grad(), no_dropout(model):
         results = forward_backward(model, micro_batches, loss_fn, groups, forward_only=True,
-                                   capture_hidden=capture_hidden)
+                                   capture_hidden=capture_hidden, hidden_head=hidden_head)
     rows = sum(MicroBatch.of(mb).num_rows for mb in micro_batches)
     out = {}
     for key, trailing in shapes.items():
@@ -132,7 +135,8 @@ def sequence_log_probs(model, ts: TrainingSequences, response_mask: torch.Tensor
     shapes = {"log_probs": (r,)}
     if hidden_size is not None:
         shapes["pooled"] = (hidden_size,)
-    return in_row_order(forward_only(model, mbs, groups, fn, shapes, capture_hidden=hidden_size is not None), rows)
+    return in_row_order(forward_only(model, mbs, groups, fn, shapes, capture_hidden=hidden_size is not None,
+                                     hidden_head=True), rows)
 
 
 def sequence_values(critic, ts: TrainingSequences, groups: ParallelGroups, *, batching: Batching,
@@ -157,7 +161,8 @@ def pair_sequence_log_probs(model, micro_batches: List[MicroBatch], groups: Para
         logp = label_log_probs(batch, logits, groups.tp_group, vocab_size=vocab_size)  # [b, s]
         return {"seq_logp": (logp * batch["label_mask"]).sum(dim=1, keepdim=True)}
 
-    rows = forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)}, capture_hidden=False)["seq_logp"][:, 0]
+    rows = forward_only(model, micro_batches, groups, fn, {"seq_logp": (1,)}, capture_hidden=False,
+                        hidden_head=True)["seq_logp"][:, 0]
     if micro_batches and all("source_row" in mb for mb in micro_batches):
         order = torch.cat([mb["source_row"].cpu() for mb in micro_batches])
         rows = torch.empty_like(rows).index_copy_(0, order.to(rows.device), rows)

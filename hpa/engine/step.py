@@ -9,21 +9,24 @@ closure here multiplies by ``num_microbatches · dp`` to undo both.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from hpa.distributed.groups import ParallelGroups
+from hpa.engine.head import HeadInput, deferrable, defer_output_layer
 from hpa.engine.micro_batch import MicroBatch, host_to_device
 from hpa.models.builders import compute_device
 from hpa.models.heads import capture_final_hidden
 
-# loss_fn(batch, output [b, s, v/tp | K], hidden [b, s, h] | None) -> (loss [], metrics)
-LossFn = Callable[[dict, torch.Tensor, Optional[torch.Tensor]], Tuple[torch.Tensor, Dict]]
+# loss_fn(batch, output [b, s, v/tp | K] or HeadInput, hidden [b, s, h] | None) -> (loss [], metrics)
+LossFn = Callable[[dict, Union[torch.Tensor, HeadInput], Optional[torch.Tensor]], Tuple[torch.Tensor, Dict]]
 
 
 def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, groups: ParallelGroups, *,
-                     forward_only: bool = False, capture_hidden: bool = False) -> List[Dict]:
+                     forward_only: bool = False, capture_hidden: bool = False,
+                     hidden_head: bool = False) -> List[Dict]:
     """Run ``micro_batches`` through ``get_forward_backward_func`` (1F1B under PP).
 
     Args:
@@ -33,6 +36,9 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
             so ``loss_fn`` sees it there); every rank of a model replica passes the same list.
         loss_fn: called on the last stage only.
         capture_hidden: also hand the final hidden states ``[b, s, h]`` to ``loss_fn``.
+        hidden_head: hand ``loss_fn`` the LM head's input (``hpa.engine.head.HeadInput``) in place of the
+            logits, which are then never formed whole (for a loss that reads the model only through
+            ``hpa.engine.head``); a model whose output layer is not megatron's LM head gives its output.
 
     Under sequence parallelism each micro-batch enters the model right-padded to a multiple of TP
     positions (megatron splits the sequence evenly); ``loss_fn`` sees the outputs and hidden states
@@ -56,18 +62,23 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
         batch = to_model_device(next(data_iterator), groups.device)
         input_ids, position_ids, packed_seq_params, s = model_inputs(batch, multiple)
         kwargs = {"packed_seq_params": packed_seq_params} if packed_seq_params is not None else {}
+        defer = hidden_head and groups.is_last_stage and deferrable(module)
+        with contextlib.ExitStack() as stack:
+            weight = stack.enter_context(defer_output_layer(module)) if defer else None
+            if capture_hidden and groups.is_last_stage:
+                box = stack.enter_context(capture_final_hidden(module))
+            output = module(input_ids, position_ids, None, **kwargs)  # [b, s_pad, v/tp | K | h (deferred)]
         if capture_hidden and groups.is_last_stage:
-            with capture_final_hidden(module) as box:
-                output = module(input_ids, position_ids, None, **kwargs)
             hidden = box[0].transpose(0, 1)  # [s_pad, b, h] -> [b, s_pad, h]
             hidden = hidden[:, :s] if hidden.shape[1] != s else hidden
         else:
-            output = module(input_ids, position_ids, None, **kwargs)
             hidden = None
 
         def loss_func(output_tensor):
             if output_tensor.shape[1] != s:  # [b, s_pad, ...] -> [b, s, ...]
                 output_tensor = output_tensor[:, :s]
+            if defer:
+                output_tensor = HeadInput(output_tensor, weight[0])
             loss, metrics = loss_fn(batch, output_tensor, hidden)
             # megatron's schedule scales the loss with its own tensors, on the parameters' device
             return loss.to(device) * scale, metrics

@@ -61,6 +61,23 @@ def _label_index(labels: torch.Tensor, start: int, num_valid: int) -> Tuple[torc
     return local.clamp(0, max(num_valid - 1, 0)).unsqueeze(-1), on_shard
 
 
+def merge_shards(local: torch.Tensor, tp_group, with_entropy: bool):
+    """Each shard's ``[4, N]`` statistics (local max, Σ e^t, label logit or 0, Σ e^t·t; t = z − local max) ->
+    ``(max m [N], log Σ e^(z−m) [N], label log-probs [N], entropy [N] or None)`` over every shard."""
+    n = local.shape[1]
+    m = _all_reduce_(local[0].clone(), dist.ReduceOp.MAX, tp_group) if n else local[0]  # [N]
+    shift = local[0] - m  # ≤ 0; −inf on an all-padding shard, whose sums are 0
+    scale = shift.exp()
+    stats = torch.stack([local[1] * scale, local[2],
+                         torch.where(local[1] > 0, (local[3] + shift * local[1]) * scale, 0.0)])  # [3, N]
+    if n:
+        _all_reduce_(stats, dist.ReduceOp.SUM, tp_group)
+    log_s = stats[0].log()  # logsumexp = m + log_s, kept apart so no rounding at |m| ~ 1e4 enters
+    log_probs = (stats[1] - m) - log_s
+    entropy = log_s - stats[2] / stats[0] if with_entropy else None
+    return m, log_s, log_probs, entropy
+
+
 class _FusedHead(torch.autograd.Function):
 
     @staticmethod
@@ -84,16 +101,7 @@ class _FusedHead(torch.autograd.Function):
                 if with_entropy:
                     local[3, rows] = e.mul_(t).sum(dim=-1)
                 del t, e
-        m = _all_reduce_(local[0].clone(), dist.ReduceOp.MAX, tp_group) if n else local[0]  # [N]
-        shift = local[0] - m  # ≤ 0; −inf on an all-padding shard, whose sums are 0
-        scale = shift.exp()
-        stats = torch.stack([local[1] * scale, local[2],
-                             torch.where(local[1] > 0, (local[3] + shift * local[1]) * scale, 0.0)])  # [3, N]
-        if n:
-            _all_reduce_(stats, dist.ReduceOp.SUM, tp_group)
-        log_s = stats[0].log()  # logsumexp = m + log_s, kept apart so no rounding at |m| ~ 1e4 enters
-        log_probs = (stats[1] - m) - log_s
-        entropy = log_s - stats[2] / stats[0] if with_entropy else None
+        m, log_s, log_probs, entropy = merge_shards(local, tp_group, with_entropy)
         ctx.save_for_backward(logits, positions, labels, m, log_s, entropy)
         ctx.layout = (start, num_valid, temperature, chunk_tokens)
         return (log_probs, entropy) if with_entropy else log_probs

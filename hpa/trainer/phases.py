@@ -312,7 +312,8 @@ def update_policy(batch: Optional[RolloutBatch], offline: List[MicroBatch], weig
         else:  # the balance frozen (or off): offline rows ride in the rollout micro-batches where they fit
             mbs = micro_batches.ride_along(rollout_mbs, offline_mbs, ctx.batching.update_token_budget,
                                            ctx.groups.dp_group)
-            records = forward_backward(policy.model, mbs, loss_fn, ctx.groups, capture_hidden=True)
+            records = forward_backward(policy.model, mbs, loss_fn, ctx.groups, capture_hidden=True,
+                                       hidden_head=True)
         updated, grad_norm = guarded_optimizer_step(policy.optimizer, None, guard.grad_norm_action,
                                                     guard.spike_clip_value)
         guard.record(updated)
@@ -336,11 +337,11 @@ def _measured_backward(policy: Trainable, rollout_mbs: List[MicroBatch], pair_mb
                        ctx: StepContext) -> Tuple[List[Dict], Dict]:
     """The rollout and the pair micro-batches as two backward passes; the pair gradients stay in the
     buffers, the rollout ones come back as a snapshot, with both groups' gradient norms."""
-    records = forward_backward(policy.model, rollout_mbs, loss_fn, ctx.groups, capture_hidden=True)
+    records = forward_backward(policy.model, rollout_mbs, loss_fn, ctx.groups, capture_hidden=True, hidden_head=True)
     rollout_norm = gradient_norm(policy.optimizer)
     saved = snapshot_grads(policy.model)
     zero_grad(policy.model, policy.optimizer)
-    records += forward_backward(policy.model, pair_mbs, loss_fn, ctx.groups, capture_hidden=True)
+    records += forward_backward(policy.model, pair_mbs, loss_fn, ctx.groups, capture_hidden=True, hidden_head=True)
     pairs_norm = gradient_norm(policy.optimizer)
     return records, {"grad_norm/rollout": rollout_norm, "grad_norm/pairs": pairs_norm, "_rollout_grads": saved}
 

@@ -64,7 +64,7 @@ def run_sft(cfg: Config, groups: ParallelGroups) -> Dict[str, float]:
             return share, {"sft/nll": share.detach()}
 
         zero_grad(ddp, opt)
-        records = forward_backward(ddp, mbs, nll, groups)
+        records = forward_backward(ddp, mbs, nll, groups, hidden_head=True)
         _, grad_norm = optimizer_step(opt, sched)
         metrics = objective.step_metrics(records, groups, share_keys=frozenset({"sft/nll"}))
         metrics["sft/grad_norm"] = grad_norm

@@ -64,6 +64,7 @@ def _grad(fn, logits):
 def worker(groups):
     from hpa.config.algorithm import AlgorithmConfig
     from hpa.engine import head
+    from hpa.engine.head import HeadInput
     from hpa.trainer import objective
     from hpa.trainer.objective import streams
 
@@ -76,25 +77,33 @@ def worker(groups):
     for packed in (False, True):
         batch = _batch("rollout", packed)
         logits, hidden = _logits(batch, groups.tp_rank, tp)
+        full, _ = _logits(batch, 0, 1)  # the linear head's hidden states: the identity's shard rows make the logits
+        columns = slice(groups.tp_rank * (WIDTH // tp), (groups.tp_rank + 1) * (WIDTH // tp))
+        identity = torch.eye(WIDTH)[columns]  # [v/tp, WIDTH]
         w = torch.randn(2, *batch["mask"].shape, generator=torch.Generator().manual_seed(2))
         label_w = torch.randn(*batch["label_mask"].shape, generator=torch.Generator().manual_seed(3))
         for name, response, labels in (("fused", head.response_log_probs, head.label_log_probs),
+                                       ("linear", head.response_log_probs, head.label_log_probs),
                                        ("today", reference_response, reference_labels)):
+            def output(x, name=name):
+                return HeadInput(x, identity) if name == "linear" else x
+
             def rollout(x):
-                logp, ent = response(batch, x, tp_group, entropy=True, chunk_tokens=2, **kw)
+                logp, ent = response(batch, output(x), tp_group, entropy=True, chunk_tokens=2, **kw)
                 return (w[0] * logp + w[1] * ent).sum()
 
             def pairs(x):
-                logp = labels(batch, x, tp_group, chunk_tokens=2, **kw)
+                logp = labels(batch, output(x), tp_group, chunk_tokens=2, **kw)
                 return (logp * batch["label_mask"] * label_w).sum()
 
             streams.response_log_probs, streams.label_log_probs = response, labels
             loss_fn = objective.make_policy_loss(AlgorithmConfig(), weights, counts, groups, vocab_size=VOCAB_SIZE,
                                                  temperature=TEMPERATURE)
             for key, fn in (("rollout", rollout), ("pairs", pairs),
-                            ("rollout_loss", lambda x: loss_fn(batch, x, hidden)[0]),
-                            ("pair_loss", lambda x: loss_fn(_batch("pairs", packed), x, hidden)[0])):
-                value, grad = _grad(fn, logits)
+                            ("rollout_loss", lambda x: loss_fn(batch, output(x), hidden)[0]),
+                            ("pair_loss", lambda x: loss_fn(_batch("pairs", packed), output(x), hidden)[0])):
+                value, grad = _grad(fn, full if name == "linear" else logits)
+                grad = grad[..., columns] if name == "linear" else grad  # d hidden on the shard's columns
                 out[(packed, name, key)] = (value.item(), grad.numpy())
     return dict(tp_rank=groups.tp_rank, out=out)
 
@@ -110,13 +119,16 @@ def results_for(tp):
     return _RESULTS[tp]
 
 
+@pytest.mark.parametrize("name", ["fused", "linear"])
 @pytest.mark.parametrize("key", ["rollout", "pairs", "rollout_loss", "pair_loss"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.multirank
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_head_equals_todays_path(tp, packed, key):
+def test_head_equals_todays_path(tp, packed, key, name):
+    """The head on logits ("fused") and on hidden states (HeadInput, "linear": the gradient is d hidden on the
+    shard's columns, which the identity weight makes the logits' gradient)."""
     results = results_for(tp)
-    got, want = results[(packed, "fused", key)], results[(packed, "today", key)]
+    got, want = results[(packed, name, key)], results[(packed, "today", key)]
     assert got[0] == pytest.approx(want[0], abs=1e-5)
     np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-5)
     assert np.abs(got[1]).max() > 0  # the loss reaches the logits
@@ -135,19 +147,25 @@ def test_only_the_read_positions_get_gradient():
     assert grad.abs().sum(-1)[read].min() > 0 and not grad[~read].any()
 
 
+@pytest.mark.parametrize("name", ["fused", "linear"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_heads_make_the_host_wait_for_nothing_forward_and_backward(packed):
+def test_heads_make_the_host_wait_for_nothing_forward_and_backward(packed, name):
     """Both heads on a micro-batch on the (test) device, with the backward pass: no operation that would
     synchronise with a CUDA device (``SyncOps``), and the same values and gradients as on the host."""
     from hpa.distributed.device_mode import StrictDeviceMode, on_device, on_host
     from hpa.distributed.sync_ops import SyncOps
     from hpa.engine.head import label_log_probs, response_log_probs
 
+    from hpa.engine.head import HeadInput
+
     device = torch.device("lazy", 0)
     batch = _batch("rollout", packed)
     logits, _ = _logits(batch, 0, 1)
+    identity = torch.eye(WIDTH)
 
     def loss(b, x):
+        if name == "linear":
+            x = HeadInput(x, identity if x.device.type == "cpu" else on_device(identity))
         logp, ent = response_log_probs(b, x, None, vocab_size=VOCAB_SIZE, entropy=True, chunk_tokens=2)
         labels = label_log_probs(b, x, None, vocab_size=VOCAB_SIZE, chunk_tokens=2)
         return (logp * b["mask"]).sum() + (ent * b["mask"]).sum() + (labels * b["label_mask"]).sum()
@@ -163,3 +181,60 @@ def test_heads_make_the_host_wait_for_nothing_forward_and_backward(packed):
         got, grad = on_host(got.detach()), on_host(x.grad)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the head from hidden states, in a model
+
+def model_worker(groups, sequence_parallel, tied):
+    """The mixed log-prob + entropy + label loss through ``forward_backward`` on a tiny policy, the model's logits
+    (``hidden_head=False``) against the hidden head (``True``): loss, records and every gradient buffer."""
+    from hpa.config.schema import ModelConfig, ParallelConfig
+    from hpa.engine.head import HeadInput, label_log_probs, response_log_probs
+    from hpa.engine.optimizer import wrap_ddp
+    from hpa.engine.step import forward_backward, snapshot_grads
+    from hpa.models import build_policy
+
+    torch.manual_seed(0)
+    vocab = 45  # padded to 48: three padded columns
+    model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=vocab,
+                            max_sequence_length=32, make_vocab_size_divisible_by=16,
+                            untie_embeddings_and_output_weights=not tied)
+    parallel = ParallelConfig(tensor_model_parallel_size=groups.tensor_model_parallel_size,
+                              sequence_parallel=sequence_parallel)
+    ddp = wrap_ddp(build_policy(model_cfg, parallel, groups), parallel, groups)
+    seen = []
+
+    def loss_fn(batch, output, hidden):
+        seen.append(type(output).__name__)
+        logp, ent = response_log_probs(batch, output, groups.tp_group, vocab_size=vocab, temperature=TEMPERATURE,
+                                       entropy=True, chunk_tokens=3)
+        labels = label_log_probs(batch, output, groups.tp_group, vocab_size=vocab, chunk_tokens=3)
+        loss = (logp * batch["mask"]).sum() - 0.1 * (ent * batch["mask"]).sum() \
+            + 0.5 * (labels * batch["label_mask"]).sum()
+        return loss, {"loss": loss.detach()}
+
+    out = {}
+    for packed in (False, True):
+        mbs = [_batch("rollout", packed)]
+        for hidden_head in (False, True):
+            ddp.zero_grad_buffer()
+            records = forward_backward(ddp, mbs, loss_fn, groups, capture_hidden=True, hidden_head=hidden_head)
+            out[(packed, hidden_head)] = (float(records[0]["loss"]), [g.clone() for g in snapshot_grads(ddp)])
+    return dict(out=out, seen=seen, head_input=HeadInput.__name__)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["tp1", "tp1_tied", "tp2", "tp2_sp"])
+def test_hidden_head_equals_the_model_logits_in_a_model(layout):
+    """Through megatron's output layer (TP region functions, sequence parallelism, a tied embedding): the loss
+    and every parameter gradient of the hidden head equal those of the model's logits."""
+    tp = 2 if layout.startswith("tp2") else 1
+    ranks = run_ranks(model_worker, tp=tp, args=(layout.endswith("_sp"), layout.endswith("_tied")))
+    for rank in ranks:
+        assert rank["seen"] == ["Tensor", rank["head_input"]] * 2  # the logits, then the head's input
+        for packed in (False, True):
+            (want, want_grads), (got, got_grads) = rank["out"][(packed, False)], rank["out"][(packed, True)]
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-5)
+            assert sum(float(g.abs().sum()) for g in got_grads) > 0
+            for g, w in zip(got_grads, want_grads):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -1,6 +1,11 @@
-"""The fused, chunked log-prob + entropy head against the separate vocab-parallel ops (values and
-gradients, TP1 and TP2, vocab padding, temperature, bf16), and its memory bound: no fp32 tensor
-larger than one chunk during its forward and backward (a dispatch-mode check that today's ops fail)."""
+"""The fused, chunked log-prob + entropy heads against the separate vocab-parallel ops (values and
+gradients, TP1 and TP2, vocab padding, temperature, bf16), and the memory bound of the head on logits: no fp32
+tensor larger than one chunk during its forward and backward (a dispatch-mode check that today's ops fail).
+
+"fused" is the head on given logits (``hpa.ops.fused_head``); "linear" the head on hidden states and the output
+weight (``hpa.ops.linear_head``), fed the case's full logits as hidden states and the rows of the identity its
+shard owns as the weight, so its logits are the case's exactly and ``d hidden`` on the shard's columns is the
+logits' gradient; its ``d weight`` is checked against ``d logitsᵀ·hidden`` of today's ops."""
 
 import numpy as np
 import pytest
@@ -8,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpa.ops.fused_head import fused_log_probs_entropy
+from hpa.ops.linear_head import linear_log_probs_entropy
 from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 from tests.multirank import run_ranks
 
@@ -40,10 +46,20 @@ def make_case(name):
     return dict(case, logits=logits, labels=labels, weights=weights)
 
 
-def _run(op, logits, inputs, tp_group):
-    """``op``'s log-probs, entropy and the gradient of ``Σ w0·logp + w1·H`` to ``logits``."""
-    x = logits.clone().requires_grad_()
+def _run(op, logits, inputs, tp_group, full=None, columns=None):
+    """``op``'s log-probs, entropy and the gradient of ``Σ w0·logp + w1·H`` to ``logits`` (the linear head: to
+    the hidden states ``full`` on the shard's ``columns``, and its weight gradient)."""
     kw = dict(vocab_size=inputs["vocab_size"], temperature=inputs["temperature"])
+    if op == "linear":
+        x = full.clone().requires_grad_()
+        weight = torch.eye(full.shape[-1], dtype=full.dtype)[columns].requires_grad_()  # [v/tp, width]
+        logp, ent = linear_log_probs_entropy(x, weight, inputs["labels"], tp_group, entropy=True,
+                                             chunk_tokens=CHUNK, **kw)
+        (inputs["weights"][0] * logp + inputs["weights"][1] * ent).sum().backward()
+        return dict(logp=logp.detach().double().numpy(), ent=ent.detach().double().numpy(), dtype=str(logp.dtype),
+                    grad=x.grad[:, columns].double().numpy(), grad_dtype=str(x.grad.dtype),
+                    weight_grad=weight.grad.double().numpy(), weight_grad_dtype=str(weight.grad.dtype))
+    x = logits.clone().requires_grad_()
     if op == "fused":
         logp, ent = fused_log_probs_entropy(x, inputs["labels"], tp_group, entropy=True, chunk_tokens=CHUNK, **kw)
     else:
@@ -62,13 +78,16 @@ def worker(groups, names):
         width = inputs["width"] // tp
         shard = inputs["logits"][:, groups.tp_rank * width:(groups.tp_rank + 1) * width]
         dtype = getattr(torch, inputs["dtype"])
+        columns = slice(groups.tp_rank * width, (groups.tp_rank + 1) * width)
         out[name] = {"fused": _run("fused", shard.to(dtype), inputs, groups.tp_group),
+                     "linear": _run("linear", None, inputs, groups.tp_group, inputs["logits"].to(dtype), columns),
                      "today": _run("today", shard.to(dtype), inputs, groups.tp_group),
                      "today_fp32": _run("today", shard, inputs, groups.tp_group)}  # bf16's unrounded logits
     return dict(tp_rank=groups.tp_rank, cases=out)
 
 
 _RESULTS = {}
+OPS = ("fused", "linear")
 
 
 def results_for(tp):
@@ -78,21 +97,27 @@ def results_for(tp):
         merged = {}
         for name in CASES:
             merged[name] = {}
-            for op in ("fused", "today", "today_fp32"):
+            for op in ("today", "today_fp32") + OPS:
                 per_rank = [r["cases"][name][op] for r in ranks]
                 for r in per_rank[1:]:
                     np.testing.assert_array_equal(r["logp"], per_rank[0]["logp"])
                     np.testing.assert_array_equal(r["ent"], per_rank[0]["ent"])
                 merged[name][op] = dict(per_rank[0], grad=np.concatenate([r["grad"] for r in per_rank], axis=-1))
+                if op == "linear":  # d weight = d logitsᵀ · hidden, with today's d logits
+                    grad = merged[name]["today"]["grad"]
+                    hidden = make_case(name)["logits"].to(getattr(torch, CASES[name]["dtype"])).double().numpy()
+                    merged[name][op]["weight_grad"] = np.concatenate([r["weight_grad"] for r in per_rank])
+                    merged[name][op]["want_weight_grad"] = grad.T @ hidden
         _RESULTS[tp] = merged
     return _RESULTS[tp]
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_equals_the_separate_ops(tp, name):
-    got, want = results_for(tp)[name]["fused"], results_for(tp)[name]["today"]
+def test_equals_the_separate_ops(tp, name, op):
+    got, want = results_for(tp)[name][op], results_for(tp)[name]["today"]
     large = CASES[name]["scale"] >= 1e4
     value_atol = 1e-2 if large else 1e-5  # fp32 holds 1e4 to ~1e-3
     grad_atol = 1e-2 if CASES[name]["dtype"] == "bfloat16" else 1e-5  # one bf16 rounding of the gradient
@@ -104,22 +129,32 @@ def test_equals_the_separate_ops(tp, name):
     vocab_size = CASES[name]["vocab_size"]
     if vocab_size is not None:  # padded columns get no gradient
         assert not got["grad"][:, vocab_size:].any()
+    if op == "linear":
+        assert got["weight_grad_dtype"] == "torch." + CASES[name]["dtype"]
+        scale = 1.0 if not large else CASES[name]["scale"]  # d weight = d logitsᵀ · hidden: hidden's scale
+        bf16 = CASES[name]["dtype"] == "bfloat16"  # d logits and d weight each rounded to bf16
+        np.testing.assert_allclose(got["weight_grad"], got["want_weight_grad"],
+                                   rtol=3e-2 if bf16 else 1e-3 if large else 1e-5, atol=grad_atol * scale * 4)
+        if vocab_size is not None:  # padded rows of the weight get no gradient
+            assert not got["weight_grad"][vocab_size:].any()
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_bf16_close_to_fp32_logits(tp):
+def test_bf16_close_to_fp32_logits(tp, op):
     """bf16 input against the separate ops on the fp32 logits it was rounded from: bf16 tolerance."""
     case = results_for(tp)["bf16_padded13_temp0.7"]
-    got, want = case["fused"], case["today_fp32"]
+    got, want = case[op], case["today_fp32"]
     for key in ("logp", "ent", "grad"):
         np.testing.assert_allclose(got[key], want[key], rtol=0, atol=5e-2, err_msg=key)
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_tp2_equals_tp1(name):
-    tp1, tp2 = results_for(1)[name]["fused"], results_for(2)[name]["fused"]
+def test_tp2_equals_tp1(name, op):
+    tp1, tp2 = results_for(1)[name][op], results_for(2)[name][op]
     atol = 1e-2 if CASES[name]["scale"] >= 1e4 else 1e-5
     for key in ("logp", "ent"):
         np.testing.assert_allclose(tp2[key], tp1[key], rtol=0, atol=atol, err_msg=key)

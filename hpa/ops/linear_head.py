@@ -1,0 +1,216 @@
+"""Label log-probs and entropy from hidden states and the output weight, chunk by chunk.
+
+The LM head and the statistics of ``hpa.ops.fused_head`` as one autograd function: for ``chunk_tokens``
+positions at a time the forward computes the chunk's logits ``x·Wᵀ`` in the weight's dtype (bf16 on GPUs),
+reads them once to reduce them to four ``[c]`` statistics (local max, Σ e^t, label logit, Σ e^t·t) and drops
+them; only ``[N]``-shaped statistics are saved. The backward recomputes each chunk's logits, writes its
+``d logits`` once (log-prob and entropy gradients together, in the weight's dtype) and accumulates
+``d hidden = d logits · W`` and ``d W = d logitsᵀ · x`` chunk by chunk. No ``[N, V]`` tensor exists beyond a
+chunk, and the logits of positions no loss reads are never computed.
+
+The per-chunk elementwise work (``chunk_stats``, ``chunk_grad``) is one region each: on CUDA with Triton,
+one single-pass kernel each (``hpa.ops.linear_head_triton``, imported only there); elsewhere the same math
+in torch (``torch.compile(fullgraph=True)`` traces both without graph breaks). The matmuls stay cuBLAS/BLAS
+calls, so the logits of a chunk are written once and read once each way (the floor of a head whose matmul
+is not fused with the softmax, as verl's ``efficient_entropy`` kernels are).
+
+Vocab parallel: ``weight`` is this rank's ``[v/tp, h]`` shard and ``hidden`` the replicated input of
+megatron's ``ColumnParallelLinear`` (its region functions reduce ``d hidden`` over TP, as for the linear);
+the shards' statistics merge with one MAX and one SUM all-reduce over ``tp_group``, as in
+``hpa.ops.fused_head``. Temperature and vocab padding as in ``hpa.ops.vocab_parallel``: padded rows of the
+weight (global id ≥ ``vocab_size``) take no part and get zero gradient.
+
+The gradients: ``d log p_y / dz = onehot(y) − p`` and ``dH/dz = −p·(log p + H)``, times ``1/T``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .fused_head import CHUNK_ELEMENTS, _label_index, merge_shards
+from .vocab_parallel import _check_temperature, _compute_dtype, _shard_layout
+
+__all__ = ["chunk_grad", "chunk_stats", "linear_log_probs_entropy"]
+
+
+def chunk_stats(z: torch.Tensor, index: torch.Tensor, on_shard: torch.Tensor, temperature: float,
+                with_entropy: bool) -> torch.Tensor:
+    """A chunk's logits ``[c, n]`` -> ``[4, c]``: max, Σ e^t, label logit (0 off the shard), Σ e^t·t (0 without
+    entropy), t = z/T − max; in the compute dtype. ``z`` (a fresh matmul output) may be overwritten."""
+    t = z.to(_compute_dtype(z))
+    if temperature != 1.0:
+        t.div_(temperature)
+    m = t.amax(dim=-1)
+    label = torch.where(on_shard, t.gather(-1, index).squeeze(-1), 0.0)
+    t.sub_(m.unsqueeze(-1))
+    e = t.exp()
+    total = e.sum(dim=-1)
+    cross = e.mul_(t).sum(dim=-1) if with_entropy else torch.zeros_like(total)
+    return torch.stack([m, total, label, cross])
+
+
+def chunk_grad(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor, entropy: Optional[torch.Tensor],
+               grad_log_probs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], index: torch.Tensor,
+               on_shard: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A chunk's logits ``[c, n]`` and ``[c]`` statistics -> ``d loss / d logits`` ``[c, n]`` in ``z``'s dtype.
+    ``z`` (a fresh matmul output) may be overwritten."""
+    log_p = z.to(_compute_dtype(z))
+    if temperature != 1.0:
+        log_p.div_(temperature)
+    log_p.sub_(m.unsqueeze(-1)).sub_(log_s.unsqueeze(-1))
+    p = log_p.exp()
+    if grad_entropy is not None:
+        coef = log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
+        if grad_log_probs is not None:
+            coef.add_(grad_log_probs.unsqueeze(-1))
+        grad = p.mul_(coef).neg_()
+    else:
+        grad = p.mul_(-grad_log_probs.unsqueeze(-1))
+    if grad_log_probs is not None:
+        grad.scatter_add_(-1, index, torch.where(on_shard, grad_log_probs, 0.0).unsqueeze(-1))
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad.to(z.dtype)
+
+
+def _kernels(device: torch.device):
+    """``(chunk_stats, chunk_grad)`` for ``device``: the Triton kernels on CUDA when Triton imports and passes its
+    check against the torch functions, else the torch functions."""
+    if device.type == "cuda":
+        try:
+            from . import linear_head_triton  # never imported on CPU
+        except ImportError:
+            return chunk_stats, chunk_grad
+        if linear_head_triton.usable(device, chunk_stats, chunk_grad):
+            return linear_head_triton.chunk_stats, linear_head_triton.chunk_grad
+    return chunk_stats, chunk_grad
+
+
+class _LinearHead(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, hidden, weight, positions, labels, tp_group, vocab_size, temperature, chunk_tokens,
+                with_entropy):
+        ctx.set_materialize_grads(False)
+        start, num_valid = _shard_layout(weight.t(), tp_group, vocab_size)  # [h, v/tp]: the vocab last
+        n = labels.shape[0]
+        dtype = _compute_dtype(weight)
+        stats_fn, _ = _kernels(weight.device)
+        index, on_shard = _label_index(labels, start, num_valid)
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [M, h]
+        w = weight[:num_valid]  # [n_valid, h]
+        local = weight.new_zeros((4, n), dtype=dtype)  # see chunk_stats
+        local[0] = float("-inf")
+        if num_valid > 0:
+            for begin in range(0, n, chunk_tokens):
+                rows = slice(begin, min(begin + chunk_tokens, n))
+                x = _rows(flat, positions, rows, weight.dtype)  # [c, h]
+                z = torch.mm(x, w.t())  # [c, n_valid], the weight's dtype
+                local[:, rows] = stats_fn(z, index[rows], on_shard[rows], temperature, with_entropy)
+                del z
+        m, log_s, log_probs, entropy = merge_shards(local, tp_group, with_entropy)
+        ctx.save_for_backward(hidden, weight, positions, labels, m, log_s, entropy)
+        ctx.layout = (start, num_valid, temperature, chunk_tokens)
+        return (log_probs, entropy) if with_entropy else log_probs
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy=None):
+        hidden, weight, positions, labels, m, log_s, entropy = ctx.saved_tensors
+        start, num_valid, temperature, chunk_tokens = ctx.layout
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        none = (None,) * 7
+        if (grad_log_probs is None and grad_entropy is None) or not (need_hidden or need_weight):
+            return (None, None) + none
+        _, grad_fn = _kernels(weight.device)
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [M, h]
+        w = weight[:num_valid]  # [n_valid, h]
+        grad_hidden = torch.zeros_like(flat) if need_hidden else None  # [M, h]
+        n = labels.shape[0]
+        grad_weight = weight.new_zeros(weight.shape) if need_weight and n == 0 else \
+            weight.new_empty(weight.shape) if need_weight else None  # [v/tp, h]
+        if need_weight:
+            grad_weight[num_valid:].zero_()  # vocab padding
+        # several chunks of a low-precision weight accumulate d W in fp32 (one rounding, as one matmul)
+        accumulate = need_weight and weight.dtype != _compute_dtype(weight) and n > chunk_tokens and num_valid > 0
+        index, on_shard = _label_index(labels, start, num_valid)
+        for begin in range(0, n if num_valid > 0 else 0, chunk_tokens):
+            rows = slice(begin, min(begin + chunk_tokens, n))
+            x = _rows(flat, positions, rows, weight.dtype)  # [c, h]
+            z = torch.mm(x, w.t())  # [c, n_valid]
+            dz = grad_fn(z, m[rows], log_s[rows], None if entropy is None else entropy[rows],
+                         None if grad_log_probs is None else grad_log_probs[rows],
+                         None if grad_entropy is None else grad_entropy[rows], index[rows], on_shard[rows],
+                         temperature)  # [c, n_valid], the weight's dtype
+            del z
+            if need_hidden:
+                dx = torch.mm(dz, w).to(flat.dtype)  # [c, h]
+                if positions is None:
+                    grad_hidden[rows] += dx
+                else:  # a position selected twice gets both gradients
+                    grad_hidden.index_add_(0, positions[rows], dx)
+            if need_weight:  # the first chunk writes d W, the others add to it
+                if accumulate:
+                    part = torch.mm(dz.t(), x)  # [n_valid, h]
+                    total = part.float() if begin == 0 else total.add_(part)
+                elif begin == 0:
+                    torch.mm(dz.t(), x, out=grad_weight[:num_valid])
+                else:
+                    grad_weight[:num_valid].addmm_(dz.t(), x)
+            del dz
+        if accumulate:
+            grad_weight[:num_valid] = total
+        elif need_weight and num_valid == 0:
+            grad_weight.zero_()
+        if need_hidden:
+            grad_hidden = grad_hidden.view(hidden.shape)
+        return (grad_hidden, grad_weight) + none
+
+
+def _rows(flat: torch.Tensor, positions: Optional[torch.Tensor], rows: slice, dtype: torch.dtype) -> torch.Tensor:
+    """The chunk's hidden states ``[c, h]`` in ``dtype``."""
+    x = flat[rows] if positions is None else flat.index_select(0, positions[rows])
+    return x.to(dtype)
+
+
+def linear_log_probs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tp_group,
+                             vocab_size: Optional[int] = None, temperature: float = 1.0, *,
+                             positions: Optional[torch.Tensor] = None, entropy: bool = False,
+                             chunk_tokens: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``log softmax(hidden·weightᵀ / temperature)`` at the labels, and optionally the entropy, chunk by chunk.
+
+    Args:
+        hidden: the output layer's input, ``[M, h]``; with ``positions``, any ``[..., h]`` (e.g. a model's
+            ``[b, s, h]``); replicated over TP; any float dtype (cast to the weight's per chunk).
+        weight: the output layer's local vocab shard ``[v/tp, h]``.
+        labels: global token ids ``[N]`` in ``[0, vocab_size)`` (an id outside yields ``−logsumexp``).
+        tp_group: the tensor-model-parallel group the vocab is split over; None for one process.
+        vocab_size: true vocabulary size; padded rows of the weight (global id ≥ vocab_size) are excluded.
+        temperature: logits are divided by it before the softmax.
+        positions: ``[N]`` rows of ``hidden``'s leading dims flattened to compute at (a row may repeat); None:
+            every row, ``N = M``. Other rows get zero gradient.
+        entropy: also return the entropy.
+        chunk_tokens: positions at a time; bounds every ``[·, v/tp]`` temporary to ``chunk_tokens × v/tp``.
+            None: ``CHUNK_ELEMENTS // (v/tp)``.
+
+    Returns:
+        ``(log_probs [N], entropy [N] or None)``, fp32 (fp64 for an fp64 weight); gradients to ``hidden`` (its
+        dtype) and ``weight`` (its dtype) as ``vocab_parallel_log_probs`` and ``vocab_parallel_entropy`` of
+        the logits ``hidden·weightᵀ`` give through the linear.
+    """
+    _check_temperature(temperature)
+    rows = hidden.shape[:1] if positions is None else positions.shape
+    if (weight.dim() != 2 or hidden.dim() < 2 or hidden.shape[-1] != weight.shape[-1]
+            or (hidden.dim() != 2 and positions is None) or len(rows) != 1 or labels.shape != rows):
+        raise ValueError(f"hidden must be [M, h] (or [..., h] with positions), weight [v/tp, h], positions [N] "
+                         f"or None (N = M) and labels [N], got hidden {tuple(hidden.shape)}, weight "
+                         f"{tuple(weight.shape)}, positions {None if positions is None else tuple(positions.shape)} "
+                         f"and labels {tuple(labels.shape)}")
+    if chunk_tokens is None:
+        chunk_tokens = max(1, CHUNK_ELEMENTS // max(1, weight.shape[0]))
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be ≥ 1 (or None for the default), got {chunk_tokens}")
+    out = _LinearHead.apply(hidden, weight, None if positions is None else positions.long(), labels, tp_group,
+                            vocab_size, float(temperature), int(chunk_tokens), entropy)
+    return out if entropy else (out, None)

@@ -1,0 +1,250 @@
+"""The head on hidden states and the output weight (``hpa.ops.linear_head``) beyond the shared cases of
+``test_fused_head.py``: fp64 gradcheck to both inputs, positions (repeated, into a ``[b, s, h]`` batch), a
+frozen weight, no ``[·, V]`` tensor beyond one chunk, the per-chunk regions traced without a graph break, and
+(on a GPU only) the Triton kernels against the torch functions."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hpa.ops import linear_head
+from hpa.ops.linear_head import linear_log_probs_entropy
+from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+
+
+def _problem(rows=7, hidden=5, vocab=12, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=gen, dtype=dtype)
+    w = 1.5 * torch.randn(vocab, hidden, generator=gen, dtype=dtype)
+    return x, w, gen
+
+
+@pytest.mark.parametrize("vocab_size,temperature", [(None, 1.0), (9, 0.6)], ids=["full", "padded9_temp0.6"])
+@pytest.mark.parametrize("outputs", ["both", "log_probs", "entropy"])
+def test_gradcheck_float64(outputs, vocab_size, temperature):
+    x, w, gen = _problem()
+    labels = torch.randint(0, vocab_size or 12, (7,), generator=gen)
+
+    def fn(x, w):
+        logp, ent = linear_log_probs_entropy(x, w, labels, None, vocab_size, temperature,
+                                             entropy=outputs != "log_probs", chunk_tokens=3)
+        return {"both": (logp, ent), "log_probs": logp, "entropy": ent}[outputs]
+
+    assert torch.autograd.gradcheck(fn, (x.requires_grad_(), w.requires_grad_()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_positions_into_a_batch_equal_the_separate_ops_on_the_logits(dtype):
+    """``[b, s, h]`` hidden states at positions (one repeated): values and gradients of the separate ops on
+    ``hidden·Wᵀ`` at the gathered rows; rows not selected get no gradient, padded weight rows none."""
+    x, w, gen = _problem(rows=12, hidden=6, vocab=16, seed=1, dtype=torch.float32)
+    x, w = x.view(3, 4, 6).to(dtype), w.to(dtype)
+    positions = torch.tensor([7, 0, 3, 3, 11, 5, 1])
+    labels = torch.randint(0, 13, (7,), generator=gen)
+    g = torch.randn(2, 7, generator=gen)
+    got_x, got_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logp, ent = linear_log_probs_entropy(got_x, got_w, labels, None, 13, 0.8, positions=positions, entropy=True,
+                                         chunk_tokens=2)
+    (g[0] * logp + g[1] * ent).sum().backward()
+    want_x, want_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logits = want_x.reshape(-1, 6)[positions] @ want_w.t()  # [7, 16]
+    ref_logp = vocab_parallel_log_probs(logits, labels, None, 13, 0.8)
+    ref_ent = vocab_parallel_entropy(logits, None, 13, 0.8)
+    (g[0] * ref_logp + g[1] * ref_ent).sum().backward()
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
+    atol = 5e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got_x.grad.float(), want_x.grad.float(), rtol=0, atol=atol)
+    torch.testing.assert_close(got_w.grad.float(), want_w.grad.float(), rtol=0, atol=atol)
+    assert got_x.grad.dtype == dtype and got_w.grad.dtype == dtype
+    flat = got_x.grad.reshape(-1, 6)
+    assert not flat[[2, 4, 6, 8, 9, 10]].any() and flat[3].abs().sum() > 0
+    assert not got_w.grad[13:].any()
+
+
+def test_frozen_weight_and_inputs_unchanged():
+    x, w, gen = _problem(dtype=torch.float32)
+    labels = torch.randint(0, 12, (7,), generator=gen)
+    before = x.clone(), w.clone()
+    xg = x.clone().requires_grad_()
+    logp, ent = linear_log_probs_entropy(xg, w, labels, None, entropy=True, chunk_tokens=2)
+    (logp + ent).sum().backward()
+    assert w.grad is None and xg.grad.abs().sum() > 0
+    assert torch.equal(x, before[0]) and torch.equal(w, before[1])
+    empty = torch.zeros(0, 5, requires_grad=True)
+    logp, _ = linear_log_probs_entropy(empty, w, torch.zeros(0, dtype=torch.long), None)
+    logp.sum().backward()
+    assert logp.shape == (0,) and empty.grad.shape == (0, 5)
+
+
+def test_errors_say_what_to_do():
+    w = torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"hidden must be \[M, h\]"):
+        linear_log_probs_entropy(torch.randn(2, 3, 4), w, torch.zeros(2, 3, dtype=torch.long), None)
+    with pytest.raises(ValueError, match=r"weight \[v/tp, h\]"):
+        linear_log_probs_entropy(torch.randn(2, 5), w, torch.zeros(2, dtype=torch.long), None)
+    with pytest.raises(ValueError, match="positions"):
+        linear_log_probs_entropy(torch.randn(4, 4), w, torch.zeros(4, dtype=torch.long), None,
+                                 positions=torch.arange(3))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        linear_log_probs_entropy(torch.randn(2, 4), w, torch.zeros(2, dtype=torch.long), None, chunk_tokens=0)
+    with pytest.raises(ValueError, match="vocab_size=9 must be in"):
+        linear_log_probs_entropy(torch.randn(2, 4), w, torch.zeros(2, dtype=torch.long), None, vocab_size=9)
+
+
+class LargestVocabTensor(TorchDispatchMode):
+    """The most elements of any op output whose last dim is the vocabulary, padded or not (forward and
+    backward)."""
+
+    def __init__(self, *vocab):
+        super().__init__()
+        self.vocab, self.largest = set(vocab), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if torch.is_tensor(t) and t.dim() >= 1 and t.shape[-1] in self.vocab:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_vocab_tensor_beyond_one_chunk():
+    """Run red by setting ``chunk_tokens`` to the 64 tokens: the bound holds only because of the chunks."""
+    x, w, gen = _problem(rows=64, hidden=8, vocab=512, dtype=torch.float32)
+    labels = torch.randint(0, 500, (64,), generator=gen)
+    x, w = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    with LargestVocabTensor(500, 512) as mode:
+        logp, ent = linear_log_probs_entropy(x, w, labels, None, 500, 0.8, entropy=True, chunk_tokens=16)
+        (logp - 0.01 * ent).sum().backward()
+    assert 16 * 500 <= mode.largest <= 16 * 512
+    with LargestVocabTensor(500, 512) as mode:
+        linear_log_probs_entropy(x, w, labels, None, 500, 0.8, entropy=True, chunk_tokens=64)
+    assert mode.largest >= 64 * 500  # the check can fail
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_the_regions_trace_without_a_graph_break(with_entropy):
+    """``torch.compile(fullgraph=True)`` of each per-chunk region (traced only: the eager backend) equals eager."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(2)
+    z = 3 * torch.randn(5, 40, generator=gen)
+    index = torch.randint(0, 40, (5, 1), generator=gen)
+    on = torch.tensor([True, False, True, True, True])
+    stats = torch.compile(linear_head.chunk_stats, fullgraph=True, backend="eager")
+    grad = torch.compile(linear_head.chunk_grad, fullgraph=True, backend="eager")
+    want = linear_head.chunk_stats(z.clone(), index, on, 0.7, with_entropy)
+    torch.testing.assert_close(stats(z.clone(), index, on, 0.7, with_entropy), want)
+    m, log_s = want[0], want[1].log()
+    ent = log_s - want[3] / want[1] if with_entropy else None
+    g = torch.randn(2, 5, generator=gen)
+    args = (m, log_s, ent, g[0], g[1] if with_entropy else None, index, on, 0.7)
+    torch.testing.assert_close(grad(z.clone(), *args), linear_head.chunk_grad(z.clone(), *args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_triton_kernels_equal_the_torch_functions(dtype):
+    from hpa.ops import linear_head_triton
+
+    device = torch.device("cuda")
+    assert linear_head_triton.usable(device, linear_head.chunk_stats, linear_head.chunk_grad)
+    gen = torch.Generator(device=device).manual_seed(0)
+    z = (4 * torch.randn(37, 151_936 // 4, device=device, generator=gen)).to(dtype)
+    index = torch.randint(0, z.shape[1], (37, 1), device=device, generator=gen)
+    on = torch.rand(37, device=device, generator=gen) < 0.8
+    want = linear_head.chunk_stats(z.clone(), index, on, 0.9, True)
+    torch.testing.assert_close(linear_head_triton.chunk_stats(z.clone(), index, on, 0.9, True), want,
+                               rtol=1e-4, atol=1e-3)
+    m, log_s = want[0], want[1].log()
+    ent = log_s - want[3] / want[1]
+    g = torch.randn(2, 37, device=device, generator=gen)
+    for g_lp, g_ent in ((g[0], g[1]), (g[0], None), (None, g[1])):
+        want_grad = linear_head.chunk_grad(z.clone(), m, log_s, ent, g_lp, g_ent, index, on, 0.9)
+        got = linear_head_triton.chunk_grad(z.clone(), m, log_s, ent, g_lp, g_ent, index, on, 0.9)
+        torch.testing.assert_close(got.float(), want_grad.float(), rtol=2e-2, atol=1e-5)
+
+
+def _proxy():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "proxies" / "head.py"
+    spec = importlib.util.spec_from_file_location("proxy_head", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_proxy_head_bytes_per_token():
+    """``bench/proxies/head.py``: the head from hidden states moves at most 7.5 bf16 passes over a response
+    token's logits forward + backward with entropy at V = 151,936 (the floor of a head whose matmuls write the
+    logits: the forward's matmul writes and its kernel reads them, the backward's matmul writes them again, its
+    kernel reads them and writes their gradient, two matmuls read that: 7 passes, 2.13 MB, plus the weight's
+    share), against the head on the model's logits: at least ten times more."""
+    proxy = _proxy()
+    got = proxy.measure()
+    logit_pass = 2 * proxy.VOCAB
+    assert 7 * logit_pass <= got["head.bytes_per_token"] <= 7.5 * logit_pass
+    assert got["head.bytes_per_token_logits"] >= 10 * got["head.bytes_per_token"]
+    assert got["head.bytes_per_token_eager"] > got["head.bytes_per_token"]  # the regions unfused: the counter sees it
+
+
+def test_proxy_counter_models_the_traffic():
+    """The counter: a matmul reads both inputs and writes its output, a view moves nothing, a gather reads what it
+    outputs, a filled allocation writes its output only."""
+    proxy = _proxy()
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with proxy.HbmBytes() as counter:
+        torch.mm(a, b)
+    assert counter.total == 4 * (12 + 20 + 15)
+    with proxy.HbmBytes() as counter:
+        a.t()
+        a[:, :2]
+    assert counter.total == 0
+    index = torch.tensor([2])
+    with proxy.HbmBytes() as counter:
+        a.index_select(0, index)  # the index, the row read and written
+    assert counter.total == 8 + 2 * 16
+    with proxy.HbmBytes() as counter:
+        a.new_zeros(10)
+    assert counter.total == 40
+
+
+_INTERPRETED = """
+import torch
+from hpa.ops import linear_head, linear_head_triton
+from hpa.ops.linear_head import linear_log_probs_entropy
+
+gen = torch.Generator().manual_seed(1)
+x, w = torch.randn(2, 9, 8, generator=gen), torch.randn(1100, 8, generator=gen)
+positions, labels = torch.tensor([0, 3, 3, 17, 5, 9, 12]), torch.randint(0, 1050, (7,), generator=gen)
+g = torch.randn(2, 7, generator=gen)
+
+def run():
+    a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logp, ent = linear_log_probs_entropy(a, b, labels, None, 1050, 0.8, positions=positions, entropy=True,
+                                         chunk_tokens=3)
+    (g[0] * logp + g[1] * ent).sum().backward()
+    return logp, ent, a.grad, b.grad
+
+want = run()
+linear_head.chunk_stats, linear_head.chunk_grad = linear_head_triton.chunk_stats, linear_head_triton.chunk_grad
+for got, ref in zip(run(), want):
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+print("ok")
+"""
+
+
+def test_triton_kernels_in_triton_s_interpreter():
+    """Where Triton is installed (not in the project's CPU environment), its interpreter (``TRITON_INTERPRET=1``,
+    on the CPU) runs the kernels inside the whole head: values and both gradients equal the torch path."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), *sys.path]))
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
