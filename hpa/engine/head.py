@@ -40,6 +40,12 @@ class HeadInput:
     def device(self) -> torch.device:
         return self.hidden.device
 
+    def __getitem__(self, index) -> "HeadInput":
+        """The head's input at some positions (``index`` applies to ``hidden``'s leading dimensions), as
+        slicing the logits would give: a mixed micro-batch splits its output by stream
+        (``MicroBatch.split``)."""
+        return HeadInput(self.hidden[index], self.weight)
+
 
 Output = Union[torch.Tensor, HeadInput]  # logits [n, s, v/tp] | [1, T, v/tp], or the head's input
 

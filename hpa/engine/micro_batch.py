@@ -110,7 +110,8 @@ class MicroBatch:
 
     def split(self, *values: torch.Tensor) -> List[Tuple["MicroBatch", List[torch.Tensor]]]:
         """Each part with its slice of every model-layout ``[1, T, ...]`` tensor of ``values`` (outputs, hidden
-        states; None stays None); a single-stream micro-batch is its own one part."""
+        states, or a ``HeadInput``, which slices its hidden states; None stays None); a single-stream
+        micro-batch is its own one part."""
         if not self.parts:
             return [(self, list(values))]
         out, start = [], 0

@@ -169,7 +169,7 @@ def _rollouts(b=6, p=7, r=6, hidden=32):
     return batch
 
 
-def _ride_along_worker(groups):
+def _ride_along_worker(groups, hidden_head):
     from hpa.config.algorithm import AlgorithmConfig, DPOConfig
     from hpa.config.schema import ModelConfig, ParallelConfig
     from hpa.engine.micro_batch import MicroBatch
@@ -195,7 +195,7 @@ def _ride_along_worker(groups):
     def step(mbs):
         loss_fn = objective.make_policy_loss(algo, weights, counts, groups, vocab_size=VOCAB, temperature=1.0)
         policy.zero_grad_buffer()
-        records = forward_backward(policy, mbs, loss_fn, groups, capture_hidden=True)
+        records = forward_backward(policy, mbs, loss_fn, groups, capture_hidden=True, hidden_head=hidden_head)
         grads = torch.cat([p.main_grad.flatten().clone() for p in policy.parameters()]).numpy()
         return grads, objective.step_metrics(records, groups), [mb.kind for mb in mbs]
 
@@ -206,8 +206,10 @@ def _ride_along_worker(groups):
 
 
 @pytest.mark.multirank
-def test_offline_rows_riding_in_a_rollout_micro_batch_give_the_same_loss_and_gradients():
-    out = run_ranks(_ride_along_worker)[0]
+@pytest.mark.parametrize("hidden_head", [False, True], ids=["logits", "hidden_head"])
+def test_offline_rows_riding_in_a_rollout_micro_batch_give_the_same_loss_and_gradients(hidden_head):
+    # hidden_head: the loss gets the LM head's input (the trainer's update), which a mixed micro-batch splits
+    out = run_ranks(_ride_along_worker, args=(hidden_head,))[0]
     reference, metrics, kinds = out["apart"]
     assert kinds == ["rollout", "rollout", "pairs", "pairs"]
     assert out["riding"][2] == ["mixed", "mixed"] and out["one"][2] == ["mixed"]
