@@ -16,21 +16,20 @@ into ``linear_qkv`` (rows grouped per query group) and SwiGLU's gate/up into ``l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
-if TYPE_CHECKING:  # annotations only: the schema imports this module
-    from .schema import ModelConfig
+ModelConfig = Any  # hpa.config.schema.ModelConfig, which imports this module
 
 
-def _head(m: "ModelConfig") -> int:
+def _head(m: ModelConfig) -> int:
     return m.hidden_size // m.num_attention_heads
 
 
-def _ffn(m: "ModelConfig") -> int:
+def _ffn(m: ModelConfig) -> int:
     return m.ffn_hidden_size or 4 * m.hidden_size
 
 
-def _gated(m: "ModelConfig") -> int:
+def _gated(m: ModelConfig) -> int:
     return 2 if m.activation == "swiglu" else 1
 
 
@@ -53,22 +52,22 @@ class Linear:
     name: str
     parent: str
     parallel: str
-    in_features: Callable[["ModelConfig"], int]
-    out_features: Callable[["ModelConfig"], int]
+    in_features: Callable[[ModelConfig], int]
+    out_features: Callable[[ModelConfig], int]
     hf_parent: str
     hf_projections: Tuple[str, ...]
-    hf_rows: Callable[["ModelConfig"], Tuple[int, ...]]
+    hf_rows: Callable[[ModelConfig], Tuple[int, ...]]
     layout: str
     bias: Optional[str] = None
 
-    def widths(self, m: "ModelConfig") -> Tuple[int, int]:
+    def widths(self, m: ModelConfig) -> Tuple[int, int]:
         """``(in, out)`` features, whole."""
         return self.in_features(m), self.out_features(m)
 
-    def has_bias(self, m: "ModelConfig") -> bool:
+    def has_bias(self, m: ModelConfig) -> bool:
         return self.bias is not None and bool(getattr(m, self.bias))
 
-    def lora_shapes(self, m: "ModelConfig", rank: int, tp: int = 1) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    def lora_shapes(self, m: ModelConfig, rank: int, tp: int = 1) -> Tuple[Tuple[int, int], Tuple[int, int]]:
         """Shapes of a rank-``rank`` adapter's ``A [r, in]`` and ``B [out, r]`` on one of ``tp`` ranks: the side
         that follows the base weight's split is divided by TP, the other is whole (replicated)."""
         i, o = self.widths(m)
@@ -102,6 +101,6 @@ BY_NAME: Dict[str, Linear] = {linear.name: linear for linear in LINEARS}
 NAMES: Tuple[str, ...] = tuple(BY_NAME)
 
 
-def widths(m: "ModelConfig") -> Dict[str, Tuple[int, int]]:
+def widths(m: ModelConfig) -> Dict[str, Tuple[int, int]]:
     """``(in, out)`` features of every linear, whole (before tensor parallelism)."""
     return {linear.name: linear.widths(m) for linear in LINEARS}
