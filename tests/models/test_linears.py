@@ -127,6 +127,8 @@ def test_the_schema_choices_are_the_tables():
     assert LoRAConfig(rank=2).target_modules == NAMES == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     with pytest.raises(ConfigError, match="target_modules"):
         LoRAConfig(rank=2, target_modules=("q_proj",))
+    described = LoRAConfig.__doc__.split("target_modules:")[1].split("rslora:")[0]
+    assert all(name in described for name in NAMES)  # docs/configuration.md lists the choices
 
 
 def test_counts_read_the_table():
