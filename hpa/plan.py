@@ -130,11 +130,10 @@ def _padded_vocab(model: ModelConfig, tp: int) -> int:
 
 def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
     """Parameters of one transformer layer on one TP rank (norms replicated)."""
-    h, f = model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size
-    d = h // model.num_attention_heads
-    qkv_out = h + 2 * model.kv_heads * d
-    linear = qkv_out * h + h * h + (2 if model.activation == "swiglu" else 1) * f * h + f * h
-    linear += qkv_out if model.add_qkv_bias else 0
+    linear = 0
+    for lin in LINEARS.values():
+        width_in, width_out = lin.widths(model)
+        linear += width_in * width_out + (width_out if lin.has_bias(model) else 0)
     norms = 2 * _norm_parameters(model)
     return linear // tp + norms
 
