@@ -347,14 +347,20 @@ def run_config_of(path: Union[str, os.PathLike]) -> Optional[Path]:
     return None
 
 
-def build_lora_model(model_cfg: ModelConfig, parallel_cfg, groups: ParallelGroups, base_dir: str, *, seed: int = 0):
-    """The base of ``base_dir`` with ``model_cfg.lora``'s adapters attached (B = 0)."""
+def build_lora_model(model_cfg: ModelConfig, parallel_cfg, groups: ParallelGroups, base_dir: Optional[str], *,
+                     seed: int = 0, adapter_path: Optional[str] = None, base_key: str = "model.policy_path"):
+    """The base of ``base_dir`` (None: as initialised) with ``model_cfg.lora``'s adapters attached (B = 0), or
+    loaded from ``adapter_path`` (``load_adapters``; ``base_key`` names where the base came from). The one
+    assembly of base plus adapters (``hpa.models.stack.build_policy_stack``'s LoRA policy)."""
     from .builders import build_policy
     from .weights import load_model_weights
 
     model = build_policy(model_cfg, parallel_cfg, groups)
-    load_model_weights(model, base_dir, groups)
+    if base_dir:
+        load_model_weights(model, base_dir, groups)
     lora.attach_lora(model, model_cfg.lora, groups, seed=seed)
+    if adapter_path:  # continue from trained (or imported PEFT) adapters
+        load_adapters(model, adapter_path, groups, base_key=base_key)
     return model
 
 
