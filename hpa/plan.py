@@ -114,6 +114,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from hpa.config.errors import ConfigError
+from hpa.config.linears import BY_NAME as LINEARS
 from hpa.config.schema import Config, LoRAConfig, ModelConfig, data_parallel_size, validate
 
 GB = 1e9
@@ -129,11 +130,10 @@ def _padded_vocab(model: ModelConfig, tp: int) -> int:
 
 def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
     """Parameters of one transformer layer on one TP rank (norms replicated)."""
-    h, f = model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size
-    d = h // model.num_attention_heads
-    qkv_out = h + 2 * model.kv_heads * d
-    linear = qkv_out * h + h * h + (2 if model.activation == "swiglu" else 1) * f * h + f * h
-    linear += qkv_out if model.add_qkv_bias else 0
+    linear = 0
+    for lin in LINEARS.values():
+        width_in, width_out = lin.widths(model)
+        linear += width_in * width_out + (width_out if lin.has_bias(model) else 0)
     norms = 2 * _norm_parameters(model)
     return linear // tp + norms
 
@@ -221,11 +221,11 @@ def _lora_activations(model: ModelConfig, tp: int, sequence_parallel: bool) -> f
     if not lora.enabled:
         return 0.0
     e = _DTYPE_BYTES[model.params_dtype]
-    h, f = model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size
-    inputs = {"linear_qkv": h, "linear_proj": h / tp, "linear_fc1": h, "linear_fc2": f / tp}  # A's input width
     out = len(lora.target_modules) * lora.rank * e
-    if lora.dropout > 0:
-        out += sum(inputs[t] for t in lora.target_modules) * (e + _dropout_mask_bytes(model, False))
+    if lora.dropout > 0:  # A's input: whole for a column-parallel base, a TP shard for a row-parallel one
+        inputs = sum(LINEARS[t].in_features(model) / (tp if LINEARS[t].parallel == "row" else 1)
+                     for t in lora.target_modules)
+        out += inputs * (e + _dropout_mask_bytes(model, False))
     return out
 
 
@@ -448,14 +448,11 @@ def lora_parameters(model: ModelConfig, tp: int = 1, pp: int = 1) -> int:
     lora = model.lora
     if not lora.enabled:
         return 0
-    h, f, r = model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size, lora.rank
-    d = h // model.num_attention_heads
-    qkv = (model.num_attention_heads + 2 * model.kv_heads) * d
-    fc1 = (2 if model.activation == "swiglu" else 1) * f
-    per_rank = {"linear_qkv": r * h + qkv // tp * r, "linear_fc1": r * h + fc1 // tp * r,  # column: A whole
-                "linear_proj": r * (model.num_attention_heads * d // tp) + h * r,  # row: B whole
-                "linear_fc2": r * (f // tp) + h * r}
-    return model.num_layers // pp * sum(per_rank[t] for t in lora.target_modules)
+    per_rank = 0
+    for target in lora.target_modules:
+        (a_rows, a_cols), (b_rows, b_cols) = LINEARS[target].lora_shapes(model, lora.rank, tp)
+        per_rank += a_rows * a_cols + b_rows * b_cols
+    return model.num_layers // pp * per_rank
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Dict, Optional, Tuple
 from .algorithm import DEFAULT_REPLAY_COEF, GATE_SIGNALS_ON_REWARD_MODELS, AlgorithmConfig
 from .data import DataConfig
 from .errors import ConfigError, check_choice, check_range
+from . import linears
 from .reward import RewardConfig, check_diversity_source
 from .values import check_values
 
@@ -84,9 +85,6 @@ class ParallelConfig:
             raise ConfigError("sequence_parallel", "sequence parallelism needs tensor_model_parallel_size > 1")
 
 
-LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-
-
 @dataclass(frozen=True, kw_only=True)
 class LoRAConfig:
     """Low-rank adapters over one frozen base (docs/lora.md).
@@ -113,7 +111,7 @@ class LoRAConfig:
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: Tuple[str, ...] = LORA_TARGET_MODULES
+    target_modules: Tuple[str, ...] = linears.NAMES
     rslora: bool = False
     adapter_path: Optional[str] = None
 
@@ -126,9 +124,9 @@ class LoRAConfig:
         check_range("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         if self.rank and not self.target_modules:
             raise ConfigError("target_modules", f"is empty; with rank {self.rank} name at least one of "
-                              f"{', '.join(LORA_TARGET_MODULES)}")
+                              f"{', '.join(linears.NAMES)}")
         for name in self.target_modules:
-            check_choice("target_modules", name, LORA_TARGET_MODULES)
+            check_choice("target_modules", name, linears.NAMES)
         if len(set(self.target_modules)) != len(self.target_modules):
             raise ConfigError("target_modules", f"lists a module twice: {list(self.target_modules)}")
 
@@ -838,7 +836,7 @@ def check_lora(cfg: Config) -> None:
             raise ConfigError("model.recompute_granularity", "full recomputation re-runs the critic's layers in "
                               "backward, outside the block that switches the critic's adapters on; with LoRA "
                               "and a critic use selective or null")
-    for target, (width_in, width_out) in lora_linear_widths(m).items():
+    for target, (width_in, width_out) in linears.widths(m).items():
         if target in m.lora.target_modules and m.lora.rank > min(width_in, width_out):
             raise ConfigError("model.lora.rank", f"{m.lora.rank} is above the width of {target} ({width_out} x "
                               f"{width_in}): its update B·A has rank {min(width_in, width_out)} at most, the rest is "
@@ -849,15 +847,6 @@ def check_lora(cfg: Config) -> None:
     if m.transformer_impl == "transformer_engine":
         raise ConfigError("model.transformer_impl", "LoRA adapts megatron's local parallel linears; Transformer "
                           "Engine's fused layer-norm linears are not supported: use local (or auto on CPU)")
-
-
-def lora_linear_widths(m: ModelConfig) -> Dict[str, Tuple[int, int]]:
-    """``(in, out)`` features of each linear LoRA can adapt, whole (before tensor parallelism)."""
-    d, f = m.hidden_size // m.num_attention_heads, m.ffn_hidden_size or 4 * m.hidden_size
-    gated = 2 if m.activation == "swiglu" else 1
-    return {"linear_qkv": (m.hidden_size, (m.num_attention_heads + 2 * m.kv_heads) * d),
-            "linear_proj": (m.num_attention_heads * d, m.hidden_size),
-            "linear_fc1": (m.hidden_size, gated * f), "linear_fc2": (f, m.hidden_size)}
 
 
 def component_advantages(cfg: Config) -> bool:

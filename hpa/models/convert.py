@@ -46,6 +46,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from hpa.config.linears import LINEARS
 from hpa.config.schema import ModelConfig, ParallelConfig
 from hpa.distributed.comm import all_gather_objects, barrier
 from hpa.distributed.groups import ParallelGroups
@@ -235,22 +236,20 @@ class TensorRule:
     kind: str
 
 
-# keys: megatron names below ``decoder.layers.<local>.``
+def _linear_rules(suffix: str, linears) -> Dict[str, TensorRule]:
+    """The rules of the linears table's ``weight`` or ``bias`` tensors."""
+    return {f"{lin.parent}.{lin.name}.{suffix}": TensorRule(tuple(f"model.layers.{{L}}.{lin.hf_parent}.{p}.{suffix}"
+                                                                  for p in lin.hf_projections), lin.layout)
+            for lin in linears}
+
+
+_INPUT_NORM = TensorRule(("model.layers.{L}.input_layernorm.weight",), "replicated")
+_MLP_NORM = TensorRule(("model.layers.{L}.post_attention_layernorm.weight",), "replicated")
+# keys: megatron names below ``decoder.layers.<local>.``; the TE spec fuses each norm into the linear after it
 LAYER_RULES: Dict[str, TensorRule] = {
-    "input_layernorm.weight": TensorRule(("model.layers.{L}.input_layernorm.weight",), "replicated"),
-    "self_attention.linear_qkv.layer_norm_weight":
-        TensorRule(("model.layers.{L}.input_layernorm.weight",), "replicated"),
-    "self_attention.linear_qkv.weight": TensorRule(tuple(f"model.layers.{{L}}.self_attn.{p}_proj.weight"
-                                                         for p in "qkv"), "qkv"),
-    "self_attention.linear_qkv.bias": TensorRule(tuple(f"model.layers.{{L}}.self_attn.{p}_proj.bias"
-                                                       for p in "qkv"), "qkv"),
-    "self_attention.linear_proj.weight": TensorRule(("model.layers.{L}.self_attn.o_proj.weight",), "row"),
-    "pre_mlp_layernorm.weight": TensorRule(("model.layers.{L}.post_attention_layernorm.weight",), "replicated"),
-    "mlp.linear_fc1.layer_norm_weight":
-        TensorRule(("model.layers.{L}.post_attention_layernorm.weight",), "replicated"),
-    "mlp.linear_fc1.weight": TensorRule(("model.layers.{L}.mlp.gate_proj.weight",
-                                         "model.layers.{L}.mlp.up_proj.weight"), "fc1"),
-    "mlp.linear_fc2.weight": TensorRule(("model.layers.{L}.mlp.down_proj.weight",), "row"),
+    "input_layernorm.weight": _INPUT_NORM, "self_attention.linear_qkv.layer_norm_weight": _INPUT_NORM,
+    "pre_mlp_layernorm.weight": _MLP_NORM, "mlp.linear_fc1.layer_norm_weight": _MLP_NORM,
+    **_linear_rules("weight", LINEARS), **_linear_rules("bias", [lin for lin in LINEARS if lin.bias]),
 }
 GLOBAL_RULES: Dict[str, TensorRule] = {
     "embedding.word_embeddings.weight": TensorRule(("model.embed_tokens.weight",), "vocab"),
@@ -258,6 +257,7 @@ GLOBAL_RULES: Dict[str, TensorRule] = {
     "output_layer.weight": TensorRule(("lm_head.weight",), "vocab"),
 }
 _LAYER_PREFIX = "decoder.layers."
+_LINEAR_OF = {f"{lin.parent}.{lin.name}": lin for lin in LINEARS}  # "mlp.linear_fc1" -> its row
 
 
 def _split_layer_name(name: str) -> Tuple[Optional[int], str]:
@@ -299,17 +299,13 @@ def megatron_to_hf_names(megatron_name: str, *, global_layer: Optional[int] = No
 def hf_shapes(megatron_name: str, model_cfg: ModelConfig) -> Tuple[Tuple[int, ...], ...]:
     """Full (unpadded, unsharded) HF shapes of the tensors ``megatron_name`` holds, in HF-name order."""
     h = model_cfg.hidden_size
-    d = h // model_cfg.num_attention_heads
-    ffn = model_cfg.ffn_hidden_size or 4 * h
     _, rest = _split_layer_name(megatron_name)
     rule = _rule(megatron_name)
-    if rule.kind == "qkv":
-        rows = (model_cfg.num_attention_heads * d, model_cfg.kv_heads * d, model_cfg.kv_heads * d)
-        return tuple((r, h) if rest.endswith("weight") else (r,) for r in rows)
-    if rule.kind == "fc1":
-        return ((ffn, h), (ffn, h))
-    if rule.kind == "row":
-        return ((h, h),) if "linear_proj" in rest else ((h, ffn),)
+    module, _, tensor = rest.rpartition(".")
+    linear = _LINEAR_OF.get(module) if tensor in ("weight", "bias") else None
+    if linear is not None:
+        width = linear.in_features(model_cfg)
+        return tuple((r, width) if tensor == "weight" else (r,) for r in linear.hf_rows(model_cfg))
     if rule.kind == "vocab":
         return ((model_cfg.vocab_size, h),)
     return ((h,),)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpa.config.errors import UserError
+from hpa.config.linears import BY_NAME as LINEARS
 from hpa.config.schema import LoRAConfig, ModelConfig
 from hpa.config.startup import LORA_RECORD, lora_record_mismatch
 from hpa.distributed.groups import ParallelGroups
@@ -34,9 +35,6 @@ from hpa.distributed.groups import ParallelGroups
 from .heads import unwrap
 
 SUFFIX = "_lora"  # a target's adapter is the sibling module "<target>_lora"
-_COLUMN = ("linear_qkv", "linear_fc1")
-_ROW = ("linear_proj", "linear_fc2")
-_PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 
 
 def num_adapter_parameters(model: ModelConfig, lora: LoRAConfig) -> int:
@@ -45,12 +43,7 @@ def num_adapter_parameters(model: ModelConfig, lora: LoRAConfig) -> int:
     once); for memory plans."""
     if not lora.enabled:
         return 0
-    h, d = model.hidden_size, model.hidden_size // model.num_attention_heads
-    q, kv = model.num_attention_heads * d, model.kv_heads * d
-    f = model.ffn_hidden_size or 4 * h
-    sizes = {"linear_qkv": (h, q + 2 * kv), "linear_proj": (q, h),
-             "linear_fc1": (h, f * (2 if model.activation == "swiglu" else 1)), "linear_fc2": (f, h)}
-    per_layer = sum(lora.rank * sum(sizes[t]) for t in lora.target_modules)
+    per_layer = sum(lora.rank * sum(LINEARS[t].widths(model)) for t in lora.target_modules)
     return model.num_layers * per_layer
 
 
@@ -61,7 +54,7 @@ class LoRAError(UserError):
 def is_adapter_key(key: str) -> bool:
     """True for the state-dict keys of adapter parameters (``...<target>_lora.A`` / ``.B``)."""
     parts = key.rsplit(".", 2)
-    return len(parts) == 3 and parts[1].endswith(SUFFIX) and parts[1][:-len(SUFFIX)] in _PARENT and parts[2] in "AB"
+    return len(parts) == 3 and parts[1].endswith(SUFFIX) and parts[1][:-len(SUFFIX)] in LINEARS and parts[2] in "AB"
 
 
 class LoRAAdapter(nn.Module):
@@ -186,7 +179,8 @@ def _lora_class(cls: type) -> type:
 def _parallel_mode(base: nn.Module, target: str) -> str:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    expected = ColumnParallelLinear if target in _COLUMN else RowParallelLinear
+    mode = LINEARS[target].parallel
+    expected = ColumnParallelLinear if mode == "column" else RowParallelLinear
     if not isinstance(base, expected):
         raise LoRAError(f"model.lora.target_modules: {target} is a {type(base).__name__}, not megatron's "
                         f"{expected.__name__}; LoRA runs on the local layer spec (model.transformer_impl: local), "
@@ -194,7 +188,12 @@ def _parallel_mode(base: nn.Module, target: str) -> str:
     if getattr(base, "gather_output", False) or getattr(base, "explicit_expert_comm", False):
         raise LoRAError(f"model.lora.target_modules: {target} gathers its output or is an expert layer; "
                         f"LoRA adapts the dense transformer linears only")
-    return "column" if target in _COLUMN else "row"
+    return mode
+
+
+def _gated(target: str, gpt: nn.Module) -> bool:
+    """Whether the target's output rows are SwiGLU's ``[gate; up]`` (per TP shard)."""
+    return LINEARS[target].layout == "fc1" and bool(gpt.config.gated_linear_unit)
 
 
 def attach_lora(model: nn.Module, cfg: LoRAConfig, groups: ParallelGroups, *, seed: int) -> List[str]:
@@ -211,16 +210,16 @@ def attach_lora(model: nn.Module, cfg: LoRAConfig, groups: ParallelGroups, *, se
     names = []
     for index, layer in enumerate(gpt.decoder.layers):
         for target in cfg.target_modules:
-            parent = getattr(layer, _PARENT[target])
+            parent = getattr(layer, LINEARS[target].parent)
             base = getattr(parent, target)
             gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{layer.layer_number}:{target}".encode()))
             adapter = LoRAAdapter(base, parallel_mode=_parallel_mode(base, target), rank=cfg.rank,
                                   scaling=cfg.scaling, dropout=cfg.dropout, groups=groups, generator=gen,
-                                  gated=target == "linear_fc1" and gpt.config.gated_linear_unit)
+                                  gated=_gated(target, gpt))
             parent.add_module(target + SUFFIX, adapter)
             base.__dict__["_hpa_lora"] = adapter
             base.__class__ = _lora_class(type(base))
-            names.append(f"decoder.layers.{index}.{_PARENT[target]}.{target}")
+            names.append(f"decoder.layers.{index}.{LINEARS[target].parent}.{target}")
     return names
 
 
@@ -328,12 +327,12 @@ class CriticView(nn.Module):
         self.adapters = nn.ModuleDict()  # keys "<global layer index>_<target>": the same under every PP layout
         for layer in gpt.decoder.layers:
             for target in cfg.target_modules:
-                base = getattr(getattr(layer, _PARENT[target]), target)
+                base = getattr(getattr(layer, LINEARS[target].parent), target)
                 gen = torch.Generator().manual_seed(
                     zlib.crc32(f"critic:{seed}:{layer.layer_number}:{target}".encode()))
                 adapter = LoRAAdapter(base, parallel_mode=_parallel_mode(base, target), rank=cfg.rank,
                                       scaling=cfg.scaling, dropout=cfg.dropout, groups=groups, generator=gen,
-                                      gated=target == "linear_fc1" and gpt.config.gated_linear_unit)
+                                      gated=_gated(target, gpt))
                 adapter.enabled = False
                 self.adapters[f"{layer.layer_number - 1}_{target}"] = adapter
                 base.__dict__["_hpa_lora_critic"] = adapter
@@ -419,7 +418,7 @@ def checkpoint_state_dict(model: nn.Module, sharded: Dict) -> Dict:
 def adapter_targets(model: nn.Module) -> List[str]:
     """The targets (``linear_qkv``, ...) the adapters of ``model`` (a policy or a ``CriticView``) sit on."""
     names = [name.rsplit(".", 1)[-1] for name, _ in adapters(model)]
-    return sorted({t for t in _PARENT for n in names if n in (t + SUFFIX, t) or n.endswith("_" + t)})
+    return sorted({t for t in LINEARS for n in names if n in (t + SUFFIX, t) or n.endswith("_" + t)})
 
 
 _FINGERPRINT = "_hpa_base_fingerprint"  # cached on the GPTModel: the base is frozen

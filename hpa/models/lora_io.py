@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hpa.config.errors import UserError
+from hpa.config.linears import BY_NAME as LINEARS
 from hpa.config.schema import LoRAConfig, ModelConfig
 from hpa.distributed.comm import all_gather_objects
 from hpa.distributed.groups import ParallelGroups
@@ -39,13 +40,9 @@ from . import lora
 from .layouts import gather, global_layer_of, hf_to_megatron_full, megatron_full_to_hf, shard
 from .heads import unwrap
 
-# megatron target -> (HF parent module, HF projections, the layout kind of hpa.models.convert)
+# megatron target -> (HF parent module, HF projections, the layout kind of hpa.models.layouts): the linears table's
 PEFT_MODULES: Dict[str, Tuple[str, Tuple[str, ...], str]] = {
-    "linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv"),
-    "linear_proj": ("self_attn", ("o_proj",), "row"),
-    "linear_fc1": ("mlp", ("gate_proj", "up_proj"), "fc1"),
-    "linear_fc2": ("mlp", ("down_proj",), "row"),
-}
+    name: (linear.hf_parent, linear.hf_projections, linear.layout) for name, linear in LINEARS.items()}
 PEFT_PREFIX = "base_model.model.model.layers"  # PeftModel(LlamaForCausalLM).state_dict() names
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -54,16 +51,6 @@ PEFT_BASE = "base"  # the HF base a PEFT export's adapter_config.json names, ins
 
 class AdapterImportError(UserError):
     """A PEFT adapter or adapter checkpoint that cannot be used as given; the message says what to do."""
-
-
-def _full_shapes(target: str, cfg: ModelConfig, rank: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
-    """Full (TP=1) shapes of A ``[r, in]`` and B ``[out, r]`` of one adapter."""
-    d = cfg.hidden_size // cfg.num_attention_heads
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size or 4 * cfg.hidden_size
-    in_out = {"linear_qkv": (h, (cfg.num_attention_heads + 2 * cfg.kv_heads) * d),
-              "linear_proj": (cfg.num_attention_heads * d, h), "linear_fc1": (h, 2 * f), "linear_fc2": (f, h)}
-    i, o = in_out[target]
-    return (rank, i), (o, rank)
 
 
 def full_adapters(model, model_cfg: ModelConfig, groups: ParallelGroups
@@ -88,8 +75,8 @@ def full_adapters(model, model_cfg: ModelConfig, groups: ParallelGroups
     dtype = next(iter(found.values())).A.dtype
     for layer in range(model_cfg.num_layers):
         for target in targets:
-            parent = lora._PARENT[target]
-            a_shape, b_shape = _full_shapes(target, model_cfg, rank)
+            parent = LINEARS[target].parent
+            a_shape, b_shape = LINEARS[target].lora_shapes(model_cfg, rank)  # full (TP=1)
             if groups.pp_rank == owners[layer]:
                 adapter = found[f"decoder.layers.{global_to_local[layer]}.{parent}.{target}{lora.SUFFIX}"]
                 kind = PEFT_MODULES[target][2]
@@ -360,14 +347,20 @@ def run_config_of(path: Union[str, os.PathLike]) -> Optional[Path]:
     return None
 
 
-def build_lora_model(model_cfg: ModelConfig, parallel_cfg, groups: ParallelGroups, base_dir: str, *, seed: int = 0):
-    """The base of ``base_dir`` with ``model_cfg.lora``'s adapters attached (B = 0)."""
+def build_lora_model(model_cfg: ModelConfig, parallel_cfg, groups: ParallelGroups, base_dir: Optional[str], *,
+                     seed: int = 0, adapter_path: Optional[str] = None, base_key: str = "model.policy_path"):
+    """The base of ``base_dir`` (None: as initialised) with ``model_cfg.lora``'s adapters attached (B = 0), or
+    loaded from ``adapter_path`` (``load_adapters``; ``base_key`` names where the base came from). The one
+    assembly of base plus adapters (``hpa.models.stack.build_policy_stack``'s LoRA policy)."""
     from .builders import build_policy
     from .weights import load_model_weights
 
     model = build_policy(model_cfg, parallel_cfg, groups)
-    load_model_weights(model, base_dir, groups)
+    if base_dir:
+        load_model_weights(model, base_dir, groups)
     lora.attach_lora(model, model_cfg.lora, groups, seed=seed)
+    if adapter_path:  # continue from trained (or imported PEFT) adapters
+        load_adapters(model, adapter_path, groups, base_key=base_key)
     return model
 
 

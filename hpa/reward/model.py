@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hpa.config.errors import ConfigError
+from hpa.config.linears import LINEARS
 from hpa.config.reward import RewardConfig
 from hpa.config.schema import LoRAConfig, ModelConfig, ParallelConfig
 from hpa.data.tokenizer import Tokenizer
@@ -328,7 +329,6 @@ def check_reward_weights(rm: ModelConfig, path: os.PathLike, num_heads: int, *, 
     ``recorded``: whether ``rm`` is the architecture the checkpoint records (else it is the policy's)."""
     from megatron.core import dist_checkpointing
 
-    from hpa.config.schema import lora_linear_widths
     from hpa.models.weights import MANIFEST
 
     directory = Path(path)
@@ -346,10 +346,8 @@ def check_reward_weights(rm: ModelConfig, path: os.PathLike, num_heads: int, *, 
         raise ConfigError(key, f"{path} is not a reward model: it has {what} (a policy's over the vocabulary; a "
                           f"reward model's is [{num_heads}, hidden] with a bias); give the reward_model/ directory "
                           "that 'hpa train-rm' wrote, or train one from it (reward.training.backbone_path)")
-    widths = lora_linear_widths(rm)
-    expected = {**{f"decoder.layers.{parent}.{name}.weight": (rm.num_layers, widths[name][1], widths[name][0])
-                   for parent, name in (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
-                                        ("mlp", "linear_fc1"), ("mlp", "linear_fc2"))},
+    expected = {**{f"decoder.layers.{lin.parent}.{lin.name}.weight": (rm.num_layers, lin.out_features(rm),
+                                                                      lin.in_features(rm)) for lin in LINEARS},
                 "output_layer.weight": (num_heads, rm.hidden_size)}
     for name, shape in expected.items():
         if name in found and found[name] != shape:

@@ -147,8 +147,8 @@ def load_policy(cfg, groups, *, command: str, load_reference: bool = True,
         engine_kwargs: engine-specific ``build_rollout_engine`` arguments.
     """
     from hpa.data.tokenizer import build_tokenizer
-    from hpa.models import build_policy, build_reference, unwrap
-    from hpa.models.weights import load_model_weights
+    from hpa.models import unwrap
+    from hpa.models.stack import build_policy_stack
     from hpa.rollout import build_rollout_engine
 
     m, g = cfg.model, groups
@@ -156,22 +156,18 @@ def load_policy(cfg, groups, *, command: str, load_reference: bool = True,
         raise ValueError(f"{command} needs model.policy_path (a checkpoint written by save_model_weights, "
                          "e.g. <run_dir>/sft)")
     tokenizer = build_tokenizer(cfg.data.tokenizer_kind, cfg.data.tokenizer_path, model_vocab_size=m.vocab_size)
-    policy = build_policy(m, cfg.parallel, g)
-    load_model_weights(policy, m.policy_path, g)
     if m.lora.enabled:  # the base (model.policy_path) plus the adapters; the reference is the base
-        return _with_adapters(cfg, g, policy, tokenizer, command=command, load_reference=load_reference,
+        return _with_adapters(cfg, g, tokenizer, command=command, load_reference=load_reference,
                               engine_kwargs=engine_kwargs)
     reference_is_policy = (not m.reference_path
                            or os.path.realpath(m.reference_path) == os.path.realpath(m.policy_path))
-    if reference_is_policy or not load_reference:
-        if load_reference:
-            logger.info("%s: the reference is the policy checkpoint %s, so every KL is 0 and the guard "
-                        "never fires; set model.reference_path to guard against another model", command,
-                        m.policy_path)
-        reference = policy
-    else:
-        reference = build_reference(m, cfg.parallel, g)
-        load_model_weights(reference, m.reference_path, g)
+    if reference_is_policy and load_reference:
+        logger.info("%s: the reference is the policy checkpoint %s, so every KL is 0 and the guard "
+                    "never fires; set model.reference_path to guard against another model", command,
+                    m.policy_path)
+    stack = build_policy_stack(m, cfg.parallel, g, seed=0,
+                               reference="policy" if reference_is_policy or not load_reference else "frozen")
+    policy, reference = stack.policy, stack.reference
     policy.eval()
     reference.eval()
     engine = build_rollout_engine(cfg.rollout, unwrap(policy), g, TokenizerInfo.from_tokenizer(tokenizer),
@@ -180,7 +176,7 @@ def load_policy(cfg, groups, *, command: str, load_reference: bool = True,
     return LoadedPolicy(tokenizer, policy, reference, engine, reference_is_policy)
 
 
-def _with_adapters(cfg, groups, policy, tokenizer, *, command: str, load_reference: bool,
+def _with_adapters(cfg, groups, tokenizer, *, command: str, load_reference: bool,
                    engine_kwargs: Optional[Dict[str, Any]]) -> LoadedPolicy:
     """``load_policy`` of a LoRA policy: ``model.lora``'s adapters attached to the loaded base and loaded from
     ``model.lora.adapter_path``; the reference is the base itself (the same module with its adapters off), so the
@@ -188,8 +184,7 @@ def _with_adapters(cfg, groups, policy, tokenizer, *, command: str, load_referen
     weights (``hf_tensors_from_megatron`` merges enabled adapters)."""
     from hpa.config.errors import ConfigError
     from hpa.models import unwrap
-    from hpa.models.lora import BaseView, attach_lora
-    from hpa.models.lora_io import load_adapters
+    from hpa.models.stack import build_policy_stack
     from hpa.rollout import build_rollout_engine
 
     m = cfg.model
@@ -200,14 +195,13 @@ def _with_adapters(cfg, groups, policy, tokenizer, *, command: str, load_referen
     if m.reference_path:
         raise ConfigError("model.reference_path", "with LoRA the reference is the base (model.policy_path) with the "
                           "adapters off; leave model.reference_path out")
-    attach_lora(policy, m.lora, groups, seed=0)
-    load_adapters(policy, m.lora.adapter_path, groups)
+    stack = build_policy_stack(m, cfg.parallel, groups, seed=0, reference="frozen" if load_reference else "policy")
+    policy = stack.policy
     policy.eval()
     engine = build_rollout_engine(cfg.rollout, unwrap(policy), groups, TokenizerInfo.from_tokenizer(tokenizer),
                                   model_cfg=m, checkpoint_path=m.policy_path, **(engine_kwargs or {}))
     engine.sync_weights()
-    reference = BaseView(policy) if load_reference else policy
-    return LoadedPolicy(tokenizer, policy, reference, engine, not load_reference)
+    return LoadedPolicy(tokenizer, policy, stack.reference, engine, not load_reference)
 
 
 def _replace_rows(batch: RolloutBatch, rows: torch.Tensor, new: RolloutBatch) -> RolloutBatch:

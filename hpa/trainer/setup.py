@@ -17,10 +17,8 @@ from hpa.data.tokenizer import build_tokenizer
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine.batching import Batching
 from hpa.engine.optimizer import Trainable, make_trainable
-from hpa.models import build_policy, build_reference, build_value, unwrap
-from hpa.models.lora import BaseView, CriticView, attach_lora
-from hpa.models.lora_io import load_adapters
-from hpa.models.weights import load_model_weights
+from hpa.models import unwrap
+from hpa.models.stack import build_policy_stack
 from hpa.reward import build_reward
 from hpa.rollout import build_rollout_engine
 from hpa.rollout.base import TokenizerInfo
@@ -124,43 +122,18 @@ def make_sampler(n: int, batch_size: int, seed: int, groups, *, shuffle: bool, k
 
 def build_models(cfg: Config, groups: ParallelGroups):
     """``(policy, reference, critic)``: the trained policy, the frozen reference and, with GAE, the critic
-    (which starts from ``model.critic_path``, else from the policy's backbone).
+    (``build_policy_stack``), the policy and the critic wrapped for training (DDP, optimizer, LR schedule).
 
     With ``model.lora`` on, the policy is the loaded base plus adapters (the base frozen) and the reference
     is the same module with its adapters off (``BaseView``): no second copy. With GAE the critic is its own
     adapter set and value head over the same base (``CriticView``), with its own DDP and optimizer."""
-    policy = build_policy(cfg.model, cfg.parallel, groups)
-    if cfg.model.policy_path:
-        load_model_weights(policy, cfg.model.policy_path, groups)
-    total = cfg.trainer.total_steps
-    if cfg.model.lora.enabled:  # one frozen base: the policy trains adapters, the reference is the base
-        attach_lora(policy, cfg.model.lora, groups, seed=cfg.trainer.seed)
-        if cfg.model.lora.adapter_path:  # continue from trained (or imported PEFT) adapters
-            load_adapters(policy, cfg.model.lora.adapter_path, groups)
-        critic = None
-        if cfg.algorithm.advantage.estimator == "gae":
-            critic = make_trainable(lora_critic(policy, cfg, groups), cfg.optim, cfg.parallel, groups, total,
-                                    lr=cfg.optim.critic_lr or cfg.optim.lr)
-        return make_trainable(policy, cfg.optim, cfg.parallel, groups, total), BaseView(policy), critic
-    reference = build_reference(cfg.model, cfg.parallel, groups)
-    if cfg.model.reference_path:
-        load_model_weights(reference, cfg.model.reference_path, groups)
-    else:  # the frozen reference is the initial policy
-        reference.load_state_dict(policy.state_dict())
-    trained = make_trainable(policy, cfg.optim, cfg.parallel, groups, total)
+    gae = cfg.algorithm.advantage.estimator == "gae"
+    stack = build_policy_stack(cfg.model, cfg.parallel, groups, seed=cfg.trainer.seed, critic=gae)
+    total, critic_lr = cfg.trainer.total_steps, cfg.optim.critic_lr or cfg.optim.lr
     critic = None
-    if cfg.algorithm.advantage.estimator == "gae":
-        model = build_value(cfg.model, cfg.parallel, groups)
-        start = cfg.model.critic_path or cfg.model.policy_path
-        if start:
-            load_model_weights(model, start, groups, exclude_prefixes=("output_layer.",))
-        critic = make_trainable(model, cfg.optim, cfg.parallel, groups, total, lr=cfg.optim.critic_lr or cfg.optim.lr)
-    return trained, reference, critic
-
-
-def lora_critic(policy, cfg: Config, groups: ParallelGroups) -> CriticView:
-    """The critic over the policy's frozen base: its own adapters and a fresh value head (as ``build_value``'s)."""
-    from hpa.models.builders import value_head
-
-    head = value_head(cfg.model, groups, sequence_parallel=unwrap(policy).config.sequence_parallel) if groups.is_last_stage else None
-    return CriticView(policy, cfg.model.lora, groups, head=head, seed=cfg.trainer.seed)
+    if stack.critic is not None and cfg.model.lora.enabled:  # the wrapping order set-up has always had
+        critic = make_trainable(stack.critic, cfg.optim, cfg.parallel, groups, total, lr=critic_lr)
+    policy = make_trainable(stack.policy, cfg.optim, cfg.parallel, groups, total)
+    if stack.critic is not None and critic is None:
+        critic = make_trainable(stack.critic, cfg.optim, cfg.parallel, groups, total, lr=critic_lr)
+    return policy, stack.reference, critic

@@ -118,6 +118,6 @@ def test_generate_with_lora_needs_the_adapters(tmp_path):
 
     cfg = load_config(None, ["model.lora.rank=4", "algorithm.advantage.estimator=grpo", "model.policy_path=x"])
     with pytest.raises(ConfigError, match="model.lora.adapter_path"):
-        _with_adapters(cfg, None, None, None, command="hpa generate", load_reference=True, engine_kwargs=None)
+        _with_adapters(cfg, None, None, command="hpa generate", load_reference=True, engine_kwargs=None)
     with pytest.raises(ConfigError, match="adapter_path"):
         load_config(None, [f"model.lora.adapter_path={tmp_path}"])
