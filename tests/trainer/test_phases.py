@@ -444,13 +444,15 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     unskilled, _ = controller({3: [8], 1: [7, 7]})  # none of them
     batch, m = observe(unskilled)
     assert m["coverage/start_skill"] == 0.0 and m["coverage/kl_boost"] == 0.0
-    # released: every row's KL weighs coverage.released_kl (default 0.25), the covered rows' too
+    # released: every row's KL weighs coverage.released_kl (default 0.25), the covered rows' too: the step's
+    # KL factor, no per-row column
     assert cfg.algorithm.hpa.coverage.released_kl == 0.25
-    assert batch.get("kl_weights").tolist() == [0.25] * 4
+    assert "kl_weights" not in batch.extras and unskilled.act(StepFactors()).kl == 0.25
+    assert skilled.act(StepFactors()).kl == 1.0
     assert batch.get("learned_trust")[2:].tolist() == [0.0, 0.0]  # the far rows still get no learned advantage
     full = load_config(None, [*base, "algorithm.hpa.coverage.released_kl=1"])  # 1: the KL as everywhere else
-    batch, m = observe(controller({3: [8]}, config=full)[0])
-    assert m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras
+    batch, m = observe(unheld := controller({3: [8]}, config=full)[0])
+    assert m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras and unheld.act(StepFactors()).kl == 1.0
     # released: the pair stream weighs coverage.released_pairs times the balance's factor; held: as the balance set
     released_pairs = cfg.algorithm.hpa.coverage.released_pairs
     assert released_pairs == 2.0  # the default since 2026-12-06
@@ -474,15 +476,15 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     restored.load_state_dict(state)
     batch, m = observe(restored)
     assert restored.kl_boost == 0.0 and m["coverage/start_skill"] == 0.0
-    assert batch.get("kl_weights").tolist() == [0.25] * 4  # the saved skill releases the restored run too
-    assert restored.act(StepFactors()).pairs == pytest.approx(released_pairs)
+    assert "kl_weights" not in batch.extras  # the saved skill releases the restored run too
+    assert restored.act(StepFactors()).pairs == pytest.approx(released_pairs) and restored.act(StepFactors()).kl == 0.25
     back, _ = controller({3: [8]})
     back.load_state_dict(skilled.state_dict())
-    assert back.kl_boost == 100.0
+    assert back.kl_boost == 100.0 and back.act(StepFactors()).kl == 1.0
     old, _ = controller({3: [8]})
     old.load_state_dict({"low": state["low"], "high": state["high"]})
-    assert old.kl_boost == 0.0 and observe(old)[0].get("kl_weights").tolist() == [0.25] * 4
-    assert old.act(StepFactors()).pairs == pytest.approx(released_pairs)
+    assert old.kl_boost == 0.0 and "kl_weights" not in observe(old)[0].extras
+    assert old.act(StepFactors()).pairs == pytest.approx(released_pairs) and old.act(StepFactors()).kl == 0.25
     # no demonstrations, or none far, or the option off: nothing measured, the far rows held
     for run_demos in (None, demos[40:]):
         plain, generate = controller({3: [8]}, run_demos)
