@@ -444,13 +444,15 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     unskilled, _ = controller({3: [8], 1: [7, 7]})  # none of them
     batch, m = observe(unskilled)
     assert m["coverage/start_skill"] == 0.0 and m["coverage/kl_boost"] == 0.0
-    # released: every row's KL weighs coverage.released_kl (default 0.25), the covered rows' too
+    # released: every row's KL weighs coverage.released_kl (default 0.25), the covered rows' too: the step's
+    # KL factor, no per-row column
     assert cfg.algorithm.hpa.coverage.released_kl == 0.25
-    assert batch.get("kl_weights").tolist() == [0.25] * 4
+    assert "kl_weights" not in batch.extras and unskilled.act(StepFactors()).kl == 0.25
+    assert skilled.act(StepFactors()).kl == 1.0
     assert batch.get("learned_trust")[2:].tolist() == [0.0, 0.0]  # the far rows still get no learned advantage
     full = load_config(None, [*base, "algorithm.hpa.coverage.released_kl=1"])  # 1: the KL as everywhere else
-    batch, m = observe(controller({3: [8]}, config=full)[0])
-    assert m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras
+    batch, m = observe(unheld := controller({3: [8]}, config=full)[0])
+    assert m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras and unheld.act(StepFactors()).kl == 1.0
     # released: the pair stream weighs coverage.released_pairs times the balance's factor; held: as the balance set
     released_pairs = cfg.algorithm.hpa.coverage.released_pairs
     assert released_pairs == 2.0  # the default since 2026-12-06
@@ -474,15 +476,15 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     restored.load_state_dict(state)
     batch, m = observe(restored)
     assert restored.kl_boost == 0.0 and m["coverage/start_skill"] == 0.0
-    assert batch.get("kl_weights").tolist() == [0.25] * 4  # the saved skill releases the restored run too
-    assert restored.act(StepFactors()).pairs == pytest.approx(released_pairs)
+    assert "kl_weights" not in batch.extras  # the saved skill releases the restored run too
+    assert restored.act(StepFactors()).pairs == pytest.approx(released_pairs) and restored.act(StepFactors()).kl == 0.25
     back, _ = controller({3: [8]})
     back.load_state_dict(skilled.state_dict())
-    assert back.kl_boost == 100.0
+    assert back.kl_boost == 100.0 and back.act(StepFactors()).kl == 1.0
     old, _ = controller({3: [8]})
     old.load_state_dict({"low": state["low"], "high": state["high"]})
-    assert old.kl_boost == 0.0 and observe(old)[0].get("kl_weights").tolist() == [0.25] * 4
-    assert old.act(StepFactors()).pairs == pytest.approx(released_pairs)
+    assert old.kl_boost == 0.0 and "kl_weights" not in observe(old)[0].extras
+    assert old.act(StepFactors()).pairs == pytest.approx(released_pairs) and old.act(StepFactors()).kl == 0.25
     # no demonstrations, or none far, or the option off: nothing measured, the far rows held
     for run_demos in (None, demos[40:]):
         plain, generate = controller({3: [8]}, run_demos)
@@ -497,6 +499,112 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     assert 0.4 < large.start_skill < 0.6
     off = load_config(None, [*base, "algorithm.hpa.coverage.hold_min_skill=null"])
     assert controller({3: [8]}, config=off)[0].kl_boost == 100.0
+
+
+def _hold_controllers():
+    """The coverage trust of ``test_the_far_rows_are_held_only_where_the_start_did_well`` at the defaults, held
+    (the start answers every far demonstration) and released (none): ``(cfg, held, released)``."""
+    from hpa.data.preferences import PreferenceExample, SFTExample
+    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust
+
+    cfg = load_config(None, ["algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
+                             "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2",
+                             "algorithm.kl.use_kl_in_reward=false"])
+    prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
+    pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
+    heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
+               for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
+    demos = [SFTExample(prompt_ids=[3], response_ids=[6, 2]) for _ in range(40)]
+    groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
+
+    def controller(answer):
+        run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
+                               heldout_pairs=heldout, tokenizer=types.SimpleNamespace(eos_id=2),
+                               generate=_greedy_generate({3: answer}), demonstrations=demos)
+        return CoverageTrust(cfg.algorithm.hpa.coverage, run, cfg.rollout)
+
+    return cfg, controller([6]), controller([8])
+
+
+def _observed(coverage):
+    """A step's rollouts (prompt 1 covered, prompt 3 far) after the coverage trust's update."""
+    from hpa.trainer.objective.controllers import StepSignals
+
+    batch = _component_batch([0.0] * 4, [0.2, 0.9, 1.3, 0.1], [0, 0, 1, 1])
+    batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])
+    batch.set("raw_rewards", torch.tensor([0.2, 0.9, 1.3, 0.1]))
+    coverage.update(StepSignals(batch=batch))
+    return batch
+
+
+def _kl_loss(batch, cfg, factors):
+    """The hierarchical-KL term of the loss on ``batch``'s rows as an update computes it (``hier_kl_term`` on a
+    micro-batch that carries the batch's per-row columns, then ``hpa_objective`` with the step's factors), on
+    fixed log-probs and pooled states: ``(loss, the unweighted KL (kl/hier), d loss / d log-probs,
+    d loss / d pooled, the step weights)``."""
+    from hpa.trainer.objective import StepWeights, hpa_objective
+    from hpa.trainer.objective.loss import _aggregation
+    from hpa.trainer.objective.streams import GlobalCounts, LossInputs
+    from hpa.trainer.objective.terms import hier_kl_term
+
+    g = torch.Generator().manual_seed(0)
+    mask = batch.get("mask")
+    b, r = mask.shape
+    rows = {"mask": mask, "ref_log_probs": -torch.rand(b, r, generator=g), "ref_pooled": torch.randn(b, 3, generator=g)}
+    if "kl_weights" in batch.extras:  # as micro_batches.rollout_micro_batches carries an optional column
+        rows["kl_weights"] = batch.get("kl_weights")
+    log_probs = (-torch.rand(b, r, generator=g)).requires_grad_()
+    pooled = torch.randn(b, 3, generator=g).requires_grad_()
+    algo = cfg.algorithm
+    weights = StepWeights(w_ppo=0.4, w_dpo=0.4, w_kl=0.2, lambda_token=1.0, lambda_semantic=0.2, entropy_coef=0.0,
+                          reward_kl_coef=0.0, factors=factors)
+    counts = GlobalCounts(tokens=float(mask.sum()), sequences=float(b), pairs=1.0)
+    value, m = hier_kl_term(rows, {"log_probs": log_probs, "pooled": pooled},
+                            LossInputs(algo=algo, weights=weights, counts=counts, aggregation=_aggregation(algo, counts)))
+    total, _ = hpa_objective({"hier_kl": value}, weights.scheduled(), factors=factors.scales())
+    total.backward()
+    return total.detach(), m["kl/hier"], log_probs.grad, pooled.grad, weights
+
+
+def test_the_logged_kl_weight_is_the_one_the_loss_applies_where_the_hold_is_released():
+    """Released (the start below ``hold_min_skill``), every row's KL weighs ``coverage.released_kl`` (0.25): the
+    objective table logged at the start of the run and the step's ``hpa/`` metrics show the KL weight the loss
+    multiplies the unweighted KL by (``w_kl`` 0.2 times 0.25), not the scheduled 0.2."""
+    import re
+
+    from hpa.trainer.objective import describe
+    from hpa.trainer.objective.weights import StepFactors, WeightSchedules
+
+    cfg, _, released = _hold_controllers()
+    assert cfg.algorithm.hpa.coverage.released_kl == 0.25
+    batch = _observed(released)
+    factors = released.act(StepFactors())
+    loss, kl, _, _, weights = _kl_loss(batch, cfg, factors)
+    applied = loss.item() / kl.item()
+    assert applied == pytest.approx(0.2 * 0.25, rel=1e-6)
+    table = describe(weights.scheduled(), factors.scales())
+    logged = float(re.search(r"\| hier_kl \| rollout \| w_kl = ([-0-9.e]+) \|", table).group(1))
+    assert logged == pytest.approx(applied, rel=1e-6)
+    metrics = WeightSchedules(cfg.algorithm).metrics(weights)
+    assert metrics["hpa/w_kl"] * metrics.get("hpa/kl_factor", 1.0) == pytest.approx(applied, rel=1e-6)
+
+
+def test_the_released_kl_as_a_step_factor_is_the_per_row_weight_bit_for_bit():
+    """The released KL scales the step's KL weight (``StepFactors.kl``) where it was a column of 0.25 on every
+    row: the loss and its gradients are the same bits (fp32, CPU). Held, the far rows' column (1 + kl_boost)
+    stays and the factor is 1: the same bits as the column alone."""
+    from hpa.trainer.objective.weights import StepFactors
+
+    cfg, held, released = _hold_controllers()
+    for coverage, before in ((released, [0.25] * 4), (held, [1.0, 1.0, 101.0, 101.0])):
+        batch = _observed(coverage)
+        factors = coverage.act(StepFactors())
+        now = _kl_loss(batch, cfg, factors)
+        as_before = _component_batch([0.0] * 4, [0.2, 0.9, 1.3, 0.1], [0, 0, 1, 1])
+        as_before.set("kl_weights", torch.tensor(before))  # every row's weight a column, no KL factor
+        then = _kl_loss(as_before, cfg, StepFactors(pairs=factors.pairs))
+        for a, b in zip(now[:4], then[:4]):
+            assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
 def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():

@@ -24,6 +24,8 @@ class StepFactors:
         pairs: the factor on the pair stream's weight (the automatic balance's, times the coverage trust's
             ``released_pairs`` where it releases the hold): a ``Term`` whose ``factor`` names it has its
             weight multiplied by it.
+        kl: the factor on the hierarchical KL's weight (the coverage trust's ``released_kl`` where it releases
+            the hold), so the objective table and ``hpa/kl_factor`` show the KL weight the loss applies.
         learned_trust: the per-row weight of the learned advantage component as a function of a
             ``RolloutBatch`` (``[b]``; the coverage trust), evaluated on the held-out prompts too.
     """
@@ -31,6 +33,7 @@ class StepFactors:
     reward_kl: float = 1.0
     learned_advantage: float = 1.0
     pairs: float = 1.0
+    kl: float = 1.0
     learned_trust: Optional[Callable[[object], torch.Tensor]] = None
 
     def scales(self) -> Dict[str, float]:
@@ -79,5 +82,6 @@ class WeightSchedules:
                            reward_kl_coef=factors.reward_kl * kl_warmup_scale(p, self.algo.kl.warmup_fraction))
 
     def metrics(self, w: StepWeights) -> Dict[str, float]:
-        return {"hpa/w_ppo": w.w_ppo, "hpa/w_dpo": w.w_dpo, "hpa/w_kl": w.w_kl,
+        """The scheduled weights and ``hpa/kl_factor``: the KL term weighs ``hpa/w_kl`` times it."""
+        return {"hpa/w_ppo": w.w_ppo, "hpa/w_dpo": w.w_dpo, "hpa/w_kl": w.w_kl, "hpa/kl_factor": w.factors.kl,
                 "hpa/lambda_token": w.lambda_token, "hpa/lambda_semantic": w.lambda_semantic}

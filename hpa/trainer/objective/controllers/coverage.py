@@ -101,8 +101,9 @@ class CoverageTrust(Controller):
     (``adapt_kl_boost``); it is then run state (saved; a checkpoint without it resumes at ``kl_boost``).
     With ``hold_min_skill`` and demonstrations (``data.sft_path``), the start's skill where no pair covers a
     prompt is measured once at start-up (``greedy_match_share`` over the examples whose prompts have trust 0)
-    and the boost is 0 for the run where it falls below, every row's ``kl_weights`` then ``released_kl`` (when
-    not 1); both are run state (saved; a checkpoint without
+    and the boost is 0 for the run where it falls below; the KL's weight is then ``w_kl`` times ``released_kl``
+    (the step factor ``kl``, which the objective table and ``hpa/kl_factor`` show) and the pair stream's times
+    ``released_pairs`` (``act``); both are run state (saved; a checkpoint without
     them keeps what start-up measured, which is the same start).
     """
 
@@ -213,16 +214,17 @@ class CoverageTrust(Controller):
             metrics["coverage/kl_boost"] = self.kl_boost
             if kl_tokens > 0:  # a step with no far row (every row covered or judged by a rule) logs none
                 metrics["coverage/far_kl"] = far_kl
-        elif not self.holds() and self.released_kl != 1.0:  # released: every row's KL lighter (released_kl)
-            batch.set("kl_weights", torch.full(trust.shape, self.released_kl, device=trust.device))
         return {**metrics, "coverage/low": self.low, "coverage/high": self.high,
                 "perf/coverage_cached_prompts": float(len(self.cache)),  # a cache, not state: not resumed
                 "coverage/learned_reward": reward_sum / weight if weight > 0 else nan}
 
     def act(self, factors: StepFactors) -> StepFactors:
-        # released: the pair stream (DPO, its anchor, the replay) weighs released_pairs times what the balance set
-        pairs = factors.pairs if self.holds() else factors.pairs * self.released_pairs
-        return dataclasses.replace(factors, learned_trust=self.trust, pairs=pairs)
+        if self.holds():
+            return dataclasses.replace(factors, learned_trust=self.trust)
+        # released: the pair stream (DPO, its anchor, the replay) weighs released_pairs times what the balance set,
+        # and every row's KL released_kl times w_kl (a step factor, not a column: the logged table shows it)
+        return dataclasses.replace(factors, learned_trust=self.trust, pairs=factors.pairs * self.released_pairs,
+                                   kl=factors.kl * self.released_kl)
 
     def state_dict(self) -> Dict:
         state = {"low": self.low, "high": self.high}
