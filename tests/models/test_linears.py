@@ -22,21 +22,6 @@ def model_configs():
             "gelu_bias_default_ffn": ModelConfig(**common, activation="gelu", add_qkv_bias=True)}
 
 
-@pytest.fixture(scope="module")
-def groups():
-    import torch.distributed as dist
-
-    from hpa.config.schema import ParallelConfig
-    from hpa.distributed import LaunchEnv, destroy, initialize
-
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialised in this process")
-    g = initialize(ParallelConfig(backend="gloo"), launch=LaunchEnv(
-        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, launcher="single"))
-    yield g
-    destroy()
-
-
 def layer_linears(groups, model_cfg, tp):
     """Every parallel linear of layer 0 of a built policy with LoRA attached: ``{parent.name: (class kind,
     weight shape, bias shape or None, A shape, B shape)}`` on this rank."""

@@ -28,21 +28,6 @@ def model_config(**lora):
                        lora=LoRAConfig(**{"rank": 4, "alpha": 8.0, **lora}))
 
 
-@pytest.fixture(scope="module")
-def groups():
-    import torch.distributed as dist
-
-    from hpa.config.schema import ParallelConfig
-    from hpa.distributed import LaunchEnv, destroy, initialize
-
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialised in this process")
-    g = initialize(ParallelConfig(backend="gloo"), launch=LaunchEnv(
-        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, launcher="single"))
-    yield g
-    destroy()
-
-
 def lora_model(groups, base_dir, cfg=None):
     from hpa.config.schema import ParallelConfig
     from hpa.models.lora_io import build_lora_model

@@ -14,21 +14,6 @@ def model_config(**lora):
                        untie_embeddings_and_output_weights=True, lora=LoRAConfig(**lora))
 
 
-@pytest.fixture(scope="module")
-def groups():
-    import torch.distributed as dist
-
-    from hpa.config.schema import ParallelConfig
-    from hpa.distributed import LaunchEnv, destroy, initialize
-
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialised in this process")
-    g = initialize(ParallelConfig(backend="gloo"), launch=LaunchEnv(
-        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, launcher="single"))
-    yield g
-    destroy()
-
-
 def _state(model):
     return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 

@@ -16,21 +16,6 @@ SMALL = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "num_quer
 
 
 @pytest.fixture(scope="module")
-def groups():
-    import torch.distributed as dist
-
-    from hpa.config.schema import ParallelConfig
-    from hpa.distributed import LaunchEnv, destroy, initialize
-
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialised in this process")
-    g = initialize(ParallelConfig(backend="gloo"), launch=LaunchEnv(
-        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, launcher="single"))
-    yield g
-    destroy()
-
-
-@pytest.fixture(scope="module")
 def saved(groups, tmp_path_factory):
     """Two tokenizers of one size; a policy checkpoint; a small reward model without its record; a reward model
     of the policy's size with an old record (no architecture, no tokenizer) inside a run trained with tokenizer a."""
