@@ -190,6 +190,12 @@ MOVED_KEYS = {
 }
 
 
+def build_section(cls, data: dict, prefix: str = ""):
+    """One section of a config (``cls``, e.g. ``ModelConfig``) from plain nested data, checked as the YAML's
+    keys are: a recorded section (a converted checkpoint's model) gets its nested dataclasses back."""
+    return _build_dataclass(cls, data, prefix, {})
+
+
 def _build_dataclass(cls, data: dict, prefix: str, sources: _Sources):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}

@@ -756,7 +756,9 @@ def _model_cfg_for_export(args) -> Tuple[ModelConfig, str, Optional[dict]]:
         if meta is None and model_cfg.policy_path and base_meta.is_file():
             meta = json.loads(base_meta.read_text())
     else:
-        model_cfg = ModelConfig(**meta["model"])
+        from hpa.config import build_section
+
+        model_cfg = build_section(ModelConfig, meta["model"], "model.")  # its lora section a dataclass too
     model_cfg = dataclasses.replace(model_cfg, transformer_impl=args.transformer_impl,
                                     lora=dataclasses.replace(model_cfg.lora, rank=0, adapter_path=None))
     family = args.family or (meta or {}).get("family") or ("qwen2" if model_cfg.add_qkv_bias else "llama")
