@@ -1,0 +1,59 @@
+"""``rollout.max_staleness`` k >= 1: the rollout worker samples ahead of the update; no row trained lags more
+than k versions, ``async/lag_max`` <= k every step, stale rows are dropped and counted; a failed weight push is
+an error naming what did not arrive."""
+
+import pytest
+
+from multirank import run_ranks
+from trainer_runs import overrides, read_metrics
+
+ASYNC = ["rollout.max_staleness=2", "algorithm.ppo.rollout_is_threshold=2.0", "trainer.eval_interval=0",
+         "rollout.max_new_tokens=4"]
+
+
+def _run(groups, root, run_dir, steps, pattern):
+    import torch
+
+    from hpa.config import load_config
+    from hpa.trainer import rollout_step
+    from hpa.trainer.loop import HPATrainer
+
+    cfg = load_config(None, overrides(root, run_dir, [*ASYNC, f"trainer.total_steps={steps}"]))
+    trained = []  # (step, lag of each valid token trained)
+    original_take, original_ahead = rollout_step.RolloutStep.take, rollout_step.RolloutStep.steps_ahead
+
+    def take(self, step):
+        taken = original_take(self, step)
+        for entry in taken:
+            trained.append((step, (step - entry.versions[entry.mask.bool()]).tolist()))
+        return taken
+
+    rollout_step.RolloutStep.take = take
+    if pattern:  # 1, 2, 3 steps ahead in turn: lags 0..3, the lag-3 rows stale at k = 2
+        rollout_step.RolloutStep.steps_ahead = lambda self, step: 1 + step % 3
+    try:
+        HPATrainer(cfg, groups).train()
+    finally:
+        rollout_step.RolloutStep.take, rollout_step.RolloutStep.steps_ahead = original_take, original_ahead
+    return trained
+
+
+@pytest.mark.multirank
+def test_fifty_steps_at_k2_never_train_a_row_older_than_k(demo, tmp_path):
+    [trained] = run_ranks(_run, args=(demo, tmp_path, 50, True))
+    metrics = read_metrics(tmp_path)
+    assert [r["step"] for r in metrics] == list(range(1, 51))
+    assert {step for step, _ in trained} == set(range(50))
+    assert all(max(lags) <= 2 for _, lags in trained if lags)
+    assert {max(lags) for _, lags in trained if lags} == {0, 1, 2}  # the bound is reached, not only respected
+    # steps 2, 5, 8, ... (after the first) got rows sampled three versions back: dropped, sampled again
+    stale_steps = [s for s in range(5, 50, 3)]
+    rows = 4 * 2  # global batch 4 prompts x n 2
+    for record in metrics:
+        assert record["async/lag_max"] <= 2.0
+    dropped = [r["async/dropped_rows"] for r in metrics]
+    assert dropped[-1] == rows * len(stale_steps)
+    assert all(b >= a for a, b in zip(dropped, dropped[1:]))
+    for s in stale_steps:  # the step's own rows are the re-sampled ones, by the current policy
+        assert dropped[s] - dropped[s - 1] == rows
+        assert metrics[s]["async/lag_max"] == 0.0
