@@ -57,3 +57,31 @@ def test_fifty_steps_at_k2_never_train_a_row_older_than_k(demo, tmp_path):
     for s in stale_steps:  # the step's own rows are the re-sampled ones, by the current policy
         assert dropped[s] - dropped[s - 1] == rows
         assert metrics[s]["async/lag_max"] == 0.0
+
+
+def _run_with_a_lost_push(groups, root, run_dir):
+    from hpa.config import load_config
+    from hpa.rollout.worker import RolloutWorker, WeightPushError
+    from hpa.trainer.loop import HPATrainer
+
+    cfg = load_config(None, overrides(root, run_dir, [*ASYNC, "trainer.total_steps=3"]))
+    original = RolloutWorker._copy_in
+    RolloutWorker._copy_in = lambda self, named_tensors: None  # the push reaches nothing
+    trainer = HPATrainer(cfg, groups)
+    try:
+        trainer.train()
+    except WeightPushError as exc:
+        return str(exc), trainer.rollouts.worker.watched
+    finally:
+        RolloutWorker._copy_in = original
+    return None, trainer.rollouts.worker.watched
+
+
+@pytest.mark.multirank
+def test_a_weight_push_that_never_arrives_stops_the_run_naming_the_tensors(demo, tmp_path):
+    [(error, watched)] = run_ranks(_run_with_a_lost_push, args=(demo, tmp_path))
+    # step 0's push finds the worker's copy equal to the trainer's (a copy of it); step 1's, after an update, not
+    assert error is not None and "policy version 1" in error, error
+    assert len(watched) == 3 and watched[0].startswith("embedding")
+    assert all(name in error for name in watched), (watched, error)
+    assert len(read_metrics(tmp_path)) == 1
