@@ -118,3 +118,48 @@ def test_an_error_in_generate_reaches_the_trainer():
     worker.submit([[1]], _params(), tag=3)
     with pytest.raises(RuntimeError, match="decode failed"):
         worker.wait(3)
+
+
+def _detached_copy(groups):
+    from hpa.config.schema import ModelConfig, ParallelConfig
+    from hpa.models import build_policy
+    from hpa.rollout import TokenizerInfo
+    from hpa.rollout.megatron_engine import MegatronRolloutEngine
+
+    torch.manual_seed(0)
+    model = build_policy(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                                     vocab_size=64, max_sequence_length=32, make_vocab_size_divisible_by=16,
+                                     init_method_std=0.3), ParallelConfig(), groups)
+    engine = MegatronRolloutEngine(model, groups, TokenizerInfo(vocab_size=64, eos_token_id=1, pad_token_id=0),
+                                   decode="eager")
+    copy = engine.detached_copy()
+    worker = RolloutWorker(copy, copy.module, version=0)
+    prompts, params = [[5, 6, 7], [9, 3]], SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    before = engine.generate(prompts, params)
+    shared = {n for n, p in model.named_parameters()} & {n for n, p in copy.module.named_parameters()
+                                                          if any(p.data_ptr() == q.data_ptr()
+                                                                 for q in model.parameters())}
+    with torch.no_grad():  # the trainer's update
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    after = engine.generate(prompts, params)
+    worker.submit(prompts, params, tag="old")
+    stale = worker.wait("old")
+    worker.push_weights(1, dict(model.named_parameters()))
+    worker.submit(prompts, params, tag="new")
+    fresh = worker.wait("new")
+    grads = any(p.requires_grad for p in copy.module.parameters())
+    return before, after, stale, fresh, shared, grads
+
+
+@pytest.mark.multirank
+def test_the_native_engine_detached_copy_samples_its_own_weights_in_the_worker():
+    from multirank import run_ranks
+
+    [(before, after, stale, fresh, shared, grads)] = run_ranks(_detached_copy)
+    assert not shared and not grads
+    assert not before.log_probs.equal(after.log_probs)  # the update changed the policy
+    for got, want in ((stale, before), (fresh, after)):  # the worker's thread samples as the engine does
+        assert got.batch.response_ids.equal(want.response_ids)
+        assert got.batch.log_probs.equal(want.log_probs)
+    assert (stale.version, fresh.version) == (0, 1)

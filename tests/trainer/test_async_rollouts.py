@@ -57,6 +57,13 @@ def test_fifty_steps_at_k2_never_train_a_row_older_than_k(demo, tmp_path):
     for s in stale_steps:  # the step's own rows are the re-sampled ones, by the current policy
         assert dropped[s] - dropped[s - 1] == rows
         assert metrics[s]["async/lag_max"] == 0.0
+    lag_of = {step: max(lags) for step, lags in trained}
+    assert [r["async/lag_max"] for r in metrics] == [float(lag_of[s]) for s in range(50)]
+    # π_old (the trainer's forward at consume time) and π_behaviour differ on rows sampled by older weights,
+    # and the PPO term's token IS weight is computed every step
+    assert all("rollout/is_weight_mean" in r for r in metrics)
+    diff = {lag: [r["rollout/logprob_diff_mean"] for s, r in enumerate(metrics) if lag_of[s] == lag] for lag in (0, 2)}
+    assert min(diff[2]) > 10 * max(diff[0]), diff
 
 
 def _run_with_a_lost_push(groups, root, run_dir):
