@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import queue as queue_lib
 import threading
+import weakref
 from typing import Dict, List, Mapping, Optional
 
 import torch
@@ -66,9 +67,59 @@ def check_delivery(version: int, sent: Mapping[str, float], received: Mapping[st
                               f"sample from stale weights")
 
 
+class _Jobs:
+    """What the worker's thread shares with the trainer side (the thread holds no reference to the
+    ``RolloutWorker``, so a worker that is no longer used is collected and its thread stopped)."""
+
+    def __init__(self, engine: RolloutEngine, stream):
+        self.engine, self.stream = engine, stream
+        self.queue: "queue_lib.Queue" = queue_lib.Queue()
+        self.done: Dict[object, WorkerResult] = {}
+        self.cond = threading.Condition()
+        self.pending = 0  # jobs submitted and not finished
+
+    def serve(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            tag, prompts, params, version = job
+            try:
+                batch, error = self.generate(prompts, params), None
+            except BaseException as exc:  # handed to the trainer by ``wait``
+                batch, error = None, exc
+            with self.cond:
+                self.done[tag] = WorkerResult(tag=tag, version=version, batch=batch, error=error)
+                self.pending -= 1
+                self.cond.notify_all()
+
+    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+        with torch.no_grad():
+            if self.stream is None:
+                return self.engine.generate(prompts, params)
+            with torch.cuda.stream(self.stream):
+                batch = self.engine.generate(prompts, params)
+            self.stream.synchronize()
+            # made on the worker's stream, used and freed on the trainer's: the allocator must wait for the latter
+            trainer_stream = torch.cuda.default_stream(self.stream.device)
+            for value in (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask,
+                          batch.log_probs, batch.group_ids, *batch.extras.values()):
+                if value.is_cuda:
+                    value.record_stream(trainer_stream)
+            return batch
+
+
+def _stop(jobs: _Jobs, thread: threading.Thread) -> None:
+    jobs.queue.put(None)
+    if thread is not threading.current_thread():
+        thread.join()
+
+
 class RolloutWorker:
     """Samples with ``engine`` (which must own its weights: ``MegatronRolloutEngine.detached_copy()``) in a
-    daemon thread, one job at a time, in submission order.
+    daemon thread, one job at a time, in submission order. A job samples with the weights of the version at
+    which it was submitted (a push waits for the jobs in flight). The thread stops when the worker is
+    collected, and at exit after the job in flight.
 
     Args:
         engine: the worker's engine over its own copy of the policy.
@@ -81,41 +132,42 @@ class RolloutWorker:
         self.version = int(version)
         self._params = dict(module.named_parameters())
         self.watched = watched_names(list(self._params))
-        self._jobs: "queue_lib.Queue" = queue_lib.Queue()
-        self._done: Dict[object, WorkerResult] = {}
-        self._cond = threading.Condition()
-        self._pending = 0  # jobs submitted and not finished
         device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
-        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._serve, name="hpa-rollout-worker", daemon=True)
-        self._thread.start()
+        self._jobs = _Jobs(engine, torch.cuda.Stream(device=device) if device.type == "cuda" else None)
+        thread = threading.Thread(target=self._jobs.serve, name="hpa-rollout-worker", daemon=True)
+        thread.start()
+        weakref.finalize(self, _stop, self._jobs, thread)
 
     # ---------------------------------------------------------------------------------------------- trainer side
     def submit(self, prompts, params: SamplingParams, tag) -> None:
         """Queue a job: ``params.n`` responses to each of ``prompts`` (token-id lists), handed back under ``tag``."""
-        with self._cond:
-            self._pending += 1
-        self._jobs.put((tag, list(prompts), params))
+        jobs = self._jobs
+        with jobs.cond:
+            jobs.pending += 1
+        jobs.queue.put((tag, list(prompts), params, self.version))
 
     def poll(self) -> List[WorkerResult]:
         """The jobs finished since the last ``poll``/``wait`` (submission order), without waiting."""
-        with self._cond:
-            results, self._done = list(self._done.values()), {}
+        jobs = self._jobs
+        with jobs.cond:
+            results, jobs.done = list(jobs.done.values()), {}
         return results
 
     def wait(self, tag) -> WorkerResult:
         """Block until the job ``tag`` has finished and return it (raising the error it raised)."""
-        with self._cond:
-            self._cond.wait_for(lambda: tag in self._done)
-            result = self._done.pop(tag)
+        jobs = self._jobs
+        with jobs.cond:
+            jobs.cond.wait_for(lambda: tag in jobs.done)
+            result = jobs.done.pop(tag)
         if result.error is not None:
             raise result.error
         return result
 
     def drain(self) -> None:
         """Block until no job is in flight (finished ones stay for ``poll``/``wait``)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._pending == 0)
+        jobs = self._jobs
+        with jobs.cond:
+            jobs.cond.wait_for(lambda: jobs.pending == 0)
 
     def push_weights(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> Dict[str, float]:
         """Copy the trainer's tensors of policy ``version`` into the worker's copy, after the jobs in flight;
@@ -126,8 +178,8 @@ class RolloutWorker:
         """
         self.drain()
         self._copy_in(named_tensors)
-        if self._stream is not None:
-            torch.cuda.current_stream(self._stream.device).synchronize()
+        if self._jobs.stream is not None:  # the copy ran on the trainer's stream; the next job reads it on its own
+            torch.cuda.current_stream(self._jobs.stream.device).synchronize()
         self.version = int(version)
         return self.checksums()
 
@@ -139,26 +191,3 @@ class RolloutWorker:
     def checksums(self) -> Dict[str, float]:
         """The worker's checksums of its watched tensors."""
         return {name: checksum(self._params[name]) for name in self.watched}
-
-    # ---------------------------------------------------------------------------------------------- worker side
-    def _serve(self) -> None:
-        while True:
-            tag, prompts, params = self._jobs.get()
-            version = self.version  # pushes wait for the jobs in flight: fixed for this job
-            try:
-                batch, error = self._generate(prompts, params), None
-            except BaseException as exc:  # handed to the trainer by ``wait``
-                batch, error = None, exc
-            with self._cond:
-                self._done[tag] = WorkerResult(tag=tag, version=version, batch=batch, error=error)
-                self._pending -= 1
-                self._cond.notify_all()
-
-    def _generate(self, prompts, params: SamplingParams) -> RolloutBatch:
-        with torch.no_grad():
-            if self._stream is None:
-                return self.engine.generate(prompts, params)
-            with torch.cuda.stream(self._stream):
-                batch = self.engine.generate(prompts, params)
-            self._stream.synchronize()
-            return batch

@@ -12,6 +12,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from hpa.config.errors import ConfigError
 from hpa.distributed import comm
 from hpa.rollout.base import RolloutBatch, SamplingParams
 from hpa.rollout.queue import RolloutQueue, rollout_batch, rollout_entry
@@ -39,6 +40,9 @@ class RolloutStep:
         self.worker: Optional[RolloutWorker] = None
         self.ahead: Dict[int, list] = {}  # step -> the examples submitted to the worker for it
         if self.cfg.rollout.max_staleness > 0:
+            if not self.parts.engine.has_async_worker:  # the schema refuses it; an engine registered later too
+                raise ConfigError("rollout.max_staleness", f"{self.cfg.rollout.max_staleness} needs an engine with "
+                                  f"an asynchronous worker; {self.parts.engine.name!r} has none")
             engine = self.parts.engine.detached_copy()
             self.worker = RolloutWorker(engine, engine.module, version=-1)  # the first push sets the weights
 

@@ -120,6 +120,24 @@ def test_an_error_in_generate_reaches_the_trainer():
         worker.wait(3)
 
 
+def test_a_worker_no_longer_used_stops_its_thread():
+    import gc
+
+    def alive():
+        return {t for t in threading.enumerate() if t.name == "hpa-rollout-worker"}
+
+    gc.collect()
+    before = alive()
+    worker, _ = _worker()
+    worker.submit([[1]], _params(), tag=0)
+    assert worker.wait(0).version == 0
+    (thread,) = alive() - before
+    del worker
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 def _detached_copy(groups):
     from hpa.config.schema import ModelConfig, ParallelConfig
     from hpa.models import build_policy
