@@ -39,6 +39,7 @@ class RolloutStep:
         self.queue = RolloutQueue(self.cfg.rollout.max_staleness)  # its version follows the run state: through_queue
         self.worker: Optional[RolloutWorker] = None
         self.ahead: Dict[int, list] = {}  # step -> the examples submitted to the worker for it
+        self.collected: Optional[int] = None  # the last step whose rows the worker gave
         if self.cfg.rollout.max_staleness > 0:
             if not self.parts.engine.has_async_worker:  # the schema refuses it; an engine registered later too
                 raise ConfigError("rollout.max_staleness", f"{self.cfg.rollout.max_staleness} needs an engine with "
@@ -71,11 +72,14 @@ class RolloutStep:
         return batch, metrics, weights
 
     def queue_metrics(self) -> Dict[str, float]:
-        """The step's ``async/lag_max`` (max over DP ranks) and the rows dropped as too old (summed)."""
+        """The step's ``async/lag_max`` (max over DP ranks) and the rows dropped as too old (summed); at k >= 1
+        also those discarded at a rollback."""
         queued = self.queue.metrics()
         metrics = comm.reduce_metrics({"async/lag_max": queued["async/lag_max"]}, self.groups.dp_group, op="max")
-        metrics.update(comm.reduce_metrics({"async/dropped_rows": queued["async/dropped_rows"]},
-                                           self.groups.dp_group, op="sum"))
+        counts = {"async/dropped_rows": queued["async/dropped_rows"]}
+        if self.worker is not None:  # rows sampled ahead and discarded at a rollback
+            counts["async/discarded_rows"] = queued["async/discarded_rows"]
+        metrics.update(comm.reduce_metrics(counts, self.groups.dp_group, op="sum"))
         return metrics
 
     def finish(self, batch: RolloutBatch) -> Dict[str, float]:
@@ -133,11 +137,15 @@ class RolloutStep:
         rows go through the queue, and if they are older than s − k (dropped, counted) version s samples
         step s's prompts again. Returns ``(examples, batch)``."""
         step, worker, p = self.trainer.state.step, self.worker, self.parts
-        if step < self.queue.version:  # the guard rolled back: what was sampled ahead came from lost policies
+        if self.collected is not None and step <= self.collected:
+            # the guard rolled back (to this version or an earlier one): what was sampled ahead is discarded, and
+            # the restored weights are pushed (and checked) whatever the worker's version says
             worker.drain()
-            worker.poll()
-            self.ahead.clear()
             self.queue.rewind(step)
+            self.queue.num_discarded_rows += sum(r.batch.batch_size for r in worker.poll() if r.batch is not None)
+            self.ahead.clear()
+            worker.version = -1
+        self.collected = step
         self.queue.advance(step)
         with self.ctx.timer("push_weights"):
             self.push_weights(step)
