@@ -265,7 +265,10 @@ class RolloutConfig:
         compile_decode: native engine with CUDA-graph decode: compile the decode step before its capture.
         max_staleness: the most policy versions a trained row may lag the policy that sampled it (0: every
             row is sampled by the current policy, the synchronous loop). Rows older than that are dropped
-            and counted (``hpa/rollout/queue.py``). Only 0 is accepted until the asynchronous loop is wired.
+            and counted (``hpa/rollout/queue.py``). k >= 1: a rollout worker (native engine, its own copy of
+            the weights, a thread of the trainer process) samples the next step's prompts while the trainer
+            trains on this step's rows (``hpa/rollout/worker.py``); needs tensor and pipeline parallel size 1
+            and ``algorithm.ppo.rollout_is_threshold`` (the π_old/π_behaviour weight).
     """
 
     engine: str = "megatron"
@@ -286,9 +289,9 @@ class RolloutConfig:
         check_choice("engine", self.engine, ROLLOUT_ENGINES)
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", f"must be an integer >= 0 (0: synchronous), got {self.max_staleness}")
-        if self.max_staleness > 0:
-            raise ConfigError("max_staleness", f"only 0 (the synchronous loop) is supported until the asynchronous "
-                                               f"loop is wired; got {self.max_staleness}")
+        if self.max_staleness > 0 and self.engine != "megatron":
+            raise ConfigError("max_staleness", f"{self.max_staleness} needs a rollout engine with an asynchronous "
+                                               f"worker; engine={self.engine} has none (use engine=megatron, or 0)")
         _positive(self, "n", "max_new_tokens", "vllm_tensor_parallel_size")
         check_range("temperature", self.temperature, low=0.0)
         check_range("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
@@ -691,8 +694,23 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _check_replay(cfg)
     check_lora(cfg)
     _check_rewards_and_filters(cfg)
+    _check_async_rollouts(cfg)
     if world_size is not None:
         _check_data_parallel(cfg, world_size)
+
+
+def _check_async_rollouts(cfg: Config) -> None:
+    k = cfg.rollout.max_staleness
+    if k == 0:
+        return
+    layout = (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
+    if layout != (1, 1):
+        raise ConfigError("rollout.max_staleness", f"{k} runs the rollout worker in a thread of each trainer "
+                          f"process, which cannot share the tensor/pipeline-parallel communicators "
+                          f"(tensor_model_parallel_size, pipeline_model_parallel_size = {layout}); use 1 and 1, or 0")
+    if cfg.algorithm.ppo.rollout_is_threshold is None:
+        raise ConfigError("rollout.max_staleness", f"{k} trains on rows sampled by older policies: set "
+                          f"algorithm.ppo.rollout_is_threshold (e.g. 2.0), the truncated weight π_old/π_behaviour")
 
 
 def _check_model_layout(cfg: Config) -> None:

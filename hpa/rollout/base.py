@@ -321,6 +321,7 @@ class RolloutEngine(abc.ABC):
 
     name: str = ""
     copies_weights: bool = False
+    has_async_worker: bool = False  # ``detached_copy`` gives an engine over its own weights (``hpa/rollout/worker.py``)
     should_stop: Optional[Callable[[], bool]] = None
 
     @abc.abstractmethod

@@ -157,6 +157,7 @@ class MegatronRolloutEngine(RolloutEngine):
     """
 
     name = "megatron"
+    has_async_worker = True
 
     def __init__(self, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo, *, kv_cache: str = "hpa",
                  decode: str = "auto", compile_decode: Optional[bool] = None):
@@ -210,6 +211,22 @@ class MegatronRolloutEngine(RolloutEngine):
             raise ValueError(f"graph decode needs the parameters on CUDA, they are on {self.device}; "
                              f"set rollout.cuda_graphs=false")
         return decode
+
+    def detached_copy(self) -> "MegatronRolloutEngine":
+        """An engine like this one over its own deep copy of the module (weights only, no grads), for a
+        ``RolloutWorker`` that samples while the trainer updates this one's weights."""
+        import copy
+
+        module = copy.deepcopy(self.module, memo=_shared_objects(self.module))
+        for param in module.parameters():
+            param.requires_grad_(False)
+            param.grad = None
+        engine = copy.copy(self)
+        engine.model = engine.module = module
+        engine.config = module.config
+        engine._steps = {}  # a graph reads fixed addresses: the copy captures its own
+        engine.decoded = None
+        return engine
 
     def sync_weights(self, *args, **kwargs) -> None:
         """The weights are used in place (the optimizer writes them where a captured graph reads them)."""
@@ -506,6 +523,35 @@ class _DecodeState:
                             log_probs=self.log_probs[:b, :steps].cpu(),
                             finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in self.stopped[:b].tolist()],
                             group_ids=group_ids, pad_token_id=pad_token_id)
+
+
+def _shared_objects(module: torch.nn.Module) -> dict:
+    """A ``copy.deepcopy`` memo that keeps the process groups (not copyable) and the model configs shared."""
+    memo, seen = {}, set()
+
+    def visit(obj, depth: int) -> None:
+        if id(obj) in seen or depth > 6 or isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, dist.ProcessGroup) or type(obj).__name__.endswith("Config"):
+            memo[id(obj)] = obj
+            return
+        if isinstance(obj, dict):
+            values = obj.values()
+        elif isinstance(obj, (list, tuple, set)):
+            values = obj
+        elif hasattr(obj, "__dict__"):
+            values = vars(obj).values()
+        else:
+            return
+        for value in list(values):
+            visit(value, depth + 1)
+
+    for sub in module.modules():
+        for name, value in vars(sub).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                visit(value, 0)
+    return memo
 
 
 def build_megatron_engine(rollout_cfg, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo,

@@ -1,4 +1,5 @@
-"""The rollout stream of an HPA step: roll out (through the versioned rollout queue, ``hpa/rollout/queue.py``)
+"""The rollout stream of an HPA step: roll out (through the versioned rollout queue, ``hpa/rollout/queue.py``;
+at ``rollout.max_staleness`` k >= 1 sampled one step ahead by a ``RolloutWorker``, ``hpa/rollout/worker.py``)
 → reference / old-policy forwards → shaped reward →
 rollout filter (with DAPO's refill: more rounds of the three before it) → critic values → the controllers
 that observe the rollouts → advantages; after the policy update, the critic update and the length
@@ -11,12 +12,19 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from hpa.config.errors import ConfigError
 from hpa.distributed import comm
 from hpa.rollout.base import RolloutBatch, SamplingParams
 from hpa.rollout.queue import RolloutQueue, rollout_batch, rollout_entry
+from hpa.rollout.worker import RolloutWorker, check_delivery, checksum
 from hpa.trainer import faults, phases, rollout_filter
 from hpa.trainer.metrics import length_metrics
 from hpa.trainer.objective import StepSignals, StepWeights
+
+
+# steps the worker samples ahead of the update: one keeps every trained row at most one version old and hides
+# generation behind training (or the reverse); tests raise it past k to make rows stale (``steps_ahead``)
+STEPS_AHEAD = 1
 
 
 class RolloutStep:
@@ -26,10 +34,18 @@ class RolloutStep:
         self.trainer = trainer
         self.cfg, self.groups, self.parts, self.ctx = trainer.cfg, trainer.groups, trainer.parts, trainer.ctx
         self.observed_weights: Optional[StepWeights] = None
-        # the hand-over from sampling to training; at max_staleness 0 (the only value the schema accepts
-        # until the asynchronous loop is wired) every rollout is taken back as soon as it is put, so the queue
-        # is empty between steps and a checkpoint needs nothing of it
+        # the hand-over from sampling to training; at max_staleness 0 every rollout is taken back as soon as it
+        # is put, so the queue is empty between steps and a checkpoint needs nothing of it
         self.queue = RolloutQueue(self.cfg.rollout.max_staleness)  # its version follows the run state: through_queue
+        self.worker: Optional[RolloutWorker] = None
+        self.ahead: Dict[int, list] = {}  # step -> the examples submitted to the worker for it
+        self.collected: Optional[int] = None  # the last step whose rows the worker gave
+        if self.cfg.rollout.max_staleness > 0:
+            if not self.parts.engine.has_async_worker:  # the schema refuses it; an engine registered later too
+                raise ConfigError("rollout.max_staleness", f"{self.cfg.rollout.max_staleness} needs an engine with "
+                                  f"an asynchronous worker; {self.parts.engine.name!r} has none")
+            engine = self.parts.engine.detached_copy()
+            self.worker = RolloutWorker(engine, engine.module, version=-1)  # the first push sets the weights
 
     def collect(self, weights: StepWeights) -> Tuple[RolloutBatch, Dict[str, float], StepWeights]:
         """This step's scored, filtered rollouts with their advantages (and values), their metrics, and the
@@ -56,11 +72,14 @@ class RolloutStep:
         return batch, metrics, weights
 
     def queue_metrics(self) -> Dict[str, float]:
-        """The step's ``async/lag_max`` (max over DP ranks) and the rows dropped as too old (summed)."""
+        """The step's ``async/lag_max`` (max over DP ranks) and the rows dropped as too old (summed); at k >= 1
+        also those discarded at a rollback."""
         queued = self.queue.metrics()
         metrics = comm.reduce_metrics({"async/lag_max": queued["async/lag_max"]}, self.groups.dp_group, op="max")
-        metrics.update(comm.reduce_metrics({"async/dropped_rows": queued["async/dropped_rows"]},
-                                           self.groups.dp_group, op="sum"))
+        counts = {"async/dropped_rows": queued["async/dropped_rows"]}
+        if self.worker is not None:  # rows sampled ahead and discarded at a rollback
+            counts["async/discarded_rows"] = queued["async/discarded_rows"]
+        metrics.update(comm.reduce_metrics(counts, self.groups.dp_group, op="sum"))
         return metrics
 
     def finish(self, batch: RolloutBatch) -> Dict[str, float]:
@@ -83,9 +102,13 @@ class RolloutStep:
         old-policy forwards, the reward. Round 0 is the step's; the rollout filter asks for more
         (``refill_round`` 1, 2, ...). Returns ``(batch, metrics)``."""
         p, ctx = self.parts, self.ctx
-        examples = [p.prompts[i] for i in p.prompt_sampler.next_batch()]
-        with ctx.timer("rollout"):
-            batch = self.rollout([e.prompt_ids for e in examples], refill_round)
+        if self.worker is not None and refill_round == 0:
+            with ctx.timer("rollout"):
+                examples, batch = self.async_rollout()
+        else:  # refill rounds sample now, by the current policy (lag 0)
+            examples = [p.prompts[i] for i in p.prompt_sampler.next_batch()]
+            with ctx.timer("rollout"):
+                batch = self.rollout([e.prompt_ids for e in examples], refill_round)
         metrics = phases.reference_and_old_policy(batch, p.reference, p.policy.model, ctx)
         metrics.update(p.engine.decode_metrics())  # which decode ran (bench/gpu_check.py fails on a fallback)
         with ctx.timer("reward"):
@@ -93,13 +116,67 @@ class RolloutStep:
             metrics.update(phases.score(batch, truths, reward, p.tokenizer, ctx))
         return batch, metrics
 
-    def rollout(self, prompt_ids, refill_round: int = 0) -> RolloutBatch:
+    def sampling_params(self, step: int, refill_round: int = 0) -> SamplingParams:
         g = self.groups
         # a refill round's seed is far from every step's first round (a prime stride)
-        seed = self.cfg.rollout.seed + self.trainer.state.step * g.data_parallel_size + g.dp_rank \
-            + refill_round * 1_000_003
-        batch = generate(self.parts, self.ctx, prompt_ids, SamplingParams.from_config(self.cfg.rollout, seed=seed))
+        seed = self.cfg.rollout.seed + step * g.data_parallel_size + g.dp_rank + refill_round * 1_000_003
+        return SamplingParams.from_config(self.cfg.rollout, seed=seed)
+
+    def rollout(self, prompt_ids, refill_round: int = 0) -> RolloutBatch:
+        params = self.sampling_params(self.trainer.state.step, refill_round)
+        batch = generate(self.parts, self.ctx, prompt_ids, params)
         return self.through_queue(batch)
+
+    def steps_ahead(self, step: int) -> int:
+        """How many steps past ``step`` the worker has prompts for when step ``step`` trains."""
+        return STEPS_AHEAD
+
+    def async_rollout(self):
+        """Step s's examples and rows at ``max_staleness`` k >= 1: the worker gets version s's weights (after
+        step s's job, which sampled during step s−1's update), then the prompts of the steps ahead; step s's
+        rows go through the queue, and if they are older than s − k (dropped, counted) version s samples
+        step s's prompts again. Returns ``(examples, batch)``."""
+        step, worker, p = self.trainer.state.step, self.worker, self.parts
+        if self.collected is not None and step <= self.collected:
+            # the guard rolled back (to this version or an earlier one): what was sampled ahead is discarded, and
+            # the restored weights are pushed (and checked) whatever the worker's version says
+            worker.drain()
+            self.queue.rewind(step)
+            self.queue.num_discarded_rows += sum(r.batch.batch_size for r in worker.poll() if r.batch is not None)
+            self.ahead.clear()
+            worker.version = -1
+        self.collected = step
+        self.queue.advance(step)
+        with self.ctx.timer("push_weights"):
+            self.push_weights(step)
+        last = min(step + self.steps_ahead(step), self.cfg.trainer.total_steps - 1)
+        for target in range(step, last + 1):
+            if target not in self.ahead:
+                self.ahead[target] = [p.prompts[i] for i in p.prompt_sampler.next_batch()]
+                self.submit(target, self.ahead[target])
+        examples = self.ahead.pop(step)
+        taken = self.take(step)
+        if not taken:  # too old: dropped and counted; sampled again by this step's policy
+            self.submit(step, examples)
+            taken = self.take(step)
+        (entry,) = taken
+        return examples, rollout_batch(entry)
+
+    def submit(self, step: int, examples) -> None:
+        self.worker.submit([e.prompt_ids for e in examples], self.sampling_params(step), tag=step)
+
+    def take(self, step: int):
+        result = self.worker.wait(step)
+        self.queue.put(rollout_entry(result.batch, result.version))
+        return self.queue.get(max_rows=1)
+
+    def push_weights(self, version: int) -> None:
+        """The policy's weights of ``version`` into the worker, checked: every watched tensor arrived."""
+        if self.worker.version == version:
+            return
+        tensors = dict(self.parts.engine.module.named_parameters())
+        sent = {name: checksum(tensors[name]) for name in self.worker.watched}
+        check_delivery(version, sent, self.worker.push_weights(version, tensors))
 
     def through_queue(self, batch: RolloutBatch) -> RolloutBatch:
         """``batch``, sampled by the current policy (version: the optimizer steps so far), put into the queue

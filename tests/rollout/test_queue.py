@@ -173,14 +173,35 @@ def test_versions_from_the_future_and_backwards_are_refused():
                          versions=torch.zeros(1, 2, dtype=torch.int64), mask=torch.ones(1, 2))
 
 
-@pytest.mark.parametrize("value,message", [("-1", "integer >= 0"), ("2", "only 0"), ("1.5", "type int")])
-def test_schema_key_refuses_what_the_loop_cannot_do(value, message):
+IS = "algorithm.ppo.rollout_is_threshold=2.0"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.max_staleness=-1"], "integer >= 0"),
+    (["rollout.max_staleness=1.5"], "type int"),
+    (["rollout.max_staleness=2"], "set algorithm.ppo.rollout_is_threshold"),
+    (["rollout.max_staleness=1", "rollout.engine=vllm", IS], "engine=vllm has none"),
+    (["rollout.max_staleness=1", "parallel.tensor_model_parallel_size=2", IS], "cannot share the tensor/pipeline"),
+    (["rollout.max_staleness=1", "parallel.pipeline_model_parallel_size=2", IS], "cannot share the tensor/pipeline"),
+])
+def test_schema_key_refuses_what_the_loop_cannot_do(overrides, message):
     from hpa.config import load_config
 
     assert load_config(None, []).rollout.max_staleness == 0
+    assert load_config(None, ["rollout.max_staleness=2", IS]).rollout.max_staleness == 2
     with pytest.raises(ConfigError, match=message) as err:
-        load_config(None, [f"rollout.max_staleness={value}"])
-    assert err.value.key == "rollout.max_staleness" and err.value.source == "command line", str(err.value)
+        load_config(None, overrides)
+    assert err.value.key == "rollout.max_staleness", str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_the_cli_refuses_async_vllm_in_one_line(capsys):
+    from hpa.cli import main
+
+    code = main(["check-config", "rollout.max_staleness=1", "rollout.engine=vllm", IS])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "rollout.max_staleness" in err and "vllm" in err, err
 
 
 def test_a_rollout_batch_round_trips_through_an_entry():
