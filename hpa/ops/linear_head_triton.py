@@ -148,7 +148,10 @@ def usable(device: torch.device, torch_stats, torch_grad) -> bool:
 # tile and forms ``d logits`` in registers, once per token tile for ``d hidden`` (looping over the vocab) and once
 # per vocab tile for ``d W`` (looping over the tokens), each program writing one column block of its output.
 
-FUSED_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}  # CUDA; the tests set small ones for the interpreter
+# CUDA tiles (untuned, never run on a GPU); the tests set small ones for the interpreter. BLOCK_K: the reduction
+# over h of a logits tile; BLOCK_H: the columns of d hidden / d W one backward program writes (each program
+# recomputes its logits tiles, so the backward forms the logits 2·ceil(h / BLOCK_H) times)
+FUSED_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_H": 128}
 # Triton's CPU interpreter multiplies bf16 tiles wrongly (3.9.0): there the products go through fp32 (exact for
 # bf16 inputs, the same fp32 sums a tensor core forms)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -251,12 +254,12 @@ def _row_stats(rows, n_rows, m_ptr, log_s_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, ind
 def _fused_grad_hidden_kernel(x_ptr, w_ptr, m_ptr, log_s_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, index_ptr, on_ptr,
                               out_ptr, n_rows, n_cols, h, temperature, IEEE: tl.constexpr, HAS_LP: tl.constexpr,
                               HAS_ENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # this program's columns of d hidden
+    ks = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # this program's columns of d hidden
     m, log_s, ent, g_lp, g_ent, index, on = _row_stats(rows, n_rows, m_ptr, log_s_ptr, ent_ptr, g_lp_ptr,
                                                        g_ent_ptr, index_ptr, on_ptr, HAS_LP, HAS_ENT)
-    acc = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         t = _logits_tile(x_ptr, w_ptr, rows, cols, n_rows, n_cols, h, temperature, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -272,10 +275,10 @@ def _fused_grad_hidden_kernel(x_ptr, w_ptr, m_ptr, log_s_ptr, ent_ptr, g_lp_ptr,
 def _fused_grad_weight_kernel(x_ptr, w_ptr, m_ptr, log_s_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, index_ptr, on_ptr,
                               out_ptr, n_rows, n_cols, h, temperature, IEEE: tl.constexpr, HAS_LP: tl.constexpr,
                               HAS_ENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # this program's columns of d W
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # fp32 over every token tile: one rounding, as one matmul
+    ks = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # this program's columns of d W
+    acc = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)  # fp32 over every token tile: one rounding, as one matmul
     for start in range(0, n_rows, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         m, log_s, ent, g_lp, g_ent, index, on = _row_stats(rows, n_rows, m_ptr, log_s_ptr, ent_ptr, g_lp_ptr,
@@ -299,7 +302,8 @@ def fused_stats(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, on_shard:
     if n:
         _fused_stats_kernel[(triton.cdiv(n, blocks["BLOCK_M"]),)](
             x, w, index.reshape(-1).contiguous(), on_shard.contiguous(), out, n, w.shape[0], h, float(temperature),
-            IEEE=w.dtype == torch.float32 or _INTERPRETED, **blocks)
+            IEEE=w.dtype == torch.float32 or _INTERPRETED, BLOCK_M=blocks["BLOCK_M"], BLOCK_N=blocks["BLOCK_N"],
+            BLOCK_K=blocks["BLOCK_K"])
     return out
 
 
@@ -321,12 +325,12 @@ def fused_grads(x: torch.Tensor, w: torch.Tensor, m: torch.Tensor, log_s: torch.
     if need_hidden:
         grad_x = torch.empty_like(x, dtype=w.dtype)
         if n:
-            grid = (triton.cdiv(n, blocks["BLOCK_M"]), triton.cdiv(h, blocks["BLOCK_K"]))
+            grid = (triton.cdiv(n, blocks["BLOCK_M"]), triton.cdiv(h, blocks["BLOCK_H"]))
             _fused_grad_hidden_kernel[grid](*args, grad_x, n, w.shape[0], h, float(temperature), **meta)
     if need_weight:
         grad_w = torch.empty_like(w)
         if n:
-            grid = (triton.cdiv(w.shape[0], blocks["BLOCK_N"]), triton.cdiv(h, blocks["BLOCK_K"]))
+            grid = (triton.cdiv(w.shape[0], blocks["BLOCK_N"]), triton.cdiv(h, blocks["BLOCK_H"]))
             _fused_grad_weight_kernel[grid](*args, grad_w, n, w.shape[0], h, float(temperature), **meta)
         else:
             grad_w.zero_()
