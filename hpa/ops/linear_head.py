@@ -1,6 +1,6 @@
-"""Label log-probs and entropy from hidden states and the output weight, chunk by chunk.
+"""Label log-probs and entropy from hidden states and the output weight, without the logits in memory.
 
-The LM head and the statistics of ``hpa.ops.fused_head`` as one autograd function: for ``chunk_tokens``
+The LM head and the statistics of ``hpa.ops.fused_head`` as one autograd function. Chunked: for ``chunk_tokens``
 positions at a time the forward computes the chunk's logits ``x·Wᵀ`` in the weight's dtype (bf16 on GPUs),
 reads them once to reduce them to four ``[c]`` statistics (local max, Σ e^t, label logit, Σ e^t·t) and drops
 them; only ``[N]``-shaped statistics are saved. The backward recomputes each chunk's logits, writes its
@@ -8,11 +8,14 @@ them; only ``[N]``-shaped statistics are saved. The backward recomputes each chu
 ``d hidden = d logits · W`` and ``d W = d logitsᵀ · x`` chunk by chunk. No ``[N, V]`` tensor exists beyond a
 chunk, and the logits of positions no loss reads are never computed.
 
-The per-chunk elementwise work (``chunk_stats``, ``chunk_grad``) is one region each: on CUDA with Triton,
-one single-pass kernel each (``hpa.ops.linear_head_triton``, imported only there); elsewhere the same math
-in torch (``torch.compile(fullgraph=True)`` traces both without graph breaks). The matmuls stay cuBLAS/BLAS
-calls, so the logits of a chunk are written once and read once each way (the floor of a head whose matmul
-is not fused with the softmax, as verl's ``efficient_entropy`` kernels are).
+Three paths compute it (``kernel``). On CUDA by default the matmul-fused Triton kernels
+(``hpa.ops.linear_head_triton.fused_stats`` / ``fused_grads``, after verl's ``efficient_entropy`` kernels):
+the logits of every read position are formed tile by tile in registers, forward and backward, and never reach
+memory; every position in one launch. Their fallback keeps the matmuls as cuBLAS calls and makes the per-chunk
+elementwise work (``chunk_stats``, ``chunk_grad``) one Triton kernel each, so a chunk's logits are written
+once and read once each way. Elsewhere (and as the last fallback) the same chunked math in torch
+(``torch.compile(fullgraph=True)`` traces both regions without graph breaks). ``fused_stats`` /
+``fused_grads`` here are the torch references of the fused kernels' contracts.
 
 Vocab parallel: ``weight`` is this rank's ``[v/tp, h]`` shard and ``hidden`` the replicated input of
 megatron's ``ColumnParallelLinear`` (its region functions reduce ``d hidden`` over TP, as for the linear);

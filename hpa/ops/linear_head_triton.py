@@ -1,8 +1,11 @@
-"""Triton kernels for the per-chunk elementwise work of ``hpa.ops.linear_head``: the same contracts as its
-``chunk_stats`` and ``chunk_grad``, each one pass over the chunk's logits.
+"""Triton kernels of ``hpa.ops.linear_head``: the matmul-fused head (``fused_stats``, ``fused_grads``: the
+logits only in registers) and, its fallback, the per-chunk elementwise work between cuBLAS matmuls
+(``chunk_stats``, ``chunk_grad``: each one pass over the chunk's logits); the contracts of the torch functions
+of the same names there.
 
-Imported only on CUDA (``hpa.ops.linear_head._kernels``). ``usable`` checks both kernels once per device
-against the torch functions and falls back to them, with a warning, if Triton fails or disagrees.
+Imported only on CUDA (``hpa.ops.linear_head._kernels``) or when a path is asked for by name. ``fused_usable``
+and ``usable`` check each path once per device against the torch path; a failing path falls back, with a
+warning. None of these kernels has run on a GPU yet; they ran under Triton's CPU interpreter.
 ``tests/ops/test_linear_head.py`` runs them under Triton's interpreter on a CPU where Triton is installed, and
 compares them on a GPU (marked ``gpu``).
 
