@@ -59,12 +59,12 @@ def _run(op, logits, inputs, tp_group, full=None, columns=None):
         kernels = linear_head._kernels
         if op == "linear_fused":  # the matmul-fused path, its torch references in place of the Triton kernels
             linear_head._kernels = lambda *args: (True, linear_head.fused_stats, linear_head.fused_grads)
-        try:
+        try:  # forward and backward
             logp, ent = linear_log_probs_entropy(x, weight, inputs["labels"], tp_group, entropy=True,
                                                  chunk_tokens=CHUNK, **kw)
+            (inputs["weights"][0] * logp + inputs["weights"][1] * ent).sum().backward()
         finally:
             linear_head._kernels = kernels
-        (inputs["weights"][0] * logp + inputs["weights"][1] * ent).sum().backward()
         return dict(logp=logp.detach().double().numpy(), ent=ent.detach().double().numpy(), dtype=str(logp.dtype),
                     grad=x.grad[:, columns].double().numpy(), grad_dtype=str(x.grad.dtype),
                     weight_grad=weight.grad.double().numpy(), weight_grad_dtype=str(weight.grad.dtype))
