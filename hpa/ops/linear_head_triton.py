@@ -323,7 +323,8 @@ def fused_grads(x: torch.Tensor, w: torch.Tensor, m: torch.Tensor, log_s: torch.
     args = (x, w, m, log_s.float().contiguous(), entropy.float().contiguous() if has_ent else m,
             grad_log_probs.float().contiguous() if has_lp else m, grad_entropy.float().contiguous() if has_ent else m,
             index.reshape(-1).contiguous(), on_shard.contiguous())
-    meta = dict(IEEE=w.dtype == torch.float32 or _INTERPRETED, HAS_LP=has_lp, HAS_ENT=has_ent, **blocks)
+    meta = dict(IEEE=w.dtype == torch.float32 or _INTERPRETED, HAS_LP=has_lp, HAS_ENT=has_ent, num_warps=8,
+                **blocks)  # 8 warps: a [128, 128] fp32 accumulator beside the logits tile
     grad_x = grad_w = None
     if need_hidden:
         grad_x = torch.empty_like(x, dtype=w.dtype)
