@@ -101,6 +101,27 @@ def test_cpu_default_is_the_torch_path():
     assert linear_head._kernels(torch.device("cpu"), "torch")[0] is False
 
 
+@pytest.mark.parametrize("fused_ok,regions_ok,dtype,want", [
+    (True, True, torch.bfloat16, "fused"), (False, True, torch.bfloat16, "regions"),
+    (False, False, torch.bfloat16, "torch"), (True, True, torch.float64, "regions")])
+def test_cuda_default_prefers_the_fused_kernels_that_pass_their_check(monkeypatch, fused_ok, regions_ok, dtype,
+                                                                       want):
+    """``auto`` on CUDA (a stand-in Triton module; no GPU needed): the matmul-fused kernels if their check passes
+    (bf16/fp16/fp32 weights), else the region kernels if theirs does, else torch."""
+    import sys
+    import types
+
+    import hpa.ops
+
+    stub = types.SimpleNamespace(fused_usable=lambda device: fused_ok, usable=lambda device, *fns: regions_ok,
+                                 fused_stats="fs", fused_grads="fg", chunk_stats="cs", chunk_grad="cg")
+    monkeypatch.setitem(sys.modules, "hpa.ops.linear_head_triton", stub)
+    monkeypatch.setattr(hpa.ops, "linear_head_triton", stub, raising=False)
+    got = linear_head._kernels(torch.device("cuda"), "auto", dtype)
+    assert got == {"fused": (True, "fs", "fg"), "regions": (False, "cs", "cg"),
+                   "torch": (False, linear_head.chunk_stats, linear_head.chunk_grad)}[want]
+
+
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "log_probs"])
 def test_fused_references_equal_the_chunked_path(monkeypatch, entropy):
     """``fused_stats`` / ``fused_grads`` in torch (what the byte-count proxy counts as the fused kernels) run the
