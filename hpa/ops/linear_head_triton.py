@@ -343,9 +343,9 @@ def fused_grads(x: torch.Tensor, w: torch.Tensor, m: torch.Tensor, log_s: torch.
 
 @functools.lru_cache(maxsize=None)
 def fused_usable(device: torch.device) -> bool:
-    """Whether the matmul-fused kernels run on ``device`` and equal the head's torch path (values and the
-    gradients of the hidden states and the weight) on a small bf16 problem with entropy, a temperature, a label
-    off the vocabulary and vocab padding."""
+    """Whether the matmul-fused kernels run on ``device`` and match the head's torch path in fp32 (values and the
+    gradients of the hidden states and the weight, within 2 % of each one's largest) on a small bf16 problem
+    with entropy, a temperature, repeated positions and a label in the vocab padding."""
     from .linear_head import linear_log_probs_entropy
 
     try:
@@ -357,15 +357,17 @@ def fused_usable(device: torch.device) -> bool:
         labels[3] = 995  # a padded vocab row: −logsumexp
         g = torch.randn(2, 70, device=device, generator=gen)
 
-        def run(kernel):
-            a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+        def run(kernel, dtype):
+            a, b = x.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
             logp, ent = linear_log_probs_entropy(a, b, labels, None, 990, 0.7, positions=positions, entropy=True,
                                                  kernel=kernel)
             (g[0] * logp + g[1] * ent).sum().backward()
             return logp, ent, a.grad.float(), b.grad.float()
 
-        for got, want in zip(run("fused"), run("torch")):
-            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        # against the torch path in fp32 on the same bf16-valued inputs: the kernels keep the logits in fp32, so
+        # only d logits and the gradients' bf16 roundings differ
+        for got, want in zip(run("fused", torch.bfloat16), run("torch", torch.float32)):
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item() + 1e-4)
         return True
     except Exception as error:  # noqa: BLE001 -- any failure means: use the region kernels or torch
         warnings.warn(f"hpa.ops.linear_head: the matmul-fused Triton kernels fail their check on {device} ({error}); "

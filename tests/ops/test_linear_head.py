@@ -295,6 +295,8 @@ print("ok")
 
 
 _INTERPRETED_FUSED = """
+import warnings
+
 import torch
 from hpa.ops import linear_head_triton
 from hpa.ops.linear_head import linear_log_probs_entropy
@@ -337,6 +339,9 @@ for outputs, temperature, rows in cases:
     assert fused[3][90:].abs().sum() == 0
     if rows is not None:
         assert fused[2].reshape(-1, 24)[[18, 19, 20, 21, 22, 23]].abs().sum() == 0
+with warnings.catch_warnings():  # the first-use check itself passes (it warns where it fails)
+    warnings.simplefilter("error")
+    assert linear_head_triton.fused_usable.__wrapped__(torch.device("cpu"))
 print("ok")
 """
 
@@ -345,7 +350,7 @@ def test_fused_triton_kernels_in_triton_s_interpreter():
     """Where Triton is installed, its interpreter runs the matmul-fused kernels inside the whole head (small tiles,
     every tile partial): fp32 values and both gradients equal the torch path, with and without entropy, an
     entropy-only loss, temperatures, a label in the vocab padding, repeated and unselected positions; in bf16
-    within bf16 rounding of the torch path and no farther from fp32 than it."""
+    within bf16 rounding of the torch path and no farther from fp32 than it; the first-use check passes."""
     import os
     import pathlib
     import subprocess
