@@ -8,14 +8,18 @@ them; only ``[N]``-shaped statistics are saved. The backward recomputes each chu
 ``d hidden = d logits · W`` and ``d W = d logitsᵀ · x`` chunk by chunk. No ``[N, V]`` tensor exists beyond a
 chunk, and the logits of positions no loss reads are never computed.
 
-Three paths compute it (``kernel``). On CUDA by default the matmul-fused Triton kernels
-(``hpa.ops.linear_head_triton.fused_stats`` / ``fused_grads``, after verl's ``efficient_entropy`` kernels):
-the logits of every read position are formed tile by tile in registers, forward and backward, and never reach
-memory; every position in one launch. Their fallback keeps the matmuls as cuBLAS calls and makes the per-chunk
-elementwise work (``chunk_stats``, ``chunk_grad``) one Triton kernel each, so a chunk's logits are written
-once and read once each way. Elsewhere (and as the last fallback) the same chunked math in torch
-(``torch.compile(fullgraph=True)`` traces both regions without graph breaks). ``fused_stats`` /
-``fused_grads`` here are the torch references of the fused kernels' contracts.
+Several paths compute it (``kernel``). On CUDA by default the forward runs the matmul-fused Triton kernel
+(``hpa.ops.linear_head_triton.fused_stats``, after verl's ``efficient_entropy`` kernels): the logits of every
+read position are formed tile by tile in registers and never reach memory, every position in one launch. The
+backward keeps the matmuls as cuBLAS calls (recompute a chunk's logits, ``d hidden``, ``d W``) and makes the
+per-chunk elementwise work one Triton kernel (``chunk_grad``), so a chunk's logits are written once and read
+once. ``fused`` also fuses the backward (``fused_grads``); it is not the default, as its programs each recompute
+their logits tiles: 2·ceil(h/128) logits computations a backward plus the two gradient products, 16 matmuls'
+FLOPs at h = 896 against the regions backward's 3 (recompute, ``d hidden``, ``d W``).
+``regions`` runs the forward as the backward: a cuBLAS matmul, then one Triton kernel (``chunk_stats``).
+Elsewhere (and as the last fallback) the same chunked math in torch (``torch.compile(fullgraph=True)`` traces
+both regions without graph breaks). ``fused_stats`` / ``fused_grads`` here are the torch references of the
+fused kernels' contracts.
 
 Vocab parallel: ``weight`` is this rank's ``[v/tp, h]`` shard and ``hidden`` the replicated input of
 megatron's ``ColumnParallelLinear`` (its region functions reduce ``d hidden`` over TP, as for the linear);
@@ -118,32 +122,40 @@ def fused_grads(x: torch.Tensor, w: torch.Tensor, m: torch.Tensor, log_s: torch.
     return grad_x, None if total is None else total.to(w.dtype)
 
 
-KERNELS = ("auto", "fused", "regions", "torch")
+KERNELS = ("auto", "fused_forward", "fused", "regions", "torch")
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what tl.dot takes
 
 
 def _kernels(device: torch.device, kernel: str = "auto", dtype: torch.dtype = torch.float32):
-    """``(fused, stats, grad)``: whether the head runs matmul-fused, and its two functions (``fused_stats`` and
-    ``fused_grads``, or ``chunk_stats`` and ``chunk_grad``).
+    """``(fused_forward, stats, fused_backward, grad)``: whether the forward and the backward run matmul-fused, and
+    their functions (``fused_stats`` or ``chunk_stats``; ``fused_grads`` or ``chunk_grad``).
 
-    ``auto``: on CUDA the Triton matmul-fused kernels if they pass their check against the torch path, else the
-    Triton region kernels if they pass theirs, else torch; torch elsewhere. ``fused`` / ``regions``: those Triton
-    kernels on any device, unchecked (on a CPU under ``TRITON_INTERPRET=1``). ``torch``: the torch path."""
+    ``auto``: on CUDA the forward by the Triton matmul-fused kernel if it passes its check against the torch path,
+    else by the Triton region kernel if that passes its check, else torch; the backward by the Triton region
+    kernel between cuBLAS matmuls if it passes its check, else torch; torch elsewhere. The fused backward is not
+    the default: each of its programs writes 128 columns of ``d hidden`` / ``d W`` and recomputes its logits
+    tiles, so it forms the logits 2·ceil(h/128) times (14 at h = 896) against the regions path's 2.
+    ``fused_forward`` / ``fused`` (both halves fused) / ``regions``: those Triton kernels on any device,
+    unchecked (on a CPU under ``TRITON_INTERPRET=1``). ``torch``: the torch path."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
-        return False, chunk_stats, chunk_grad
+        return False, chunk_stats, False, chunk_grad
     try:
         from . import linear_head_triton  # never imported on a CPU by default
     except ImportError as error:
         if kernel != "auto":
             raise ValueError(f"kernel={kernel!r} needs Triton, which does not import ({error})") from None
-        return False, chunk_stats, chunk_grad
-    if kernel == "fused" or (kernel == "auto" and dtype in _FUSED_DTYPES and linear_head_triton.fused_usable(device)):
-        return True, linear_head_triton.fused_stats, linear_head_triton.fused_grads
-    if kernel == "regions" or linear_head_triton.usable(device, chunk_stats, chunk_grad):
-        return False, linear_head_triton.chunk_stats, linear_head_triton.chunk_grad
-    return False, chunk_stats, chunk_grad
+        return False, chunk_stats, False, chunk_grad
+    if kernel == "fused":
+        return True, linear_head_triton.fused_stats, True, linear_head_triton.fused_grads
+    regions = kernel != "auto" or linear_head_triton.usable(device, chunk_stats, chunk_grad)
+    stats, grad = (linear_head_triton.chunk_stats, linear_head_triton.chunk_grad) if regions else \
+        (chunk_stats, chunk_grad)
+    if kernel == "fused_forward" or (kernel == "auto" and dtype in _FUSED_DTYPES
+                                     and linear_head_triton.fused_usable(device)):
+        return True, linear_head_triton.fused_stats, False, grad
+    return False, stats, False, grad
 
 
 class _LinearHead(torch.autograd.Function):
@@ -155,7 +167,7 @@ class _LinearHead(torch.autograd.Function):
         start, num_valid = _shard_layout(weight.t(), tp_group, vocab_size)  # [h, v/tp]: the vocab last
         n = labels.shape[0]
         dtype = _compute_dtype(weight)
-        fused, stats_fn, _ = _kernels(weight.device, kernel, weight.dtype)
+        fused, stats_fn, _, _ = _kernels(weight.device, kernel, weight.dtype)
         index, on_shard = _label_index(labels, start, num_valid)
         flat = hidden.reshape(-1, hidden.shape[-1])  # [M, h]
         w = weight[:num_valid]  # [n_valid, h]
@@ -185,7 +197,7 @@ class _LinearHead(torch.autograd.Function):
         none = (None,) * 8
         if (grad_log_probs is None and grad_entropy is None) or not (need_hidden or need_weight):
             return (None, None) + none
-        fused, _, grad_fn = _kernels(weight.device, kernel, weight.dtype)
+        _, _, fused, grad_fn = _kernels(weight.device, kernel, weight.dtype)
         flat = hidden.reshape(-1, hidden.shape[-1])  # [M, h]
         w = weight[:num_valid]  # [n_valid, h]
         n = labels.shape[0]
@@ -283,9 +295,11 @@ def linear_log_probs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels:
         entropy: also return the entropy.
         chunk_tokens: positions at a time; bounds every ``[·, v/tp]`` temporary to ``chunk_tokens × v/tp``.
             None: ``CHUNK_ELEMENTS // (v/tp)``. The matmul-fused kernels take every position at once.
-        kernel: ``auto`` (on CUDA the Triton matmul-fused kernels for a bf16/fp16/fp32 weight, else the Triton
-            region kernels, each if it passes its first-use check, else torch; torch elsewhere), ``fused``,
-            ``regions`` (those Triton kernels unchecked, on any device Triton runs on) or ``torch``.
+        kernel: ``auto`` (on CUDA the forward by the Triton matmul-fused kernel for a bf16/fp16/fp32 weight, else
+            the Triton region kernel; the backward by the Triton region kernel between cuBLAS matmuls; each if it
+            passes its first-use check, else torch; torch elsewhere), ``fused_forward`` (that, unchecked),
+            ``fused`` (forward and backward matmul-fused), ``regions`` (those Triton kernels unchecked, on any
+            device Triton runs on) or ``torch``.
 
     Returns:
         ``(log_probs [N], entropy [N] or None)``, fp32 (fp64 for an fp64 weight); gradients to ``hidden`` (its

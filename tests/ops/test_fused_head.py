@@ -58,7 +58,7 @@ def _run(op, logits, inputs, tp_group, full=None, columns=None):
         weight = torch.eye(full.shape[-1], dtype=full.dtype)[columns].requires_grad_()  # [v/tp, width]
         kernels = linear_head._kernels
         if op == "linear_fused":  # the matmul-fused path, its torch references in place of the Triton kernels
-            linear_head._kernels = lambda *args: (True, linear_head.fused_stats, linear_head.fused_grads)
+            linear_head._kernels = lambda *args: (True, linear_head.fused_stats, True, linear_head.fused_grads)
         try:  # forward and backward
             logp, ent = linear_log_probs_entropy(x, weight, inputs["labels"], tp_group, entropy=True,
                                                  chunk_tokens=CHUNK, **kw)
