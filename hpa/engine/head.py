@@ -32,7 +32,8 @@ class HeadInput:
             megatron's region function, which reduces its gradient over TP).
         weight: the output layer's local vocab shard ``[v/tp, h]`` (the embedding's when tied).
         kernel: the head's kernels (``hpa.ops.linear_head.linear_log_probs_entropy``): ``auto`` (on CUDA the
-            matmul-fused Triton kernels, else the region kernels, else torch), ``fused``, ``regions``, ``torch``.
+            matmul-fused Triton forward and the region backward, each falling back to the region kernels, then
+            torch), ``fused_forward``, ``fused`` (the backward fused too), ``regions``, ``torch``.
     """
 
     hidden: torch.Tensor
