@@ -384,13 +384,15 @@ def test_fused_triton_kernels_in_triton_s_interpreter():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_fused_triton_kernels_on_a_gpu(dtype):
-    """On CUDA the matmul-fused kernels pass their first-use check and are the default (``auto``), and at a
-    real vocabulary shard their values and gradients match the torch path on fp32 inputs."""
+    """On CUDA the matmul-fused forward passes its first-use check and is the default's forward (``auto``, with
+    the region backward), and at a real vocabulary shard the default and the fully fused head (values and
+    gradients) match the torch path on fp32 inputs."""
     from hpa.ops import linear_head_triton
 
     device = torch.device("cuda")
     assert linear_head_triton.fused_usable(device)
-    assert linear_head._kernels(device, "auto", dtype)[1] is linear_head_triton.fused_stats
+    assert linear_head._kernels(device, "auto", dtype) == (True, linear_head_triton.fused_stats, False,
+                                                            linear_head_triton.chunk_grad)
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(300, 256, device=device, generator=gen)
     w = 0.1 * torch.randn(151_936 // 4, 256, device=device, generator=gen)
@@ -404,8 +406,10 @@ def test_fused_triton_kernels_on_a_gpu(dtype):
         return logp, ent, a.grad.float(), b.grad.float()
 
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
-    for got, want in zip(run("fused", dtype), run("torch", torch.float32)):
-        torch.testing.assert_close(got, want, **tol)
+    want = run("torch", torch.float32)
+    for kernel in ("fused_forward", "fused"):
+        for got, ref in zip(run(kernel, dtype), want):
+            torch.testing.assert_close(got, ref, **tol)
 
 
 def test_triton_kernels_in_triton_s_interpreter():
