@@ -11,22 +11,31 @@ each tensor argument and writes each tensor output once, so it moves the bytes o
 filled allocation (``new_zeros``, ``zeros_like``, ...) writes its output only; a
 gather (``index``, ``index_select``, ``gather``) reads only the elements it outputs, a scatter (``index_add_``,
 ``scatter_add_``, ``index_put_``) reads its source and reads and writes only the elements it updates. A fused
-region (the linear head's per-chunk ``chunk_stats`` and ``chunk_grad``: one Triton kernel each on CUDA)
-counts its inputs and outputs only, what the fused kernel moves; ``head.bytes_per_token_eager`` counts the
-same head with those regions op by op, what the CPU's eager torch path moves. Everything runs on fake
+kernel (the linear head's matmul-fused ``fused_stats`` and ``fused_grads``, or its per-chunk regions
+``chunk_stats`` and ``chunk_grad`` between cuBLAS matmuls) counts its inputs and outputs once, as a
+matmul does: tiles a kernel reads again (the weight once per token tile, the hidden states once per vocab tile)
+are taken to come from cache. ``head.bytes_per_token_eager`` counts the chunked head with its regions op by op,
+what the CPU's eager torch path moves. Everything runs on fake
 tensors (``FakeTensorMode``), so the real shapes cost no memory and no time.
 
 What runs: one packed micro-batch of ``ROWS`` rows of ``PROMPT`` prompt and ``RESPONSE`` response tokens;
 hidden states ``[1, T, h]`` (narrow ``HIDDEN``) and the output weight ``[V, h]``, bf16; the loss
 ``Σ log p − 0.01·Σ H`` over the response tokens; backward to the hidden states and the weight.
 
-- ``head.bytes_per_token``: the head from hidden states (``hpa.ops.linear_head``), the trainer's default.
+- ``head.bytes_per_token``: the head from hidden states (``hpa.ops.linear_head``) as CUDA runs it by default
+  (``fused_forward``): the matmul-fused forward (the hidden states and the weight read, ``[N]`` statistics
+  written, no logits in memory), then the region backward: a chunk's recomputed logits written by a cuBLAS
+  matmul, read by ``chunk_grad`` which writes ``d logits``, read by the two gradient matmuls (5 logit passes).
+- ``head.bytes_per_token_fused_backward``: both halves matmul-fused (``kernel="fused"``): no logits in memory
+  either way (the hidden states, the weight, per-token statistics and the two gradients).
+- ``head.bytes_per_token_unfused_matmul``: the same head with cuBLAS matmuls and the two per-chunk region
+  kernels both ways (``regions``, the CUDA fallback): the logits of a chunk go through memory 7 times.
 - ``head.bytes_per_token_logits``: the head before it, the same counter: megatron's output layer forms the
   logits of every position (``F.linear``), then the chunked head on logits (``hpa.ops.fused_head``) at the
   response positions, then the output layer's backward matmuls on the full ``[T, V]`` logits' gradient.
-- ``head.bytes_per_token_h896``: the new head at the real hidden size (Qwen2-0.5B), where the weight's share
-  (read by three matmuls a chunk, its gradient written once) is ~4·2·V·h / (tokens a chunk); here the 1,536
-  response tokens are one chunk (the default chunk is 1,766 tokens at TP1).
+- ``head.bytes_per_token_h896`` and ``head.bytes_per_token_unfused_matmul_h896``: the default and ``regions`` at
+  the real hidden size (Qwen2-0.5B), where the weight's share (read three or four times, its gradient written
+  once) is ~(4 to 5)·2·V·h / (tokens a call or a chunk); here the 1,536 response tokens are one chunk (the default chunk is 1,766 tokens at TP1).
 - ``head.logit_passes``: ``head.bytes_per_token`` in units of one bf16 pass over a token's logits (2·V bytes).
 """
 
@@ -124,8 +133,12 @@ def _logits(hidden, weight, positions, labels):
     return fused_log_probs_entropy(logits, labels, None, VOCAB, positions=positions, entropy=True)
 
 
-def bytes_per_token(head, *, hidden_size: int = HIDDEN, fused_regions: bool = True) -> float:
-    """Bytes the forward and backward of ``head`` move per response token (fake tensors, the ``HbmBytes`` model)."""
+def bytes_per_token(head, *, hidden_size: int = HIDDEN, fused_regions: bool = True, fused_forward: bool = False,
+                    fused_backward: bool = False) -> float:
+    """Bytes the forward and backward of ``head`` move per response token (fake tensors, the ``HbmBytes`` model).
+    ``fused_forward``: the linear head's forward runs its matmul-fused kernel, its backward cuBLAS matmuls and the
+    region kernel (the CUDA default); with ``fused_backward`` the backward runs matmul-fused too. Each fused
+    kernel counts as one region (their torch references stand in for them on fake tensors)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hpa.ops import linear_head
@@ -133,7 +146,13 @@ def bytes_per_token(head, *, hidden_size: int = HIDDEN, fused_regions: bool = Tr
     counter = HbmBytes()
     with contextlib.ExitStack() as stack:
         stack.enter_context(FakeTensorMode())
-        if fused_regions:
+        if fused_forward:
+            original = linear_head._kernels
+            stack.callback(setattr, linear_head, "_kernels", original)
+            kernels = (True, counter.region(linear_head.fused_stats), fused_backward,
+                       counter.region(linear_head.fused_grads if fused_backward else linear_head.chunk_grad))
+            setattr(linear_head, "_kernels", lambda *args, **kwargs: kernels)
+        elif fused_regions:
             for name in ("chunk_stats", "chunk_grad"):
                 original = getattr(linear_head, name)
                 stack.callback(setattr, linear_head, name, original)
@@ -146,11 +165,15 @@ def bytes_per_token(head, *, hidden_size: int = HIDDEN, fused_regions: bool = Tr
 
 
 def measure() -> Dict[str, float]:
-    new = bytes_per_token(_linear)
+    new = bytes_per_token(_linear, fused_forward=True)
     return {"head.bytes_per_token": round(new),
+            "head.bytes_per_token_fused_backward": round(bytes_per_token(_linear, fused_forward=True,
+                                                                         fused_backward=True)),
+            "head.bytes_per_token_unfused_matmul": round(bytes_per_token(_linear)),
             "head.bytes_per_token_logits": round(bytes_per_token(_logits)),
             "head.bytes_per_token_eager": round(bytes_per_token(_linear, fused_regions=False)),
-            "head.bytes_per_token_h896": round(bytes_per_token(_linear, hidden_size=896)),
+            "head.bytes_per_token_h896": round(bytes_per_token(_linear, hidden_size=896, fused_forward=True)),
+            "head.bytes_per_token_unfused_matmul_h896": round(bytes_per_token(_linear, hidden_size=896)),
             "head.logit_passes": round(new / (2 * VOCAB), 2)}
 
 

@@ -31,10 +31,14 @@ class HeadInput:
         hidden: ``[b, s, h]`` padded or ``[1, T, h]`` packed, replicated over TP (the output layer's input after
             megatron's region function, which reduces its gradient over TP).
         weight: the output layer's local vocab shard ``[v/tp, h]`` (the embedding's when tied).
+        kernel: the head's kernels (``hpa.ops.linear_head.linear_log_probs_entropy``): ``auto`` (on CUDA the
+            matmul-fused Triton forward and the region backward, each falling back to the region kernels, then
+            torch), ``fused_forward``, ``fused`` (the backward fused too), ``regions``, ``torch``.
     """
 
     hidden: torch.Tensor
     weight: torch.Tensor
+    kernel: str = "auto"
 
     @property
     def device(self) -> torch.device:
@@ -44,7 +48,7 @@ class HeadInput:
         """The head's input at some positions (``index`` applies to ``hidden``'s leading dimensions), as
         slicing the logits would give: a mixed micro-batch splits its output by stream
         (``MicroBatch.split``)."""
-        return HeadInput(self.hidden[index], self.weight)
+        return HeadInput(self.hidden[index], self.weight, self.kernel)
 
 
 Output = Union[torch.Tensor, HeadInput]  # logits [n, s, v/tp] | [1, T, v/tp], or the head's input
@@ -123,7 +127,7 @@ def _head(batch: MicroBatch, logits: Output, flat: torch.Tensor, tp_group, vocab
     if isinstance(logits, HeadInput):
         logp, ent = linear_log_probs_entropy(logits.hidden, logits.weight, labels, tp_group, vocab_size,
                                              temperature, positions=index, entropy=entropy,
-                                             chunk_tokens=chunk_tokens)
+                                             chunk_tokens=chunk_tokens, kernel=logits.kernel)
     else:
         logp, ent = fused_log_probs_entropy(logits, labels, tp_group, vocab_size, temperature, positions=index,
                                             entropy=entropy, chunk_tokens=chunk_tokens)  # no copy of a slice

@@ -238,3 +238,23 @@ def test_hidden_head_equals_the_model_logits_in_a_model(layout):
             assert sum(float(g.abs().sum()) for g in got_grads) > 0
             for g, w in zip(got_grads, want_grads):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_the_head_input_carries_its_kernel_choice(monkeypatch):
+    """``HeadInput.kernel`` reaches ``linear_log_probs_entropy`` (kept when a mixed micro-batch slices it)."""
+    from hpa.engine.head import HeadInput, response_log_probs
+    from hpa.ops import linear_head
+
+    seen = []
+    original = linear_head._kernels
+    monkeypatch.setattr(linear_head, "_kernels", lambda device, kernel, *rest: seen.append(kernel) or
+                        original(device, "torch", *rest))
+    batch = _batch("rollout", packed=False)
+    _, hidden = _logits(batch, 0, 1)
+    weight = torch.randn(WIDTH, HIDDEN)
+    head = HeadInput(hidden, weight, "regions")
+    assert head[0:2].kernel == "regions"
+    response_log_probs(batch, head, None, vocab_size=VOCAB_SIZE)
+    assert seen == ["regions"]
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        response_log_probs(batch, HeadInput(hidden, weight, "cuda"), None, vocab_size=VOCAB_SIZE)

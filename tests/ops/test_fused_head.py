@@ -5,7 +5,9 @@ tensor larger than one chunk during its forward and backward (a dispatch-mode ch
 "fused" is the head on given logits (``hpa.ops.fused_head``); "linear" the head on hidden states and the output
 weight (``hpa.ops.linear_head``), fed the case's full logits as hidden states and the rows of the identity its
 shard owns as the weight, so its logits are the case's exactly and ``d hidden`` on the shard's columns is the
-logits' gradient; its ``d weight`` is checked against ``d logitsᵀ·hidden`` of today's ops."""
+logits' gradient; its ``d weight`` is checked against ``d logitsᵀ·hidden`` of today's ops. "linear_fused" is the
+same head on its matmul-fused path (every position at once, the shard statistics merged as the chunked path's),
+with the torch references of the fused Triton kernels."""
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpa.ops.fused_head import fused_log_probs_entropy
+from hpa.ops import linear_head
 from hpa.ops.linear_head import linear_log_probs_entropy
 from hpa.ops.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 from tests.multirank import run_ranks
@@ -50,12 +53,18 @@ def _run(op, logits, inputs, tp_group, full=None, columns=None):
     """``op``'s log-probs, entropy and the gradient of ``Σ w0·logp + w1·H`` to ``logits`` (the linear head: to
     the hidden states ``full`` on the shard's ``columns``, and its weight gradient)."""
     kw = dict(vocab_size=inputs["vocab_size"], temperature=inputs["temperature"])
-    if op == "linear":
+    if op in ("linear", "linear_fused"):
         x = full.clone().requires_grad_()
         weight = torch.eye(full.shape[-1], dtype=full.dtype)[columns].requires_grad_()  # [v/tp, width]
-        logp, ent = linear_log_probs_entropy(x, weight, inputs["labels"], tp_group, entropy=True,
-                                             chunk_tokens=CHUNK, **kw)
-        (inputs["weights"][0] * logp + inputs["weights"][1] * ent).sum().backward()
+        kernels = linear_head._kernels
+        if op == "linear_fused":  # the matmul-fused path, its torch references in place of the Triton kernels
+            linear_head._kernels = lambda *args: (True, linear_head.fused_stats, True, linear_head.fused_grads)
+        try:  # forward and backward
+            logp, ent = linear_log_probs_entropy(x, weight, inputs["labels"], tp_group, entropy=True,
+                                                 chunk_tokens=CHUNK, **kw)
+            (inputs["weights"][0] * logp + inputs["weights"][1] * ent).sum().backward()
+        finally:
+            linear_head._kernels = kernels
         return dict(logp=logp.detach().double().numpy(), ent=ent.detach().double().numpy(), dtype=str(logp.dtype),
                     grad=x.grad[:, columns].double().numpy(), grad_dtype=str(x.grad.dtype),
                     weight_grad=weight.grad.double().numpy(), weight_grad_dtype=str(weight.grad.dtype))
@@ -81,13 +90,15 @@ def worker(groups, names):
         columns = slice(groups.tp_rank * width, (groups.tp_rank + 1) * width)
         out[name] = {"fused": _run("fused", shard.to(dtype), inputs, groups.tp_group),
                      "linear": _run("linear", None, inputs, groups.tp_group, inputs["logits"].to(dtype), columns),
+                     "linear_fused": _run("linear_fused", None, inputs, groups.tp_group, inputs["logits"].to(dtype),
+                                          columns),
                      "today": _run("today", shard.to(dtype), inputs, groups.tp_group),
                      "today_fp32": _run("today", shard, inputs, groups.tp_group)}  # bf16's unrounded logits
     return dict(tp_rank=groups.tp_rank, cases=out)
 
 
 _RESULTS = {}
-OPS = ("fused", "linear")
+OPS = ("fused", "linear", "linear_fused")
 
 
 def results_for(tp):
@@ -103,7 +114,7 @@ def results_for(tp):
                     np.testing.assert_array_equal(r["logp"], per_rank[0]["logp"])
                     np.testing.assert_array_equal(r["ent"], per_rank[0]["ent"])
                 merged[name][op] = dict(per_rank[0], grad=np.concatenate([r["grad"] for r in per_rank], axis=-1))
-                if op == "linear":  # d weight = d logitsᵀ · hidden, with today's d logits
+                if op in ("linear", "linear_fused"):  # d weight = d logitsᵀ · hidden, with today's d logits
                     grad = merged[name]["today"]["grad"]
                     hidden = make_case(name)["logits"].to(getattr(torch, CASES[name]["dtype"])).double().numpy()
                     merged[name][op]["weight_grad"] = np.concatenate([r["weight_grad"] for r in per_rank])
@@ -129,7 +140,7 @@ def test_equals_the_separate_ops(tp, name, op):
     vocab_size = CASES[name]["vocab_size"]
     if vocab_size is not None:  # padded columns get no gradient
         assert not got["grad"][:, vocab_size:].any()
-    if op == "linear":
+    if op in ("linear", "linear_fused"):
         assert got["weight_grad_dtype"] == "torch." + CASES[name]["dtype"]
         scale = 1.0 if not large else CASES[name]["scale"]  # d weight = d logitsᵀ · hidden: hidden's scale
         bf16 = CASES[name]["dtype"] == "bfloat16"  # d logits and d weight each rounded to bf16
