@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from hpa.distributed.device_mode import is_device_tensor, on_device
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine.head import HeadInput, deferrable, defer_output_layer
 from hpa.engine.micro_batch import MicroBatch, host_to_device
@@ -78,7 +79,10 @@ def forward_backward(model, micro_batches: Sequence[dict], loss_fn: LossFn, grou
             if output_tensor.shape[1] != s:  # [b, s_pad, ...] -> [b, s, ...]
                 output_tensor = output_tensor[:, :s]
             if defer:
-                output_tensor = HeadInput(output_tensor, weight[0])
+                head_weight = weight[0]
+                if is_device_tensor(output_tensor) and not is_device_tensor(head_weight):
+                    head_weight = on_device(head_weight)  # the test device mode: it leaves the model as outputs do
+                output_tensor = HeadInput(output_tensor, head_weight)
             loss, metrics = loss_fn(batch, output_tensor, hidden)
             # megatron's schedule scales the loss with its own tensors, on the parameters' device
             return loss.to(device) * scale, metrics
