@@ -85,7 +85,7 @@ def unique_rows(rows: Sequence[Sequence[int]]) -> Tuple[List[List[int]], torch.T
 # prompt); it separates the hackable tasks' uncovered kind best (experiments/start-rollouts-and-coverage.md);
 # ``sequence`` (prompt + response against the chosen sequences) stays for the tests and probes
 COVERAGE_SPACE = "prompt"
-# neighbours whose mean cosine distance is a row's distance (chosen on the reward models of hackable 0-4,
+# neighbours whose mean cosine distance is a row's distance (chosen on the reward models of five hackable tasks,
 # experiments/redrawn-tasks.md)
 COVERAGE_K = 5
 # trust 1 up to the held-out pairs' median distance, 0 from ``margin`` times their 95 % quantile (chosen with
