@@ -75,12 +75,15 @@ BUILTIN_VARIANTS: Dict[str, Tuple[str, ...]] = {
                 "algorithm.dpo.rpo_alpha=1.0"),
     # each trust part alone, on top of the recipe
     "hpa-anchor": (*RECIPE, "algorithm.dpo.rpo_alpha=1.0"),
-    "hpa-components": (*RECIPE, "algorithm.advantage.per_component=true"),
-    "hpa-gate": (*RECIPE, "algorithm.advantage.per_component=true", "algorithm.hpa.gate.enabled=true"),
+    # per-component advantages with the coverage trust on their learned part (which rode along with them once
+    # it was on by default, experiments/start-rollouts-and-coverage.md; needs reward models and held-out pairs)
+    "hpa-components": (*RECIPE, "algorithm.advantage.per_component=true", "algorithm.hpa.trust.regime=coverage"),
+    # the trust regime back at auto: the gate, and the coverage trust as above where its inputs are given
+    "hpa-gate": (*RECIPE, "algorithm.advantage.per_component=true", "algorithm.hpa.trust.regime=auto"),
     "hpa-balance": (*RECIPE, "algorithm.hpa.balance.enabled=true"),
     # all of them (the defaults, spelled out): anchor, per-component advantages, trust gate, balance
     "hpa-trust": ("algorithm.dpo.rpo_alpha=1.0", "algorithm.advantage.per_component=true",
-                  "algorithm.hpa.gate.enabled=true", "algorithm.hpa.balance.enabled=true"),
+                  "algorithm.hpa.trust.regime=auto", "algorithm.hpa.balance.enabled=true"),
 }
 LAUNCHER_NAMES = ("sequential", "torchrun")
 # the held-out numbers an evaluation logs (hpa.trainer.evaluate: eval/<name>, and eval/score/<category>,

@@ -231,6 +231,21 @@ def test_single_component_baselines_start_from_the_recipe():
     assert BUILTIN_VARIANTS["hpa"] == ()
 
 
+def test_the_trust_variants_run_the_controllers_they_ran_before_the_regime():
+    """With reward models and held-out pairs (the shipped ablation files), each built-in variant runs the trust
+    controllers it ran when they were ``gate.enabled`` / ``coverage.enabled`` (the coverage trust rode along
+    wherever per-component advantages were on): the regimes change no run of those files."""
+    from hpa.config.schema import coverage_enabled, trust_gate_enabled
+
+    given = ["data.heldout_preference_path=h.jsonl", "reward.model_paths=[rm]", "algorithm.advantage.estimator=grpo"]
+    expected = {"hpa": (True, True), "hpa-trust": (True, True), "hpa-gate": (True, True),
+                "hpa-components": (False, True), "hpa-recipe": (False, False), "hpa-anchor": (False, False),
+                "hpa-balance": (False, False), "dpo-rpo": (False, False)}
+    for name, (gate, coverage) in expected.items():
+        cfg = load_config(None, [*given, *ablate.BUILTIN_VARIANTS[name]])
+        assert (trust_gate_enabled(cfg), coverage_enabled(cfg)) == (gate, coverage), name
+
+
 # a stand-in for ``hpa train`` that answers SIGTERM as it does (exit_status.json, exit 0) or ignores it
 STOPPABLE = r"""
 import json, signal, sys, time

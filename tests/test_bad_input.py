@@ -42,7 +42,8 @@ def test_check_config_bad_arguments(tmp_path, capsys):
                           (["--config", str(tmp_path)], ("is a directory",)),
                           (["optim.lr=.nan"], ("optim.lr", "command line", "finite")),
                           (["trainer.seed=-1"], ("trainer.seed", "command line", "4294967295")),
-                          (["algorithm.hpa.gate.enabled=true"], ("algorithm.hpa.gate.enabled", "command line"))]:
+                          (["algorithm.hpa.trust.regime=gate"], ("algorithm.hpa.trust.regime", "command line")),
+                          (["algorithm.hpa.gate.kp=3"], ("algorithm.hpa.gate.kp", "GATE_KP", "command line"))]:
         _one_line_error(capsys, main(["check-config", *argv]), *needles)
 
 
@@ -121,9 +122,9 @@ def _ablation(tmp_path, data, **section):
 
 
 @pytest.mark.parametrize("section,overrides,needles", [
-    ({"custom": [{"name": "cov", "overrides": ["algorithm.hpa.coverage.enabled=true"]}]}, [],
-     ("the overrides of variant 'cov'", "algorithm.hpa.coverage.enabled")),
-    ({"variants": ["hpa", "hpa-gate"]}, [], ("variant 'hpa-gate'", "algorithm.hpa.gate.enabled")),
+    ({"custom": [{"name": "cov", "overrides": ["algorithm.hpa.trust.regime=coverage"]}]}, [],
+     ("the overrides of variant 'cov'", "algorithm.hpa.trust.regime")),
+    ({"variants": ["hpa", "hpa-components"]}, [], ("variant 'hpa-components'", "algorithm.hpa.trust.regime")),
     ({}, ["ablate.seeds=[1, -1]"], ("ablate.seeds", "4294967295")),
     ({"seeds": [1, 4294967296]}, [], ("ablate.seeds", "ablate.yaml:")),
     ({}, ["ablate.metric=eval/scroe"], ("ablate.metric", "eval/score")),
@@ -298,17 +299,14 @@ def test_a_resume_path_that_is_no_checkpoint_names_the_key(data, tmp_path, capsy
 
 @pytest.mark.parametrize("overrides,needles", [
     (["model.lora.rank=65", "algorithm.advantage.estimator=grpo"], ("model.lora.rank", "65", "at most 64")),
-    (["algorithm.hpa.gate.kp=0", "algorithm.hpa.gate.ki=0"], ("algorithm.hpa.gate.kp", "ki are both 0")),
-    (["algorithm.hpa.coverage.released_pairs=0"], ("algorithm.hpa.coverage.released_pairs", "out of range (0.0")),
+    (["algorithm.hpa.trust.released_pairs=0"], ("algorithm.hpa.trust.released_pairs", "out of range (0.0")),
 ])
 def test_values_that_do_nothing_are_refused(overrides, needles, capsys):
     """A LoRA rank above a targeted layer's width (tiny: 64 wide) adds parameters and nothing else, and ``hpa plan``
-    would call it a fit; a gate with no gain never acts; no pairs where the coverage hold is released drops the
+    would call it a fit; no pairs where the coverage hold is released drops the
     pair stream there. Each is one line naming the key, from ``hpa plan`` as from every command."""
     _one_line_error(capsys, main(["plan", "--world-size", "1", "--gpu-memory-gb", "80", *overrides]), *needles)
     load_config(None, ["model.lora.rank=64", "algorithm.advantage.estimator=grpo"])  # the width itself is fine
-    load_config(None, ["algorithm.hpa.gate.kp=0", "algorithm.hpa.gate.ki=0", "algorithm.hpa.gate.enabled=false"])
-    load_config(None, ["algorithm.hpa.gate.kp=0"])
 
 
 def test_plan_names_the_reward_config_flag(tmp_path, capsys):

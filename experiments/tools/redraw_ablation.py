@@ -8,7 +8,7 @@ data path, the SFT policy and the reward ensemble point into ``DIR``, and the va
 for. Usage::
 
     python -m experiments.tools.redraw_ablation --family hackable --task-dir runs/redraw/hackable_s3 \\
-        --variants hpa dpo-rpo --custom 'hpa-coverage: algorithm.hpa.coverage.enabled=true' \\
+        --variants hpa dpo-rpo --custom 'hpa-coverage: algorithm.hpa.trust.regime=coverage' \\
         --out runs/redraw/hackable_s3/ablate.yaml
     OMP_NUM_THREADS=1 hpa ablate --config runs/redraw/hackable_s3/ablate.yaml
 

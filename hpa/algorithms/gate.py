@@ -2,7 +2,7 @@
 
 A learned reward can be exploited (reward hacking) while the verifiable (rule) reward cannot. The gate
 decides how far to trust the learned part of the advantage from a signal that needs no gold labels,
-read on held-out preference pairs (never trained on). Four signals (``algorithm.hpa.gate.signal``):
+read on held-out preference pairs (never trained on). Four signals (``algorithm.hpa.trust.signal``):
 
 - ``reward_ceiling``: the reward models are validated only up to the responses people
   preferred. The ceiling is the learned reward of the held-out pairs' chosen responses (their mean),
@@ -73,6 +73,24 @@ from __future__ import annotations
 import math
 from typing import Dict, Optional
 
+# The gate's constants (``algorithm.hpa.trust`` keeps only ``signal`` and ``slack`` as keys), each a default a
+# sweep or the design chose, no user has a reason to move:
+# the PI gains: relative errors make them model-free; a violation 0.1 beyond the slack halves the learned
+# component at once, each step it lasts adds 0.1 to λ (the values experiments/demo-tables.md ran with)
+GATE_KP, GATE_KI = 10.0, 1.0
+# the learned reward's EMA factor: one batch's mean moves by a quarter of a reward unit between steps on the demo
+# tasks, about ten steps of memory smooth it (the value experiments/demo-tables.md ran with)
+GATE_REWARD_EMA = 0.9
+# start_rollouts: the start policy samples ``rollout.n`` responses to this many training prompts (evenly spaced;
+# all of them when fewer) at the first update, their mean learned reward the baseline
+# (experiments/gate-baseline-at-start-up.md)
+GATE_BASELINE_PROMPTS = 1024
+# the baseline from the first updates' batches instead (``baseline_prompts`` 0, the behaviour before the record
+# above): still read from a checkpoint saved while counting them
+GATE_BASELINE_STEPS = 5
+# start_rollouts: the headroom above the baseline is this times what the held-out pairs support
+# (experiments/start-rollouts-and-coverage.md)
+GATE_HEADROOM_SCALE = 1.0
 
 
 class TrustGate:
@@ -90,8 +108,9 @@ class TrustGate:
             ceiling is the baseline).
     """
 
-    def __init__(self, *, signal: str = "start_rollouts", slack: float = 0.02, kp: float = 10.0, ki: float = 1.0,
-                 reward_ema: float = 0.9, baseline_steps: int = 5, headroom_scale: float = 1.0):
+    def __init__(self, *, signal: str = "start_rollouts", slack: float = 0.02, kp: float = GATE_KP,
+                 ki: float = GATE_KI, reward_ema: float = GATE_REWARD_EMA, baseline_steps: int = GATE_BASELINE_STEPS,
+                 headroom_scale: float = GATE_HEADROOM_SCALE):
         if signal not in GATE_SIGNALS:
             raise ValueError(f"TrustGate signal must be one of {GATE_SIGNALS}, got {signal!r}")
         if slack < 0 or kp < 0 or ki < 0 or not 0 <= reward_ema < 1:
@@ -149,7 +168,7 @@ class TrustGate:
 
     def set_baseline(self, baseline: float) -> None:
         """start_rollouts: the baseline measured before the first update (the start policy's sampled rollouts
-        on the training prompts, ``algorithm.hpa.gate.baseline_prompts``): the ceiling is known at once and
+        on the training prompts, ``GATE_BASELINE_PROMPTS``): the ceiling is known at once and
         the EMA starts there, so the comparison starts at 0 excess; needs ``set_headroom`` first."""
         if self.headroom is None:
             raise RuntimeError("the start_rollouts gate needs set_headroom() before set_baseline()")
@@ -249,7 +268,7 @@ class TrustGate:
         self.baseline_count = int(state.get("baseline_count", self.baseline_count))
 
 
-# each signal's update (the names are ``algorithm.hpa.gate.signal``'s)
+# each signal's update (the names are ``algorithm.hpa.trust.signal``'s)
 _UPDATES = {"heldout_nll": lambda gate, nll, reward: gate._update_nll(nll, reward),
             "reward_ceiling": lambda gate, nll, reward: gate._update_ceiling(reward),
             "sampled_ceiling": lambda gate, nll, reward: gate._update_ceiling(reward),

@@ -104,7 +104,7 @@ class AdvantageConfig:
         epsilon: added to the GRPO group std.
         per_component: group-normalise the rule reward and the learned part of the shaped reward
             (reward models, σ, diversity, length and copy terms) separately and add them with their
-            shares of the reward weights, so the trust gate (``algorithm.hpa.gate``) can scale the
+            shares of the reward weights, so the trust gate (``algorithm.hpa.trust``) can scale the
             learned part alone; a rule that abstains on a prompt contributes 0. None (default): on with
             ``grpo`` when reward models are configured (``reward.model_paths``: a learned reward to
             gate), off otherwise; true needs ``grpo``.
@@ -288,76 +288,6 @@ class KLConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrustGateConfig:
-    """The trust gate on the learned reward: a PI Lagrangian controller (``hpa.algorithms.gate``).
-
-    It reads held-out preference pairs (``data.heldout_preference_path``, never trained on) and weights
-    the learned component of the advantage ``1/(1+λ)``. Needs ``algorithm.advantage.per_component``.
-
-    Attributes:
-        enabled: None (default): on whenever per-component advantages are in effect and
-            ``data.heldout_preference_path`` is set; true requires both; false is off.
-        signal: start_rollouts (default): λ rises while the learned reward of the rollouts
-            (EMA) is above the start policy's own rollouts' learned reward on the training prompts (the first
-            update's batch: the same prompts, sampled the same way) plus the headroom the held-out
-            preferences support (chosen - the start's greedy responses on the held-out prompts, at least 0),
-            in units of the held-out chosen - rejected margin (docs/objective.md; chosen in
-            experiments/start-rollouts-and-coverage.md); sampled_ceiling (the default before): λ rises while
-            the learned reward of the rollouts (EMA) is above the reward models' mean score of the held-out
-            chosen responses lowered by the start policy's greedy - sampled learned reward on the held-out
-            prompts (the rollouts are sampled, the chosen responses are not; ``hpa.algorithms.gate``), in
-            units of their mean chosen - rejected margin;
-            reward_ceiling: the same without the offset (the first default: on re-drawn hackable tasks it
-            stayed open while the policy was hacked, experiments/redrawn-tasks.md); heldout_nll: λ rises
-            while the policy's per-token NLL of the held-out chosen responses regresses beyond its best while
-            the learned reward rises.
-        slack: violation that costs nothing: margins above the ceiling (the two ceilings) or relative
-            regression of the NLL (heldout_nll; 0.02 = 2 %).
-        kp: proportional gain (λ per unit of violation beyond the slack).
-        ki: integral gain (λ per unit of accumulated violation, one unit per step). kp and ki both 0 is an
-            error: λ would never rise.
-        reward_ema: smoothing of the learned reward (EMA factor).
-        baseline_steps: start_rollouts with ``baseline_prompts`` 0: the first updates whose rollouts' mean
-            learned reward is the baseline (the gate is open until then).
-        baseline_prompts: start_rollouts: at the first update, on the start weights (a resumed run keeps its
-            saved baseline and samples nothing), the start policy samples ``rollout.n`` responses (as
-            every step samples) to this many training prompts (evenly spaced over ``data.prompt_path``; all of
-            them when there are fewer), and their mean learned reward is the baseline; the gate acts from
-            the first update. 0: the first ``baseline_steps`` updates' batches are the baseline (the
-            earlier behaviour: five batches are too few, their mean lies a margin or more from the start's
-            own level on the demo tasks, and the gate stayed open or shut for a whole run by that draw,
-            experiments/gate-baseline-at-start-up.md).
-        headroom_scale: start_rollouts: the headroom above the baseline is this times what the held-out
-            preferences support (their chosen responses' learned reward minus the start's greedy responses'
-            on the same prompts, at least 0). 0: the ceiling is the baseline, the learned reward may not rise
-            above the start's own level on any task.
-    """
-
-    enabled: Optional[bool] = None
-    signal: str = "start_rollouts"
-    slack: float = 0.02
-    kp: float = 10.0
-    ki: float = 1.0
-    reward_ema: float = 0.9
-    baseline_steps: int = 5
-    baseline_prompts: int = 1024
-    headroom_scale: float = 1.0
-
-    def __post_init__(self):
-        check_choice("signal", self.signal, GATE_SIGNALS)
-        check_range("slack", self.slack, low=0.0)
-        check_range("kp", self.kp, low=0.0)
-        check_range("ki", self.ki, low=0.0)
-        if self.enabled is not False and self.kp == 0 and self.ki == 0:
-            raise ConfigError("kp", "and ki are both 0: λ never rises and the gate does nothing; give kp or ki "
-                                    "above 0, or turn the gate off (enabled: false)")
-        check_range("reward_ema", self.reward_ema, low=0.0, high=1.0, high_open=True)
-        check_range("baseline_steps", self.baseline_steps, low=1)
-        check_range("baseline_prompts", self.baseline_prompts, low=0)
-        check_range("headroom_scale", self.headroom_scale, low=0.0)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class BalanceConfig:
     """Automatic balance of the rollout (PPO, entropy, KL) and pair (DPO, anchor) gradients.
 
@@ -377,118 +307,61 @@ class BalanceConfig:
         check_range("measure_steps", self.measure_steps, low=1)
 
 
-COVERAGE_SPACES = ("prompt", "sequence")
-KL_BOOST_SHAPES = ("linear", "far")  # hpa.algorithms.coverage.abstention_kl_weights
+TRUST_REGIMES = ("auto", "coverage", "gate", "off")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CoverageConfig:
-    """Per-row trust of the learned reward from the coverage of its preference data
-    (``hpa.algorithms.coverage``): the learned component of each rollout's advantage is weighted by how
-    close its prompt (in the first reward model's pooled embedding space) lies to the prompts of
-    ``data.preference_path`` (the pairs the reward models were trained on), calibrated on
-    ``data.heldout_preference_path``. Needs per-component advantages, ``reward.model_paths`` and the
-    held-out pairs.
+class TrustConfig:
+    """How far the learned reward is trusted: one named regime and its few numbers (docs/objective.md).
+
+    Two controllers act on the learned component of the advantage (per-component advantages): the trust gate
+    (``hpa.algorithms.gate``) weights it ``1/(1+λ)`` for the whole step, λ rising while the rollouts' learned
+    reward climbs past what the held-out pairs (``data.heldout_preference_path``) support; the coverage trust
+    (``hpa.algorithms.coverage``) weights it per row by how close the row's prompt lies to the pairs the
+    reward models were trained on, and holds the rows no pair covers near the start (a heavier KL) where the
+    start does them well, else releases the hold (a lighter KL, heavier pairs). Their other constants are
+    module constants of those modules, each with the record that chose it.
 
     Attributes:
-        enabled: weight the learned component per row by its coverage trust. None (default; chosen in
-            experiments/start-rollouts-and-coverage.md): on whenever per-component advantages are in effect
-            and reward models and held-out pairs are given; true requires all three; false is off.
-        space: ``prompt`` (each prompt alone against every pair's prompt: one trust per prompt, the same
-            for every response to it, as a rule abstains per prompt; it separates the uncovered kind of the
-            hackable demo tasks best, docs/objective.md) or ``sequence`` (prompt + response against the
-            pairs' chosen sequences).
-        k: neighbours whose mean cosine distance is a row's distance.
-        low_quantile: trust is 1 up to this quantile of the held-out pairs' distances (0.5: a rollout as
-            close to the data as a typical held-out pair keeps its full learned advantage).
-        high_quantile: with ``margin``, where trust reaches 0.
-        margin: trust is 0 from ``high_quantile`` of the held-out distances times this (>= 1; 2.0: twice
-            as far as all but 5 % of the held-out prompts; measured, docs/objective.md).
-        kl_boost: where no reward has support, keep what the start did: each rollout row's hierarchical-KL
-            term to the reference is weighted by ``kl_boost_shape`` (a far prompt's KL counts
-            ``1 + kl_boost`` times; a covered one's is unchanged; a row a rule reward judges, its prompt
-            having a ground truth, keeps 1). 0: the trust only zeroes the learned advantage. Default 100
-            (0 before): chosen among 0, 20 and 100 on 6 hackable and 1 split re-drawn tasks, confirmed on
-            tasks never run before (experiments/far-rows-kl-boost.md).
-        kl_boost_shape: which rows the boost holds: ``far`` (default: ``1 + kl_boost``
-            only where the trust is 0; a row with some support keeps 1 and learns what its pairs teach) or
-            ``linear`` (``1 + kl_boost·(1 - trust)``, a partly covered row in proportion; the shape before).
-            ``far`` was chosen against ``linear`` on 10 hackable and 1 split re-drawn tasks and confirmed on
-            tasks never run before (experiments/hold-shape.md).
-        kl_boost_target: None (default): the boost is ``kl_boost`` throughout. A number: the boost adapts,
-            starting at ``kl_boost``: each step it grows where the far rows' KL to the reference (the k3
-            estimate per sampled token of the policy that sampled them, over the DP ranks, logged as
-            ``coverage/far_kl``) is above this target and shrinks where it is below, by at most a factor
-            ``e^0.2`` a step, between 0.01 and ``10·kl_boost`` (``coverage/kl_boost``; saved in
-            checkpoints). The hold then follows how far the other terms push the far rows: released
-            where they stay near the start, held where they drift. Needs ``kl_boost > 0`` and shape
-            ``far``. A probe, not a default (experiments/hold-size-probes.md).
-        hold_min_skill: hold the far rows only where the start did well there, as its demonstrations
-            measure it. At start-up the start decodes greedily the prompt of every example of
-            ``data.sft_path`` that no pair covers (trust 0; at most 512 of them out of at most 8,192 examples,
-            evenly spaced; sharded over DP); its skill is the share of them it answers exactly as
-            demonstrated (every token and the EOS). Below this share the boost is 0
-            for the run: there is little to keep, and a hold would pin what the start got wrong (with the SFT
-            replay on, the demonstrations then teach it). Logged as ``coverage/start_skill`` and
-            ``coverage/kl_boost``; saved in checkpoints. None, no ``data.sft_path``, or fewer than 32 far
-            examples: the boost is ``kl_boost`` throughout. Default 0.6 (chosen in
-            experiments/replay-and-hold-min-skill.md).
-        released_kl: where ``hold_min_skill`` releases the hold (the start's skill measured and below it),
-            every rollout row's hierarchical-KL term weighs this much (``w_kl`` times this, in effect), a
-            row a rule judges included: the start does the far kind badly, so nothing it did is worth the
-            full hold, on any row. Where the hold is kept, or nothing was measured, every row is as the
-            other keys say. 1: the KL as everywhere else. Default 0.25 (1 before): the full KL held a
-            weak start's covered kinds near what it got wrong (a re-drawn hackable task below ``dpo-rpo``,
-            experiments/lighter-kl-probes.md); chosen on 74 re-drawn tasks, confirmed on
-            20 never run before: at ``dpo-rpo``'s interval on 19 of 20, one below it by 0.008
+        regime: auto (default): each controller runs where its inputs are given (the gate with per-component
+            advantages and held-out pairs, and reward models for a signal that reads them; the coverage trust
+            with per-component advantages, reward models and held-out pairs); gate: the gate alone;
+            coverage: the coverage trust alone (both need their inputs); off: neither.
+        signal: what the gate compares: start_rollouts (default; the start's own rollouts plus the held-out
+            headroom, experiments/start-rollouts-and-coverage.md), sampled_ceiling, reward_ceiling (the held-out
+            chosen responses' learned reward), or heldout_nll (the held-out chosen NLL; needs no reward model).
+        slack: the gate's violation that costs nothing (margins above the ceiling; relative NLL regression).
+        margin: the coverage trust reaches 0 at this times the held-out pairs' 95 % distance (>= 1).
+        kl_boost: the far rows' KL to the reference counts ``1 + kl_boost`` times where the hold is kept; 0: no
+            hold (experiments/far-rows-kl-boost.md).
+        hold_min_skill: the start's greedy exact-match share on the uncovered demonstrations (``data.sft_path``)
+            below which the hold is released for the run; null: always hold
+            (experiments/replay-and-hold-min-skill.md).
+        released_kl: where the hold is released, every row's KL weighs ``w_kl`` times this
             (experiments/released-kl.md).
-        released_pairs: where ``hold_min_skill`` releases the hold, the pair stream (DPO, its anchor and the
-            SFT replay) weighs this much more, on top of the automatic balance's factor: a weak start learns
-            what it gets wrong from the pairs and demonstrations faster than from rollouts it scores on a
-            learned reward (two weak re-drawn hackable tasks fell behind ``dpo-rpo``, whose pair term has
-            no balance factor below 1). Where the hold is kept, or nothing was measured, the pairs weigh as
-            the other keys say. 1: no change; above 0 (0 would drop the pairs where they are meant to teach).
-            Default 2 (1 before): chosen against 3 on 10 released
-            hackable and 7 released split tasks already run (2: +0.021 on average, 15 of the 17 higher, worst
-            −0.007; 3: +0.019, worst −0.013), confirmed on tasks never run before
-            (experiments/released-pairs.md).
+        released_pairs: where the hold is released, the pair stream weighs this many times more (> 0;
+            experiments/released-pairs.md).
     """
 
-    enabled: Optional[bool] = None
-    space: str = "prompt"
-    k: int = 5
-    low_quantile: float = 0.5
-    high_quantile: float = 0.95
+    regime: str = "auto"
+    signal: str = "start_rollouts"
+    slack: float = 0.02
     margin: float = 2.0
     kl_boost: float = 100.0
-    kl_boost_shape: str = "far"
-    kl_boost_target: Optional[float] = None
     hold_min_skill: Optional[float] = 0.6
     released_kl: float = 0.25
     released_pairs: float = 2.0
 
     def __post_init__(self):
-        check_choice("space", self.space, COVERAGE_SPACES)
+        check_choice("regime", self.regime, TRUST_REGIMES)
+        check_choice("signal", self.signal, GATE_SIGNALS)
+        check_range("slack", self.slack, low=0.0)
+        check_range("margin", self.margin, low=1.0)
+        check_range("kl_boost", self.kl_boost, low=0.0)
         if self.hold_min_skill is not None:
             check_range("hold_min_skill", self.hold_min_skill, low=0.0, high=1.0)
         check_range("released_kl", self.released_kl, low=0.0)
         check_range("released_pairs", self.released_pairs, low=0.0, low_open=True)  # 0: no pairs where released
-        check_range("kl_boost", self.kl_boost, low=0.0)
-        check_choice("kl_boost_shape", self.kl_boost_shape, KL_BOOST_SHAPES)
-        if self.kl_boost_target is not None:
-            check_range("kl_boost_target", self.kl_boost_target, low=0.0, low_open=True)
-            if not self.kl_boost > 0:
-                raise ConfigError("kl_boost_target", f"adapts the boost, which needs kl_boost > 0 (got {self.kl_boost})")
-            if self.kl_boost_shape != "far":
-                raise ConfigError("kl_boost_target", f"measures the far rows' KL, which needs kl_boost_shape: far "
-                                                     f"(got {self.kl_boost_shape})")
-        check_range("k", self.k, low=1)
-        check_range("low_quantile", self.low_quantile, low=0.0, high=1.0)
-        check_range("high_quantile", self.high_quantile, low=0.0, high=1.0)
-        if self.high_quantile <= self.low_quantile:
-            raise ConfigError("high_quantile", f"must be above low_quantile ({self.low_quantile}), got "
-                              f"{self.high_quantile}")
-        check_range("margin", self.margin, low=1.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -502,9 +375,8 @@ class HPAConfig:
         lambda_token: weight of the token KL inside the hierarchical KL (1.0 -> 0.2).
         lambda_semantic: weight of the semantic distance (0.2 -> 1.0).
         semantic_distance: mse | cosine, between mean-pooled final hidden states.
-        gate: the trust gate on the learned reward.
         balance: the automatic balance of the rollout and pair gradients.
-        coverage: per-row trust of the learned reward from the coverage of its preference data (off).
+        trust: how far the learned reward is trusted (the trust gate and the coverage trust).
     """
 
     w_ppo: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", value=0.4))
@@ -515,9 +387,8 @@ class HPAConfig:
         default_factory=lambda: ScheduleConfig(name="linear", start=0.2, end=1.0)
     )
     semantic_distance: str = "mse"
-    gate: TrustGateConfig = field(default_factory=TrustGateConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
-    coverage: CoverageConfig = field(default_factory=CoverageConfig)
+    trust: TrustConfig = field(default_factory=TrustConfig)
 
     def __post_init__(self):
         for key in ("w_ppo", "w_dpo", "w_kl", "lambda_token", "lambda_semantic"):

@@ -35,7 +35,7 @@ class DataConfig:
         sft_path: JSONL or Parquet of ``{"prompt", "response"}`` for ``hpa sft``; None: unused.
         heldout_preference_path: held-out preference pairs in the preference format, never trained on
             (keep them out of ``preference_path`` and out of the reward model's training pairs): the
-            trust gate (``algorithm.hpa.gate``) reads the policy's NLL of their chosen responses.
+            trust gate (``algorithm.hpa.trust``) reads the policy's NLL of their chosen responses.
         max_prompt_length: prompt tokens kept; longer prompts follow ``prompt_truncation``.
         max_response_length: response tokens (EOS included) for generation and offline data;
             longer offline responses follow ``response_truncation``.

@@ -143,6 +143,8 @@ def _convert(value: Any, tp, key: str, sources: _Sources):
         if optional:
             return None
         raise ConfigError(key, f"must be a {_type_name(tp)}, not null", source=src)
+    if value is False and key in OFF_WORDS:  # YAML 1.1 reads an unquoted `off` as false
+        return "off"
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(key, f"must be a section (mapping) of {tp.__name__}, got "
@@ -189,6 +191,40 @@ MOVED_KEYS = {
                      "algorithm.rollout_filter.name: reward_above_mean_std, with k; see docs/training.md)",
 }
 
+_REGIME = ("algorithm.hpa.trust.regime (auto: each controller where its inputs are given, as enabled: null did; "
+           "gate | coverage: that one alone; off: neither)")
+# str keys with the choice "off", which YAML reads as false unquoted
+OFF_WORDS = ("algorithm.hpa.trust.regime",)
+
+# the trust sections folded into algorithm.hpa.trust: each old leaf, and its key there or the constant it became
+MOVED_SECTIONS = {
+    "algorithm.hpa.gate": {
+        "enabled": _REGIME, "signal": "algorithm.hpa.trust.signal", "slack": "algorithm.hpa.trust.slack",
+        **{k: f"the constant {c} of hpa.algorithms.gate (delete the key)" for k, c in (
+            ("kp", "GATE_KP"), ("ki", "GATE_KI"), ("reward_ema", "GATE_REWARD_EMA"),
+            ("baseline_steps", "GATE_BASELINE_STEPS"), ("baseline_prompts", "GATE_BASELINE_PROMPTS"),
+            ("headroom_scale", "GATE_HEADROOM_SCALE"))},
+    },
+    "algorithm.hpa.coverage": {
+        "enabled": _REGIME,
+        **{k: f"algorithm.hpa.trust.{k}" for k in ("margin", "kl_boost", "hold_min_skill", "released_kl",
+                                                  "released_pairs")},
+        **{k: f"the constant {c} of hpa.algorithms.coverage (delete the key)" for k, c in (
+            ("space", "COVERAGE_SPACE"), ("k", "COVERAGE_K"), ("low_quantile", "COVERAGE_LOW_QUANTILE"),
+            ("high_quantile", "COVERAGE_HIGH_QUANTILE"), ("kl_boost_shape", "KL_BOOST_SHAPE"),
+            ("kl_boost_target", "KL_BOOST_TARGET"))},
+    },
+}
+
+
+def _moved_section(full: str, value: Any, sources: _Sources) -> ConfigError:
+    """The error for the first key of a section folded into another (``MOVED_SECTIONS``), naming where it went."""
+    leaves = MOVED_SECTIONS[full]
+    leaf = str(next(iter(value))) if isinstance(value, dict) and value else next(iter(leaves))
+    key = f"{full}.{leaf}"
+    where = leaves.get(leaf, f"algorithm.hpa.trust (the keys of {full} that remain)")
+    return ConfigError(key, f"was removed; it is now {where}", source=sources.get(key) or sources.get(full))
+
 
 def build_section(cls, data: dict, prefix: str = ""):
     """One section of a config (``cls``, e.g. ``ModelConfig``) from plain nested data, checked as the YAML's
@@ -204,6 +240,8 @@ def _build_dataclass(cls, data: dict, prefix: str, sources: _Sources):
             full = f"{prefix}{key}"
             if full in MOVED_KEYS:
                 raise ConfigError(full, f"unknown key: {MOVED_KEYS[full]}", source=sources.get(full))
+            if full in MOVED_SECTIONS:
+                raise _moved_section(full, data[key], sources)
             raise ConfigError(full, f"unknown key; closest valid keys: "
                                     f"{', '.join(prefix + c for c in closest(str(key), fields))}",
                               source=sources.get(full))

@@ -14,7 +14,7 @@ from hpa.config.errors import ConfigError, closest
 
 PRESETS: Dict[str, Tuple[str, ...]] = {
     "recipe": ("algorithm.dpo.rpo_alpha=null", "algorithm.advantage.per_component=false",
-               "algorithm.hpa.gate.enabled=false", "algorithm.hpa.balance.enabled=false", "algorithm.replay.coef=0.0"),
+               "algorithm.hpa.trust.regime=off", "algorithm.hpa.balance.enabled=false", "algorithm.replay.coef=0.0"),
 }
 
 

@@ -752,20 +752,20 @@ def _check_replay(cfg: Config) -> None:
 
 
 def _check_trust(cfg: Config) -> None:
-    """The trust gate's and the coverage trust's prerequisites."""
-    algo = cfg.algorithm
-    if algo.hpa.gate.enabled:
+    """The prerequisites of the trust regime named (``auto`` turns on only what its inputs allow)."""
+    t = cfg.algorithm.hpa.trust
+    if t.regime == "gate":
         if not component_advantages(cfg):
-            raise ConfigError("algorithm.hpa.gate.enabled", "the gate scales the learned reward's part of the "
+            raise ConfigError("algorithm.hpa.trust.regime", "gate scales the learned reward's part of the "
                               "advantage; use algorithm.advantage.estimator: grpo with per_component true")
         if cfg.data.heldout_preference_path is None:
-            raise ConfigError("algorithm.hpa.gate.enabled", "the gate reads held-out preference pairs; set "
+            raise ConfigError("algorithm.hpa.trust.regime", "gate reads held-out preference pairs; set "
                               "data.heldout_preference_path (pairs kept out of data.preference_path and out "
                               "of the reward model's training)")
-        if algo.hpa.gate.signal in GATE_SIGNALS_ON_REWARD_MODELS and not cfg.reward.model_paths:
-            raise ConfigError("algorithm.hpa.gate.signal", f"{algo.hpa.gate.signal!r} scores the held-out chosen "
+        if t.signal in GATE_SIGNALS_ON_REWARD_MODELS and not cfg.reward.model_paths:
+            raise ConfigError("algorithm.hpa.trust.signal", f"{t.signal!r} scores the held-out chosen "
                               "responses with the reward models; set reward.model_paths or signal: heldout_nll")
-    if algo.hpa.coverage.enabled is True:
+    if t.regime == "coverage":
         missing = [(not component_advantages(cfg), "per-component advantages (algorithm.advantage.estimator: grpo "
                     "with per_component true)"),
                    (not cfg.reward.model_paths, "reward models (reward.model_paths), whose embeddings it reads"),
@@ -773,8 +773,8 @@ def _check_trust(cfg: Config) -> None:
                     "(data.heldout_preference_path)")]
         for absent, what in missing:
             if absent:
-                raise ConfigError("algorithm.hpa.coverage.enabled", f"the coverage trust weights the learned "
-                                  f"component per row and needs {what}; set it, or enabled: false")
+                raise ConfigError("algorithm.hpa.trust.regime", f"coverage weights the learned component per "
+                                  f"row and needs {what}; set it, or regime: auto or off")
 
 
 def _check_rewards_and_filters(cfg: Config) -> None:
@@ -880,21 +880,22 @@ def component_advantages(cfg: Config) -> bool:
 
 
 def trust_gate_enabled(cfg: Config) -> bool:
-    """Whether the trust gate runs: ``algorithm.hpa.gate.enabled``, or by default whenever per-component
-    advantages are in effect and held-out preference pairs are given."""
-    enabled = cfg.algorithm.hpa.gate.enabled
-    if enabled is not None:
-        return enabled
+    """Whether the trust gate runs: ``algorithm.hpa.trust.regime`` gate, or with ``auto`` whenever
+    per-component advantages are in effect and held-out preference pairs are given (and reward models, for a
+    signal that reads them)."""
+    t = cfg.algorithm.hpa.trust
+    if t.regime != "auto":
+        return t.regime == "gate"
     return component_advantages(cfg) and cfg.data.heldout_preference_path is not None \
-        and (cfg.algorithm.hpa.gate.signal not in GATE_SIGNALS_ON_REWARD_MODELS or bool(cfg.reward.model_paths))
+        and (t.signal not in GATE_SIGNALS_ON_REWARD_MODELS or bool(cfg.reward.model_paths))
 
 
 def coverage_enabled(cfg: Config) -> bool:
-    """Whether the coverage trust runs: ``algorithm.hpa.coverage.enabled``, or by default whenever
+    """Whether the coverage trust runs: ``algorithm.hpa.trust.regime`` coverage, or with ``auto`` whenever
     per-component advantages are in effect and reward models and held-out preference pairs are given."""
-    enabled = cfg.algorithm.hpa.coverage.enabled
-    if enabled is not None:
-        return enabled
+    regime = cfg.algorithm.hpa.trust.regime
+    if regime != "auto":
+        return regime == "coverage"
     return component_advantages(cfg) and bool(cfg.reward.model_paths) and cfg.data.heldout_preference_path is not None
 
 
@@ -919,8 +920,8 @@ def old_log_probs_from_update(cfg: Config) -> bool:
 
 def demonstrations_needed(cfg: Config) -> bool:
     """Whether the run reads ``data.sft_path``: for the SFT replay, or for the coverage trust's measure of the
-    start's skill where no pair covers a prompt (``algorithm.hpa.coverage.hold_min_skill``, with a boost)."""
-    c = cfg.algorithm.hpa.coverage
+    start's skill where no pair covers a prompt (``algorithm.hpa.trust.hold_min_skill``, with a boost)."""
+    c = cfg.algorithm.hpa.trust
     return cfg.algorithm.replay.enabled or (cfg.data.sft_path is not None and coverage_enabled(cfg)
                                             and c.kl_boost > 0 and c.hold_min_skill is not None)
 

@@ -37,7 +37,7 @@ class RunParts:
         reward: the shaped reward (rule rewards and the reward-model ensemble, with uncertainty shaping).
         model_reward: the reward-model ensemble alone (the learned reward), None without reward models.
         demonstrations: the SFT examples of ``data.sft_path`` when the run reads them (the replay, or the
-            coverage trust's measure of the start's skill, ``algorithm.hpa.coverage.hold_min_skill``); else
+            coverage trust's measure of the start's skill, ``algorithm.hpa.trust.hold_min_skill``); else
             None.
         replay_sampler: the sampler of the ``demonstrations`` replayed in every step, with
             ``algorithm.replay`` on; else None.

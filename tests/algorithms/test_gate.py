@@ -215,9 +215,14 @@ def test_start_rollouts_state_round_trips_mid_baseline_and_an_old_state_loads():
 
 
 def test_the_default_signal_is_the_configs_default():
-    from hpa.config.algorithm import TrustGateConfig
+    from hpa.algorithms.gate import GATE_BASELINE_STEPS, GATE_HEADROOM_SCALE, GATE_KI, GATE_KP, GATE_REWARD_EMA
+    from hpa.config.algorithm import TrustConfig
 
-    assert TrustGate().signal == TrustGateConfig().signal == "start_rollouts"
+    assert TrustGate().signal == TrustConfig().signal == "start_rollouts"
+    assert TrustGate().slack == TrustConfig().slack
+    gate = TrustGate()  # the constants that were keys: the gate's own defaults
+    assert (gate.kp, gate.ki, gate.reward_ema, gate.baseline_steps, gate.headroom_scale) == (
+        GATE_KP, GATE_KI, GATE_REWARD_EMA, GATE_BASELINE_STEPS, GATE_HEADROOM_SCALE) == (10.0, 1.0, 0.9, 5, 1.0)
 
 
 def test_start_rollouts_with_a_measured_baseline_acts_from_the_first_update():
@@ -250,10 +255,9 @@ def test_start_rollouts_with_a_measured_baseline_acts_from_the_first_update():
 
 
 def test_start_rollouts_headroom_scale_scales_what_the_heldout_pairs_support():
-    """``headroom_scale`` (``algorithm.hpa.gate.headroom_scale``): the headroom is the scale times
+    """``headroom_scale`` (``GATE_HEADROOM_SCALE``): the headroom is the scale times
     max(0, chosen - greedy); 0 puts the ceiling at the baseline, so a rise the held-out pairs would allow
     is already a violation; the saved headroom wins on a restore."""
-    from hpa.config.algorithm import TrustGateConfig
 
     full = TrustGate(signal="start_rollouts", headroom_scale=1.0)
     full.set_headroom(1.2, 1.0, 0.25)
@@ -276,8 +280,6 @@ def test_start_rollouts_headroom_scale_scales_what_the_heldout_pairs_support():
     for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="headroom_scale"):
             TrustGate(signal="start_rollouts", headroom_scale=bad)
-        with pytest.raises(ValueError, match="headroom_scale"):
-            TrustGateConfig(headroom_scale=bad)
 
 
 def test_needs_baseline_only_while_a_start_rollouts_gate_has_none_and_counts_none():

@@ -132,22 +132,23 @@ def test_value_checks_name_the_full_key(cfg_file):
     (["guard.early_stop_on_hacking=true", "data.adversarial_prompt_path=adv.jsonl", "trainer.eval_interval=0"], 1,
      "guard.early_stop_on_hacking"),
     # the trust gate scales the learned component: it needs per-component advantages and held-out pairs
-    (["algorithm.hpa.gate.enabled=true", "data.heldout_preference_path=h.jsonl"], 1, "algorithm.hpa.gate.enabled"),
-    (["algorithm.hpa.gate.enabled=true", "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true"],
-     1, "algorithm.hpa.gate.enabled"),
+    (["algorithm.hpa.trust.regime=gate", "data.heldout_preference_path=h.jsonl"], 1, "algorithm.hpa.trust.regime"),
+    (["algorithm.hpa.trust.regime=gate", "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true"],
+     1, "algorithm.hpa.trust.regime"),
     # the default signal scores the held-out chosen responses with the reward models
-    (["algorithm.hpa.gate.enabled=true", "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
-      "data.heldout_preference_path=h.jsonl"], 1, "algorithm.hpa.gate.signal"),
-    (["algorithm.hpa.gate.signal=gold"], 1, "algorithm.hpa.gate.signal"),
+    (["algorithm.hpa.trust.regime=gate", "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
+      "data.heldout_preference_path=h.jsonl"], 1, "algorithm.hpa.trust.signal"),
+    (["algorithm.hpa.trust.signal=gold"], 1, "algorithm.hpa.trust.signal"),
+    (["algorithm.hpa.trust.regime=both"], 1, "algorithm.hpa.trust.regime"),
     # the coverage trust weights the learned component from the reward models' embeddings, calibrated on held-out
     # pairs: it needs all three
-    (["algorithm.hpa.coverage.enabled=true", "reward.model_paths=[rm]", "data.heldout_preference_path=h.jsonl"], 1,
-     "algorithm.hpa.coverage.enabled"),
-    (["algorithm.hpa.coverage.enabled=true", "algorithm.advantage.estimator=grpo",
+    (["algorithm.hpa.trust.regime=coverage", "reward.model_paths=[rm]", "data.heldout_preference_path=h.jsonl"], 1,
+     "algorithm.hpa.trust.regime"),
+    (["algorithm.hpa.trust.regime=coverage", "algorithm.advantage.estimator=grpo",
       "algorithm.advantage.per_component=true", "data.heldout_preference_path=h.jsonl"], 1,
-     "algorithm.hpa.coverage.enabled"),
-    (["algorithm.hpa.coverage.enabled=true", "algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]"], 1,
-     "algorithm.hpa.coverage.enabled"),
+     "algorithm.hpa.trust.regime"),
+    (["algorithm.hpa.trust.regime=coverage", "algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]"], 1,
+     "algorithm.hpa.trust.regime"),
     (["algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true", "reward.shaping.normalize=true"],
      1, "algorithm.advantage.per_component"),
 ])
@@ -164,26 +165,62 @@ def test_trust_options_name_their_keys(cfg_file):
         load_config(cfg_file, ["algorithm.dpo.rpo_alpha=-1"])
     with pytest.raises(ConfigError, match="algorithm.hpa.balance.measure_steps"):
         load_config(cfg_file, ["algorithm.hpa.balance.measure_steps=0"])
-    with pytest.raises(ConfigError, match="algorithm.hpa.gate.reward_ema"):
-        load_config(cfg_file, ["algorithm.hpa.gate.reward_ema=1.0"])
-    for bad in ("k=0", "low_quantile=-0.1", "high_quantile=1.5", "margin=0.9", "kl_boost=-1"):
-        with pytest.raises(ConfigError, match=f"algorithm.hpa.coverage.{bad.split('=')[0]}"):
-            load_config(cfg_file, [f"algorithm.hpa.coverage.{bad}"])
-    with pytest.raises(ConfigError, match="algorithm.hpa.coverage.kl_boost_shape"):
-        load_config(cfg_file, ["algorithm.hpa.coverage.kl_boost_shape=square"])
-    for bad in ("0", "-0.01", "nan"):
-        with pytest.raises(ConfigError, match="algorithm.hpa.coverage.kl_boost_target"):
-            load_config(cfg_file, [f"algorithm.hpa.coverage.kl_boost_target={bad}"])
-    with pytest.raises(ConfigError, match="algorithm.hpa.coverage.kl_boost_target.*kl_boost > 0"):
-        load_config(cfg_file, ["algorithm.hpa.coverage.kl_boost_target=0.02", "algorithm.hpa.coverage.kl_boost=0"])
-    with pytest.raises(ConfigError, match="algorithm.hpa.coverage.kl_boost_target.*kl_boost_shape: far"):
-        load_config(cfg_file, ["algorithm.hpa.coverage.kl_boost_target=0.02",
-                               "algorithm.hpa.coverage.kl_boost_shape=linear"])
-    assert load_config(cfg_file, ["algorithm.hpa.coverage.kl_boost_target=0.02"]).algorithm.hpa.coverage.kl_boost_target == 0.02
-    with pytest.raises(ConfigError, match="algorithm.hpa.coverage.high_quantile.*above low_quantile"):
-        load_config(cfg_file, ["algorithm.hpa.coverage.low_quantile=0.9", "algorithm.hpa.coverage.high_quantile=0.8"])
-    with pytest.raises(ConfigError, match="algorithm.hpa.gate.baseline_steps"):
-        load_config(cfg_file, ["algorithm.hpa.gate.baseline_steps=0"])
+    for bad in ("margin=0.9", "kl_boost=-1", "slack=-0.1", "released_pairs=0"):
+        with pytest.raises(ConfigError, match=f"algorithm.hpa.trust.{bad.split('=')[0]}"):
+            load_config(cfg_file, [f"algorithm.hpa.trust.{bad}"])
+
+
+def test_the_trust_keys_that_moved_name_their_replacement(tmp_path):
+    """``algorithm.hpa.gate.*`` and ``algorithm.hpa.coverage.*`` became ``algorithm.hpa.trust``: a key that moved
+    names its new key, one that became a constant names the constant, with the file and line."""
+    cases = {"algorithm.hpa.gate.enabled": "algorithm.hpa.trust.regime",
+             "algorithm.hpa.coverage.enabled": "algorithm.hpa.trust.regime",
+             "algorithm.hpa.gate.slack": "algorithm.hpa.trust.slack",
+             "algorithm.hpa.gate.signal": "algorithm.hpa.trust.signal",
+             "algorithm.hpa.coverage.released_kl": "algorithm.hpa.trust.released_kl",
+             "algorithm.hpa.coverage.hold_min_skill": "algorithm.hpa.trust.hold_min_skill",
+             "algorithm.hpa.gate.kp": "GATE_KP of hpa.algorithms.gate",
+             "algorithm.hpa.gate.baseline_prompts": "GATE_BASELINE_PROMPTS of hpa.algorithms.gate",
+             "algorithm.hpa.coverage.k": "COVERAGE_K of hpa.algorithms.coverage",
+             "algorithm.hpa.coverage.kl_boost_target": "KL_BOOST_TARGET of hpa.algorithms.coverage"}
+    for key, where in cases.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{key}=1"])
+        assert err.value.key == key and where in err.value.message, (key, str(err.value))
+    path = tmp_path / "old.yaml"
+    path.write_text(BASE + "algorithm:\n  hpa:\n    coverage:\n      margin: 3.0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, [])
+    assert err.value.key == "algorithm.hpa.coverage.margin" and "algorithm.hpa.trust.margin" in str(err.value)
+    assert f"old.yaml:{len(BASE.splitlines()) + 4}" in str(err.value)
+
+
+@pytest.mark.parametrize("extra,gate,coverage", [
+    ([], False, False),  # no learned reward, no held-out pairs
+    (["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]"], False, False),
+    (["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]", "data.heldout_preference_path=h.jsonl"],
+     True, True),
+    (["algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
+      "data.heldout_preference_path=h.jsonl", "algorithm.hpa.trust.signal=heldout_nll"], True, False),
+    (["algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
+      "data.heldout_preference_path=h.jsonl"], False, False),  # start_rollouts reads reward models
+    (["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]", "data.heldout_preference_path=h.jsonl",
+      "algorithm.advantage.per_component=false"], False, False),
+])
+def test_the_auto_regime_turns_on_what_enabled_null_did(cfg_file, extra, gate, coverage):
+    """``regime: auto`` runs each controller where the old ``enabled: null`` did (its inputs given); ``off``
+    runs neither, ``gate`` and ``coverage`` that one alone."""
+    from hpa.config.schema import coverage_enabled, trust_gate_enabled
+
+    cfg = load_config(cfg_file, extra)
+    assert (trust_gate_enabled(cfg), coverage_enabled(cfg)) == (gate, coverage)
+    off = load_config(cfg_file, [*extra, "algorithm.hpa.trust.regime=off"])
+    assert not trust_gate_enabled(off) and not coverage_enabled(off)
+    if gate and coverage:
+        only_gate = load_config(cfg_file, [*extra, "algorithm.hpa.trust.regime=gate"])
+        assert trust_gate_enabled(only_gate) and not coverage_enabled(only_gate)
+        only_coverage = load_config(cfg_file, [*extra, "algorithm.hpa.trust.regime=coverage"])
+        assert coverage_enabled(only_coverage) and not trust_gate_enabled(only_coverage)
 
 
 def test_trust_defaults_of_2026_11_27(cfg_file):
@@ -192,13 +229,13 @@ def test_trust_defaults_of_2026_11_27(cfg_file):
     from hpa.config.schema import coverage_enabled, heldout_pairs_needed
 
     plain = load_config(cfg_file, [])
-    assert plain.algorithm.hpa.coverage.enabled is None and not coverage_enabled(plain)
-    assert plain.algorithm.hpa.gate.signal == "start_rollouts"
+    assert plain.algorithm.hpa.trust.regime == "auto" and not coverage_enabled(plain)
+    assert plain.algorithm.hpa.trust.signal == "start_rollouts"
     full = load_config(cfg_file, ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]",
                                   "data.heldout_preference_path=h.jsonl"])
     assert coverage_enabled(full) and heldout_pairs_needed(full)
     off = load_config(cfg_file, ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]",
-                                 "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.enabled=false"])
+                                 "data.heldout_preference_path=h.jsonl", "algorithm.hpa.trust.regime=gate"])
     assert not coverage_enabled(off)
     no_heldout = load_config(cfg_file, ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]"])
     assert not coverage_enabled(no_heldout)  # the default does not ask for what the run lacks

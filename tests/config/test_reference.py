@@ -46,7 +46,7 @@ def test_nested_defaults_are_those_of_the_parent_default():
     assert rows["algorithm.hpa.w_ppo.value"].default == "0.4"
     assert rows["model.num_layers"].default == "required"
     assert rows["reward.model_paths"].default == "[]" and rows["reward.model_paths"].type == "list of str"
-    assert rows["algorithm.hpa.gate"].type == "section"
+    assert rows["algorithm.hpa.trust"].type == "section"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -45,8 +45,8 @@ SEED_KEYS = [(k, t) for k, f, tp, t in leaf_fields(Config) if tp is int and re.f
 
 def test_the_walk_finds_the_keys_it_must():
     floats = {k for k, _, _ in FLOAT_KEYS}
-    assert {"algorithm.hpa.gate.slack", "algorithm.hpa.gate.kp", "algorithm.hpa.gate.reward_ema",
-            "algorithm.hpa.coverage.margin", "algorithm.ppo.clip_ratio", "algorithm.ppo.value_clip",
+    assert {"algorithm.hpa.trust.slack", "algorithm.hpa.trust.released_kl", "algorithm.hpa.trust.kl_boost",
+            "algorithm.hpa.trust.margin", "algorithm.ppo.clip_ratio", "algorithm.ppo.value_clip",
             "algorithm.ppo.rollout_is_threshold", "algorithm.ppo.loss_scale_factor", "algorithm.rollout_filter.k",
             "serve.kl_threshold", "serve.batch_wait_ms", "algorithm.hpa.w_ppo.boundaries"} <= floats
     assert {k for k, _, _ in ABLATE_FLOAT_KEYS} == {"ablate.collapse_margin", "ablate.stop_timeout_s"}
@@ -115,13 +115,13 @@ CROSS_SECTION = [
     (["guard.early_stop_on_hacking=true"], "guard.early_stop_on_hacking"),
     (["parallel.use_distributed_optimizer=true", "parallel.backend=gloo", "model.params_dtype=bfloat16"],
      "model.params_dtype"),
-    (["algorithm.hpa.gate.enabled=true"], "algorithm.hpa.gate.enabled"),
-    (["algorithm.hpa.gate.enabled=true", HELDOUT], "algorithm.hpa.gate.enabled"),
-    (["algorithm.hpa.gate.enabled=true", HELDOUT, "algorithm.advantage.per_component=true"],
-     "algorithm.hpa.gate.signal"),
-    (["algorithm.hpa.coverage.enabled=true"], "algorithm.hpa.coverage.enabled"),
-    (["algorithm.hpa.coverage.enabled=true", HELDOUT, "algorithm.advantage.per_component=true"],
-     "algorithm.hpa.coverage.enabled"),
+    (["algorithm.hpa.trust.regime=gate"], "algorithm.hpa.trust.regime"),
+    (["algorithm.hpa.trust.regime=gate", HELDOUT], "algorithm.hpa.trust.regime"),
+    (["algorithm.hpa.trust.regime=gate", HELDOUT, "algorithm.advantage.per_component=true"],
+     "algorithm.hpa.trust.signal"),
+    (["algorithm.hpa.trust.regime=coverage"], "algorithm.hpa.trust.regime"),
+    (["algorithm.hpa.trust.regime=coverage", HELDOUT, "algorithm.advantage.per_component=true"],
+     "algorithm.hpa.trust.regime"),
     (["reward.shaping.diversity_source=reward_model"], "reward.shaping.diversity_source"),
     (["algorithm.replay.coef=0.5", "data.sft_path=null"], "algorithm.replay.coef"),
     (["algorithm.advantage.per_component=true", "reward.shaping.normalize=true"], "algorithm.advantage.per_component"),
@@ -269,19 +269,19 @@ def test_the_replay_follows_the_demonstrations_by_default(tmp_path):
 
 
 def test_the_start_skill_hold_checks_its_share_and_reads_the_demonstrations(tmp_path):
-    """``algorithm.hpa.coverage.hold_min_skill`` is a share in [0, 1] (NaN refused), null turns it off; a
+    """``algorithm.hpa.trust.hold_min_skill`` is a share in [0, 1] (NaN refused), null turns it off; a
     training run given ``data.sft_path`` reads it (the replay and the skill), so a missing file is an error
     naming the key before anything is built."""
     for bad in ("1.5", "-0.1", ".nan"):
         with pytest.raises(ConfigError) as err:
-            load_config(None, [f"algorithm.hpa.coverage.hold_min_skill={bad}"])
-        assert err.value.key == "algorithm.hpa.coverage.hold_min_skill"
-    assert load_config(None, ["algorithm.hpa.coverage.hold_min_skill=null"]).algorithm.hpa.coverage.hold_min_skill is None
-    for key in ("released_kl", "released_pairs"):  # coverage.released_*: a weight >= 0, finite
+            load_config(None, [f"algorithm.hpa.trust.hold_min_skill={bad}"])
+        assert err.value.key == "algorithm.hpa.trust.hold_min_skill"
+    assert load_config(None, ["algorithm.hpa.trust.hold_min_skill=null"]).algorithm.hpa.trust.hold_min_skill is None
+    for key in ("released_kl", "released_pairs"):  # trust.released_*: a weight >= 0, finite
         for bad in ("-0.25", ".nan", ".inf"):
             with pytest.raises(ConfigError) as err:
-                load_config(None, [f"algorithm.hpa.coverage.{key}={bad}"])
-            assert err.value.key == f"algorithm.hpa.coverage.{key}"
+                load_config(None, [f"algorithm.hpa.trust.{key}={bad}"])
+            assert err.value.key == f"algorithm.hpa.trust.{key}"
     data = []
     for key in ("tokenizer_path", "prompt_path", "preference_path", "eval_prompt_path"):  # the other files are there
         (tmp_path / key).write_text("{}\n")

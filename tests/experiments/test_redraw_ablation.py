@@ -24,7 +24,7 @@ def task(tmp_path):
 def test_every_path_points_into_the_task_and_the_family_settings_are_kept(task, tmp_path, family, steps, reward):
     out = tmp_path / "ablate.yaml"
     main(["--family", family, "--task-dir", str(task), "--variants", "hpa", "dpo-rpo",
-          "--custom", "hpa-coverage: algorithm.hpa.coverage.enabled=true", "--out", str(out)])
+          "--custom", "hpa-coverage: algorithm.hpa.trust.regime=coverage", "--out", str(out)])
     cfg = load_ablate_config(str(out))
     overrides = dict(o.split("=", 1) for o in cfg.overrides)
     for key in ("data.tokenizer_path", "data.prompt_path", "data.preference_path", "data.eval_prompt_path",

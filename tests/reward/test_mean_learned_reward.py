@@ -1,5 +1,5 @@
 """``mean_learned_reward``: the reward models' mean score of a policy's responses to a prompt set (the trust
-gate's start-up baseline, ``algorithm.hpa.gate.baseline_prompts``): every sampled row counts once, the rows of
+gate's start-up baseline, ``GATE_BASELINE_PROMPTS``): every sampled row counts once, the rows of
 the repeats that even out the DP ranks' work do not, and splitting the prompts into calls changes nothing but
 the seeds."""
 

@@ -17,6 +17,14 @@ GROUPS = types.SimpleNamespace(dp_group=None, data_parallel_size=1)
 ROLLOUT = RolloutConfig()  # the coverage trust's sampling for the start's skill (greedy)
 
 
+def _coverage(trust, run, rollout, **constants):
+    """The coverage controller on the scripted six-pair bank with k = 2 neighbours (``COVERAGE_K``'s 5 would
+    average over most of it); ``constants``: the other ``hpa.algorithms.coverage`` constants to override."""
+    from hpa.trainer.objective.controllers import CoverageTrust
+
+    return CoverageTrust(trust, run, rollout, k=2, **constants)
+
+
 def _ctx(*overrides):
     cfg = load_config(None, ["trainer.micro_batch_size=2", "rollout.temperature=1.0", *overrides])
     return phases.StepContext.from_config(cfg, GROUPS, vocab_size=32, pad_id=0)
@@ -174,12 +182,11 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     (orthogonal: no pair covers it) get none of it, and the rule part of every row is the same as without
     the option."""
     from hpa.data.preferences import PreferenceExample
-    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
 
     overrides = ("algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
                  "algorithm.kl.use_kl_in_reward=false", "reward.rule_weight=1.0", "reward.model_paths=[rm]",
-                 "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.enabled=true",
-                 f"algorithm.hpa.coverage.space={space}", "algorithm.hpa.coverage.k=2")
+                 "data.heldout_preference_path=h.jsonl", "algorithm.hpa.trust.regime=coverage")
     ctx = _ctx(*overrides)
     prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
@@ -187,7 +194,7 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
                      for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
     run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
                            heldout_pairs=heldout_pairs)
-    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, run, ROLLOUT)
+    coverage = _coverage(ctx.algorithm.hpa.trust, run, ROLLOUT, space=space)
     assert 0 <= coverage.low < coverage.high
     rule, learned = [1.0, 0.0, 1.0, 0.0], [0.2, 0.9, 1.3, 0.1]
     batch = _component_batch(rule, learned, [0, 0, 1, 1])
@@ -212,9 +219,9 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     assert (plain.get("advantages")[2:] - rule_only.get("advantages")[2:]).abs().max() > 0
     # the calibration constants are the controller's state; a restore keeps the saved ones
     state = coverage.state_dict()
-    fresh = CoverageTrust(ctx.algorithm.hpa.coverage, ControllerInputs(
+    fresh = _coverage(ctx.algorithm.hpa.trust, ControllerInputs(
         groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout_pairs[:2]),
-        ROLLOUT)
+        ROLLOUT, space=space)
     assert (fresh.low, fresh.high) != (state["low"], state["high"])
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
@@ -236,13 +243,13 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     learned rewards are (they move nothing), and its rows' KL to the reference weighs ``1 + kl_boost``
     (101 by default); a prompt seen before is not embedded again."""
     from hpa.data.preferences import PreferenceExample
-    from hpa.trainer.objective.controllers import CONTROLLERS, ControllerInputs, CoverageTrust, StepSignals
+    from hpa.trainer.objective.controllers import CONTROLLERS, ControllerInputs, StepSignals
 
     base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
-            "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false")
+            "data.heldout_preference_path=h.jsonl", "algorithm.kl.use_kl_in_reward=false")
     ctx, cfg = _ctx(*base), load_config(None, list(base))
     assert CONTROLLERS["coverage"].enabled(cfg) and CONTROLLERS["trust_gate"].enabled(cfg)
-    assert cfg.algorithm.hpa.gate.signal == "start_rollouts"
+    assert cfg.algorithm.hpa.trust.signal == "start_rollouts"
     prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
     heldout_pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
@@ -258,7 +265,7 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
 
     embedder = _CountingEmbedder()
     run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=embedder, pairs=pairs, heldout_pairs=heldout_pairs)
-    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, run, ROLLOUT)
+    coverage = _coverage(ctx.algorithm.hpa.trust, run, ROLLOUT)
     start = embedder.prompts_embedded
     a = advantages([0.2, 0.9, 1.3, 0.1], ctx, coverage)
     assert embedder.prompts_embedded == start + 2  # prompts 1 and 3, once each
@@ -267,38 +274,39 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     torch.testing.assert_close(a.get("advantages"), b.get("advantages"), atol=0, rtol=0)
     assert a.get("advantages")[2:].abs().max() == 0 and a.get("advantages")[:2].abs().max() > 0
     # the KL boost: far rows' hierarchical KL counts 1 + kl_boost times, covered rows' 1 + kl_boost (1 - trust)
-    boosted = _ctx(*base, "algorithm.hpa.coverage.kl_boost=4", "algorithm.hpa.coverage.kl_boost_shape=linear")
-    c = advantages([0.2, 0.9, 1.3, 0.1], boosted, CoverageTrust(boosted.algorithm.hpa.coverage, run, ROLLOUT))
+    boosted = _ctx(*base, "algorithm.hpa.trust.kl_boost=4")
+    c = advantages([0.2, 0.9, 1.3, 0.1], boosted, _coverage(boosted.algorithm.hpa.trust, run, ROLLOUT,
+                                                            kl_boost_shape="linear"))
     trust = c.get("learned_trust")
     torch.testing.assert_close(c.get("kl_weights"), 1 + 4 * (1 - trust))
     assert c.get("kl_weights")[2:].tolist() == [5.0, 5.0]
     # shape far: only the rows without support (trust 0) are held; a covered row keeps 1. The boost is large
     # so that the covered prompt's small distrust (trust just under 1) would be plain under linear
-    far = _ctx(*base, "algorithm.hpa.coverage.kl_boost=100000", "algorithm.hpa.coverage.kl_boost_shape=far")
-    f = advantages([0.2, 0.9, 1.3, 0.1], far, CoverageTrust(far.algorithm.hpa.coverage, run, ROLLOUT))
+    far = _ctx(*base, "algorithm.hpa.trust.kl_boost=100000")
+    f = advantages([0.2, 0.9, 1.3, 0.1], far, _coverage(far.algorithm.hpa.trust, run, ROLLOUT))
     trust = f.get("learned_trust")
     assert trust[2:].tolist() == [0.0, 0.0] and 0 < trust[:2].min() and trust[:2].max() < 1
     assert f.get("kl_weights").tolist() == [1.0, 1.0, 100001.0, 100001.0]
     assert (1 + 100000 * (1 - trust[:2])).min() > 2  # what linear would give the covered rows
     # the default boost (100, shape far, since 2026-11-27): the far prompt's KL counts 101 times (no rule
     # judges it here), the covered prompt's once
-    assert cfg.algorithm.hpa.coverage.kl_boost == 100.0 and cfg.algorithm.hpa.coverage.kl_boost_shape == "far"
+    assert cfg.algorithm.hpa.trust.kl_boost == 100.0 and coverage.kl_boost_shape == "far"
     assert a.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
 
 
 def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
-    """``coverage.kl_boost_target``: the far rows' KL (k3 per sampled token of the policy that sampled them,
+    """``kl_boost_target`` (``KL_BOOST_TARGET``, a probe): the far rows' KL (k3 per sampled token of the policy that sampled them,
     the covered rows' drift left out) above the target grows the boost by e^0.2 before the weights are
     written, below it shrinks it; the adapted boost is saved, and a checkpoint without it resumes at
     ``kl_boost``. Without a target the boost is constant and a saved one is ignored."""
     import math
 
     from hpa.data.preferences import PreferenceExample
-    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
     from hpa.trainer.objective.weights import StepFactors
 
     base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
-            "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false")
+            "data.heldout_preference_path=h.jsonl", "algorithm.kl.use_kl_in_reward=false")
     prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
     heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
@@ -315,8 +323,8 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
         batch.set("old_log_probs", old).set("ref_log_probs", old + torch.tensor([[3.0], [3.0], [far_drift], [far_drift]]))
         return batch, coverage.update(StepSignals(batch=batch))
 
-    adaptive = _ctx(*base, "algorithm.hpa.coverage.kl_boost_target=0.02").algorithm.hpa.coverage
-    cov = CoverageTrust(adaptive, run, ROLLOUT)
+    adaptive = _ctx(*base).algorithm.hpa.trust
+    cov = _coverage(adaptive, run, ROLLOUT, kl_boost_target=0.02)
     batch, m = observe(cov, math.log(2.0))  # far rows' k3 = 1 - ln 2 = 0.31 > 0.02: the error clips at +1
     grown = 100.0 * math.exp(0.2)
     assert m["coverage/far_kl"] == pytest.approx(1 - math.log(2.0)) and m["coverage/kl_boost"] == pytest.approx(grown)
@@ -329,7 +337,7 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
     torch.testing.assert_close(batch.get("kl_weights"), torch.tensor([1.0, 1.0, 1 + shrunk, 1 + shrunk]))
     # resumed: the adapted boost; a checkpoint from before the option: the configured one
     state = cov.state_dict()
-    resumed = CoverageTrust(adaptive, run, ROLLOUT)
+    resumed = _coverage(adaptive, run, ROLLOUT, kl_boost_target=0.02)
     resumed.load_state_dict(state)
     assert resumed.kl_boost == pytest.approx(shrunk) and observe(resumed, 0.0)[1]["coverage/kl_boost"] == \
         pytest.approx(shrunk * math.exp(-0.2))
@@ -337,11 +345,11 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
     batch, m = observe(resumed, math.log(2.0), judged=True)
     assert "coverage/far_kl" not in m and m["coverage/kl_boost"] == pytest.approx(shrunk * math.exp(-0.2))
     assert batch.get("kl_weights").tolist() == [1.0, 1.0, 1.0, 1.0]
-    old_checkpoint = CoverageTrust(adaptive, run, ROLLOUT)
+    old_checkpoint = _coverage(adaptive, run, ROLLOUT, kl_boost_target=0.02)
     old_checkpoint.load_state_dict({"low": state["low"], "high": state["high"]})
     assert old_checkpoint.kl_boost == 100.0
     # the default: constant, whatever the drift or a saved boost, and not saved (it is the config's)
-    constant = CoverageTrust(_ctx(*base).algorithm.hpa.coverage, run, ROLLOUT)
+    constant = _coverage(_ctx(*base).algorithm.hpa.trust, run, ROLLOUT)
     constant.load_state_dict(state)
     assert "kl_boost" in state and constant.state_dict() == {"low": state["low"], "high": state["high"]}
     batch, m = observe(constant, math.log(2.0))
@@ -406,13 +414,13 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     saved one (the start as measured when the run began); a checkpoint from before keeps what start-up
     measured. Without demonstrations nothing is measured and the far rows are held."""
     from hpa.data.preferences import PreferenceExample, SFTExample
-    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
     from hpa.trainer.objective.weights import StepFactors
 
     base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
-            "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false")
+            "data.heldout_preference_path=h.jsonl", "algorithm.kl.use_kl_in_reward=false")
     cfg = load_config(None, list(base))
-    assert cfg.algorithm.hpa.coverage.hold_min_skill == 0.6
+    assert cfg.algorithm.hpa.trust.hold_min_skill == 0.6
     prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
     heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
@@ -428,7 +436,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
         run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
                                heldout_pairs=heldout, tokenizer=tokenizer, generate=generate,
                                demonstrations=demonstrations)
-        return CoverageTrust(config.algorithm.hpa.coverage, run, config.rollout), generate
+        return _coverage(config.algorithm.hpa.trust, run, config.rollout), generate
 
     def observe(coverage):
         batch = _component_batch([0.0] * 4, [0.2, 0.9, 1.3, 0.1], [0, 0, 1, 1])
@@ -446,19 +454,19 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     assert m["coverage/start_skill"] == 0.0 and m["coverage/kl_boost"] == 0.0
     # released: every row's KL weighs coverage.released_kl (default 0.25), the covered rows' too: the step's
     # KL factor, no per-row column
-    assert cfg.algorithm.hpa.coverage.released_kl == 0.25
+    assert cfg.algorithm.hpa.trust.released_kl == 0.25
     assert "kl_weights" not in batch.extras and unskilled.act(StepFactors()).kl == 0.25
     assert skilled.act(StepFactors()).kl == 1.0
     assert batch.get("learned_trust")[2:].tolist() == [0.0, 0.0]  # the far rows still get no learned advantage
-    full = load_config(None, [*base, "algorithm.hpa.coverage.released_kl=1"])  # 1: the KL as everywhere else
+    full = load_config(None, [*base, "algorithm.hpa.trust.released_kl=1"])  # 1: the KL as everywhere else
     batch, m = observe(unheld := controller({3: [8]}, config=full)[0])
     assert m["coverage/kl_boost"] == 0.0 and "kl_weights" not in batch.extras and unheld.act(StepFactors()).kl == 1.0
     # released: the pair stream weighs coverage.released_pairs times the balance's factor; held: as the balance set
-    released_pairs = cfg.algorithm.hpa.coverage.released_pairs
+    released_pairs = cfg.algorithm.hpa.trust.released_pairs
     assert released_pairs == 2.0  # the default since 2026-12-06
     assert unskilled.act(StepFactors(pairs=0.5)).pairs == pytest.approx(0.5 * released_pairs)
     assert skilled.act(StepFactors(pairs=0.5)).pairs == 0.5
-    tripled = load_config(None, [*base, "algorithm.hpa.coverage.released_pairs=3"])
+    tripled = load_config(None, [*base, "algorithm.hpa.trust.released_pairs=3"])
     assert controller({3: [8]}, config=tripled)[0].act(StepFactors(pairs=0.5)).pairs == pytest.approx(1.5)
     assert controller({3: [6]}, config=tripled)[0].act(StepFactors(pairs=0.5)).pairs == 0.5
     # 24 of 40: 0.6, held (at the share); 23 of 40: not
@@ -497,7 +505,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     large, generate = controller({3: [6]}, many)
     assert [len(p) for p, _ in generate.calls] == [SKILL_EXAMPLES] and large.far_demonstrations == SKILL_EXAMPLES
     assert 0.4 < large.start_skill < 0.6
-    off = load_config(None, [*base, "algorithm.hpa.coverage.hold_min_skill=null"])
+    off = load_config(None, [*base, "algorithm.hpa.trust.hold_min_skill=null"])
     assert controller({3: [8]}, config=off)[0].kl_boost == 100.0
 
 
@@ -505,10 +513,10 @@ def _hold_controllers():
     """The coverage trust of ``test_the_far_rows_are_held_only_where_the_start_did_well`` at the defaults, held
     (the start answers every far demonstration) and released (none): ``(cfg, held, released)``."""
     from hpa.data.preferences import PreferenceExample, SFTExample
-    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust
+    from hpa.trainer.objective.controllers import ControllerInputs
 
     cfg = load_config(None, ["algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
-                             "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2",
+                             "data.heldout_preference_path=h.jsonl",
                              "algorithm.kl.use_kl_in_reward=false"])
     prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
@@ -521,7 +529,7 @@ def _hold_controllers():
         run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
                                heldout_pairs=heldout, tokenizer=types.SimpleNamespace(eos_id=2),
                                generate=_greedy_generate({3: answer}), demonstrations=demos)
-        return CoverageTrust(cfg.algorithm.hpa.coverage, run, cfg.rollout)
+        return _coverage(cfg.algorithm.hpa.trust, run, cfg.rollout)
 
     return cfg, controller([6]), controller([8])
 
@@ -576,7 +584,7 @@ def test_the_logged_kl_weight_is_the_one_the_loss_applies_where_the_hold_is_rele
     from hpa.trainer.objective.weights import StepFactors, WeightSchedules
 
     cfg, _, released = _hold_controllers()
-    assert cfg.algorithm.hpa.coverage.released_kl == 0.25
+    assert cfg.algorithm.hpa.trust.released_kl == 0.25
     batch = _observed(released)
     factors = released.act(StepFactors())
     loss, kl, _, _, weights = _kl_loss(batch, cfg, factors)
@@ -614,11 +622,11 @@ def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     from hpa.data.preferences import PreferenceExample
     from hpa.reward.rules import RuleReward
     from hpa.reward.shaping import BaseRewardOutput, CombinedReward, UncertaintyAwareReward
-    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
 
     overrides = ("algorithm.advantage.estimator=grpo", "reward.rules=[exact_match]", "reward.model_paths=[rm]",
-                 "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2",
-                 "algorithm.kl.use_kl_in_reward=false", "algorithm.hpa.coverage.kl_boost=4",
+                 "data.heldout_preference_path=h.jsonl",
+                 "algorithm.kl.use_kl_in_reward=false", "algorithm.hpa.trust.kl_boost=4",
                  "reward.shaping.alpha=0.0", "reward.shaping.beta=0.0")
     ctx, cfg = _ctx(*overrides), load_config(None, list(overrides))
     prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
@@ -644,7 +652,7 @@ def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     batch.set("old_log_probs", torch.zeros(4, 2)).set("ref_log_probs", torch.zeros(4, 2))
     phases.score(batch, ["1 1", "2 2", None, None], reward, Tok(), ctx)
     assert batch.get("rule_judged").tolist() == [True, True, False, False]
-    coverage = CoverageTrust(ctx.algorithm.hpa.coverage, ControllerInputs(
+    coverage = _coverage(ctx.algorithm.hpa.trust, ControllerInputs(
         groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout), ROLLOUT)
     metrics = coverage.update(StepSignals(batch=batch))
     assert batch.get("learned_trust").tolist() == [0.0] * 4
@@ -674,17 +682,15 @@ def test_the_coverage_update_reads_the_device_once_for_its_metrics(target):
     from hpa.data.preferences import PreferenceExample
     from hpa.distributed.device_mode import StrictDeviceMode, on_device
     from hpa.distributed.sync_ops import SyncOps
-    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
 
     base = ["algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
-            "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2", "algorithm.kl.use_kl_in_reward=false"]
-    if target is not None:
-        base.append(f"algorithm.hpa.coverage.kl_boost_target={target}")
+            "data.heldout_preference_path=h.jsonl", "algorithm.kl.use_kl_in_reward=false"]
     prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
     heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
                for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
-    config = _ctx(*base).algorithm.hpa.coverage
+    config = _ctx(*base).algorithm.hpa.trust
     device = torch.device("lazy", 0)
 
     def batch(on_dev):
@@ -701,12 +707,13 @@ def test_the_coverage_update_reads_the_device_once_for_its_metrics(target):
                 b.set(name, on_device(b.get(name)))
         return b
 
-    host = CoverageTrust(config, ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(),
-                                                  pairs=pairs, heldout_pairs=heldout), ROLLOUT)
+    host = _coverage(config, ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(),
+                                              pairs=pairs, heldout_pairs=heldout), ROLLOUT, kl_boost_target=target)
     expected = host.update(StepSignals(batch=batch(False)))
     with StrictDeviceMode(device):
-        coverage = CoverageTrust(config, ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_DeviceEmbedder(),
-                                                          pairs=pairs, heldout_pairs=heldout), ROLLOUT)
+        coverage = _coverage(config, ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_DeviceEmbedder(),
+                                                      pairs=pairs, heldout_pairs=heldout), ROLLOUT,
+                             kl_boost_target=target)
         on_dev = batch(True)
         with SyncOps() as syncs:
             metrics = coverage.update(StepSignals(batch=on_dev))
@@ -725,15 +732,15 @@ def _dp_coverage_worker(groups):
     import math
 
     from hpa.data.preferences import PreferenceExample
-    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust, StepSignals
+    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
 
     prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
     heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
                for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
     config = _ctx("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
-                  "data.heldout_preference_path=h.jsonl", "algorithm.hpa.coverage.k=2",
-                  "algorithm.kl.use_kl_in_reward=false").algorithm.hpa.coverage
+                  "data.heldout_preference_path=h.jsonl",
+                  "algorithm.kl.use_kl_in_reward=false").algorithm.hpa.trust
     share = 6 // groups.data_parallel_size
     rows = list(range(groups.dp_rank * share, (groups.dp_rank + 1) * share))
     learned = torch.tensor([0.2, 0.9, 1.3, 0.1, 5.0, -0.4])[rows]
@@ -744,7 +751,7 @@ def _dp_coverage_worker(groups):
                                          [1.0, 1.0]])[rows]  # row 4 dropped by the filter
     drift = torch.tensor([0.0, math.log(2.0), math.log(3.0), 0.5, 9.0, 0.0])[rows]  # ref - old, per row
     batch.set("ref_log_probs", batch.get("old_log_probs") + drift[:, None])
-    coverage = CoverageTrust(config, ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(),
+    coverage = _coverage(config, ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(),
                                                       pairs=pairs, heldout_pairs=heldout), ROLLOUT)
     return coverage.update(StepSignals(batch=batch)), batch.get("learned_trust").tolist()
 

@@ -30,7 +30,7 @@ def save_random_reward_model(groups, path):
 
 TRUST = ["trainer.total_steps=4", "checkpoint.save_interval=1", "guard.kl_rollback_threshold=null",
          "algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true", "algorithm.dpo.rpo_alpha=1.0",
-         "algorithm.hpa.gate.enabled=true", "algorithm.hpa.gate.signal=heldout_nll",
+         "algorithm.hpa.trust.regime=gate", "algorithm.hpa.trust.signal=heldout_nll",
          "algorithm.hpa.balance.enabled=true",
          "algorithm.hpa.balance.measure_steps=3"]
 
@@ -60,7 +60,9 @@ def ceiling_extra(demo):
     rm = demo / "random_rm"
     if not rm.exists():
         run_ranks(save_random_reward_model, args=(str(rm),))
-    return [*[o for o in TRUST if not o.startswith("algorithm.hpa.gate.signal")], "algorithm.hpa.gate.signal=reward_ceiling",
+    # regime auto: the gate, and the coverage trust (reward models and held-out pairs are given)
+    return [*[o for o in TRUST if not o.startswith(("algorithm.hpa.trust.signal", "algorithm.hpa.trust.regime"))],
+            "algorithm.hpa.trust.signal=reward_ceiling",
             f"reward.model_paths=[{rm}]",
             f"reward.num_heads={RM_HEADS}", f"data.heldout_preference_path={demo / 'data' / 'heldout_preferences.jsonl'}"]
 
@@ -106,11 +108,11 @@ def test_resumed_equals_uninterrupted_with_the_gate_and_balance_state(demo, ceil
 
 
 def test_the_coverage_trust_runs_and_logs_its_distribution_every_step(demo, ceiling_extra):
-    """``algorithm.hpa.coverage.enabled`` on the reward-model run under DP2: calibrated once at start-up,
+    """The coverage trust (``algorithm.hpa.trust.regime: auto``) on the reward-model run under DP2: calibrated once at start-up,
     the trust distribution of the step's rollouts (gathered over DP) logged every step, the held-out
     responses' trust per category at every evaluation, and the calibration constants saved in the checkpoint."""
     run_dir = demo / "trust_coverage"
-    records = launch(demo, run_dir, 2, ceiling_extra + ["trainer.total_steps=3", "algorithm.hpa.coverage.enabled=true"])
+    records = launch(demo, run_dir, 2, ceiling_extra + ["trainer.total_steps=3"])
     evals = [r for r in records if "eval/score" in r]
     assert [r["step"] for r in evals] == [0, 2, 3]
     for r in evals:  # 12 held-out prompts, 4 of each category, over 2 DP ranks
@@ -142,8 +144,8 @@ def test_the_sampled_ceiling_gate_moves_the_ceiling_by_the_start_policys_greedy_
     ``reward_ceiling`` lowered by the offset measured once at start-up (every rank the same: one gate), the offset
     in the checkpoint."""
     run_dir = demo / "trust_sampled_ceiling"
-    sampled = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.gate.signal")] + [
-        "algorithm.hpa.gate.signal=sampled_ceiling"]
+    sampled = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.trust.signal")] + [
+        "algorithm.hpa.trust.signal=sampled_ceiling"]
     steps = [r for r in launch(demo, run_dir, 2, sampled + ["trainer.total_steps=2"]) if r["step"] > 0]
     offset, plain = steps[0]["gate/offset"], ceiling_run[1]["gate/ceiling"]
     assert math.isfinite(offset) and offset != 0
@@ -156,14 +158,13 @@ def test_the_sampled_ceiling_gate_moves_the_ceiling_by_the_start_policys_greedy_
 
 
 def test_the_start_rollouts_gate_measures_its_baseline_before_the_first_update(demo, ceiling_extra):
-    """The default signal and baseline (``gate.baseline_prompts``, 2026-11-28) under DP2: at start-up the start
+    """The default signal and baseline (``GATE_BASELINE_PROMPTS``: all 256 prompts of the demo task) under DP2: at start-up the start
     policy's sampled rollouts on training prompts give the baseline, so the gate compares from the first
     update: the ceiling is baseline + headroom at step 1 and the EMA moves from the baseline by the first
     batch's learned reward; every step the same baseline; the baseline in the checkpoint."""
     run_dir = demo / "trust_start_baseline"
-    default = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.gate.signal")]  # the default signal
-    steps = [r for r in launch(demo, run_dir, 2, default + ["trainer.total_steps=2",
-                                                           "algorithm.hpa.gate.baseline_prompts=48"]) if r["step"] > 0]
+    default = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.trust.signal")]  # the default signal
+    steps = [r for r in launch(demo, run_dir, 2, default + ["trainer.total_steps=2"]) if r["step"] > 0]
     baseline, headroom = steps[0]["gate/baseline"], steps[0]["gate/headroom"]
     assert math.isfinite(baseline) and headroom >= 0
     assert steps[0]["gate/ceiling"] == pytest.approx(baseline + headroom, rel=1e-9)
@@ -174,24 +175,3 @@ def test_the_start_rollouts_gate_measures_its_baseline_before_the_first_update(d
     assert state["trust_gate"]["baseline"] == pytest.approx(baseline, rel=1e-12)
 
 
-def test_the_start_rollouts_gate_compares_the_rollouts_with_the_start_policys_own(demo, ceiling_extra):
-    """``gate.baseline_prompts=0`` (the baseline before 2026-11-28) under DP2: the baseline is the mean of
-    the first ``baseline_steps`` steps' rollouts' learned reward (every rank the same: one gate), the ceiling
-    that plus the held-out headroom (>= 0), the gate open until then; both in the checkpoint."""
-    run_dir = demo / "trust_start_rollouts"
-    default = [o for o in ceiling_extra if not o.startswith("algorithm.hpa.gate.signal")]  # the default signal
-    steps = [r for r in launch(demo, run_dir, 2, default + ["trainer.total_steps=3",
-                                                           "algorithm.hpa.gate.baseline_steps=2",
-                                                           "algorithm.hpa.gate.baseline_prompts=0"]) if r["step"] > 0]
-    baseline = (steps[0]["reward/learned_mean"] + steps[1]["reward/learned_mean"]) / 2
-    assert steps[0]["gate/gate"] == 1.0 and "gate/baseline" not in steps[0]
-    headroom = steps[0]["gate/headroom"]
-    assert headroom >= 0 and math.isfinite(headroom)
-    for r in steps[1:]:
-        assert r["gate/baseline"] == pytest.approx(baseline, rel=1e-9)
-        assert r["gate/ceiling"] == pytest.approx(baseline + headroom, rel=1e-9)
-    assert steps[1]["gate/reward_ema"] == pytest.approx(baseline, rel=1e-9)  # the EMA restarts at the baseline
-    assert "coverage/trust_mean" in steps[0]  # the coverage trust is on by default here
-    state = torch.load(run_dir / "checkpoints" / "step_00000003" / "trainer_state.pt", weights_only=False)
-    assert state["trust_gate"]["baseline"] == pytest.approx(baseline, rel=1e-12)
-    assert state["trust_gate"]["headroom"] == pytest.approx(headroom, rel=1e-12)

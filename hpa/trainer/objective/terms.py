@@ -10,7 +10,7 @@ global count it is normalised by (``normaliser``, a ``GlobalCounts`` field), the
 multiplies its weight (``factor``, a ``StepFactors`` field, or none) and which of its metrics are shares
 of a globally normalised loss (``shares``: summed over micro-batches, not averaged). ``b`` is the
 automatic balance's factor on the pair stream (1 unless ``algorithm.hpa.balance``), ``k`` the coverage trust's on
-the KL (``coverage.released_kl`` where it releases the hold, else 1); the trust gate does
+the KL (``trust.released_kl`` where it releases the hold, else 1); the trust gate does
 not scale a loss: it weights the learned component of the advantages the PPO term reads.
 ``L_ent = -c·H`` belongs to the PPO weight (it keeps the policy PPO updates exploring), so ``w_ppo = 0``
 removes both and ``w_ppo = w_kl = 0`` is plain DPO. The SFT replay (``algorithm.replay``, γ its ``coef``; off by
@@ -125,15 +125,15 @@ TERMS: Tuple[Term, ...] = (
     Term("ppo", "rollout", ppo_term, "w_ppo", "tokens",
          shares=("actor/pg_loss",), scaled_by="trust gate (learned advantage component)", source="ppo.policy_loss"),
     Term("dpo", "pairs", dpo_term, "w_dpo", "pairs (anchor: chosen_tokens)", factor="pairs",
-         shares=("dpo/loss", "dpo/anchor_nll"), scaled_by="balance factor, coverage.released_pairs",
+         shares=("dpo/loss", "dpo/anchor_nll"), scaled_by="balance factor, trust.released_pairs",
          source="dpo.dpo_loss + dpo.anchor_nll"),
     Term("hier_kl", "rollout", hier_kl_term, "w_kl", "tokens (semantic: sequences)", factor="kl",
          shares=("kl/token", "kl/semantic", "kl/hier", "actor/kl_loss"),
-         scaled_by="lambda_token, lambda_semantic, coverage.released_kl", source="kl.hierarchical_kl"),
+         scaled_by="lambda_token, lambda_semantic, trust.released_kl", source="kl.hierarchical_kl"),
     Term("entropy", "rollout", entropy_term, "w_ppo", "tokens", shares=("actor/entropy",), scaled_by="entropy_coef",
          source="ppo.entropy_bonus"),
     Term("replay", "replay", replay_term, "w_dpo", "replay_tokens", factor="pairs", shares=("replay/nll",),
-         scaled_by="balance factor, coverage.released_pairs, replay.coef", source="dpo.anchor_nll",
+         scaled_by="balance factor, trust.released_pairs, replay.coef", source="dpo.anchor_nll",
          enabled=lambda algo: algo.replay.enabled),
 )
 GROUPS = tuple(STREAMS)
@@ -153,7 +153,7 @@ def hpa_objective(values: Mapping[str, Optional[torch.Tensor]], weights: Mapping
         values: term name -> its 0-dim value (already normalised by its global count), or None / absent.
         weights: the step weights by name (``w_ppo``, ``w_dpo``, ``w_kl``; other keys are ignored).
         factors: the controllers' factors by name (``StepFactors`` fields: ``pairs``, the balance factor times
-            ``coverage.released_pairs`` where the hold is released; ``kl``, ``coverage.released_kl`` there);
+            ``trust.released_pairs`` where the hold is released; ``kl``, ``trust.released_kl`` there);
             a term's ``factor`` multiplies its weight, 1 where absent.
 
     Returns:

@@ -1,4 +1,4 @@
-"""The trust-gate controller's start-up work (``algorithm.hpa.gate``, signal ``start_rollouts``): the baseline,
+"""The trust-gate controller's start-up work (``algorithm.hpa.trust``, signal ``start_rollouts``): the baseline,
 the start policy's sampled rollouts on ``baseline_prompts`` training prompts, is measured at the first update
 when the run state holds none, so a resumed run, whose saved baseline wins, samples no baseline rollouts."""
 
@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from hpa.config.algorithm import TrustGateConfig
+from hpa.config.algorithm import TrustConfig
 from hpa.config.schema import RolloutConfig
 from hpa.data.preferences import PreferenceExample
 from hpa.rollout.base import RolloutBatch
@@ -54,7 +54,7 @@ def _step(learned):
 
 def test_the_baseline_is_measured_at_the_first_update_of_a_fresh_run():
     calls = []
-    c = TrustGateController(TrustGateConfig(baseline_prompts=4), ROLLOUT, _run(calls))
+    c = TrustGateController(TrustConfig(), ROLLOUT, _run(calls), baseline_prompts=4)
     # held out: chosen 3 and 5 (mean 4.5), greedy answers 1 and 2 (mean 2.0): headroom 2.5
     assert c.gate.headroom == pytest.approx(2.5)
     out = c.update(_step(25.0))
@@ -69,11 +69,11 @@ def test_the_baseline_is_measured_at_the_first_update_of_a_fresh_run():
 
 def test_a_resumed_run_samples_no_baseline_rollouts():
     calls = []
-    first = TrustGateController(TrustGateConfig(baseline_prompts=4), ROLLOUT, _run(calls))
+    first = TrustGateController(TrustConfig(), ROLLOUT, _run(calls), baseline_prompts=4)
     first.update(_step(25.0))
     saved = first.state_dict()
     calls.clear()
-    resumed = TrustGateController(TrustGateConfig(baseline_prompts=4), ROLLOUT, _run(calls))
+    resumed = TrustGateController(TrustConfig(), ROLLOUT, _run(calls), baseline_prompts=4)
     resumed.load_state_dict(saved)
     out = resumed.update(_step(27.0))
     assert _baseline_calls(calls) == []
@@ -84,10 +84,10 @@ def test_a_run_saved_while_counting_the_old_baseline_keeps_counting():
     """A checkpoint of ``baseline_prompts=0`` saved before its ``baseline_steps`` batches were counted: the
     resumed run counts on (no start-up measurement replaces the batches already counted)."""
     calls = []
-    old = TrustGateController(TrustGateConfig(baseline_prompts=0, baseline_steps=2), ROLLOUT, _run(calls))
+    old = TrustGateController(TrustConfig(), ROLLOUT, _run(calls), baseline_prompts=0, baseline_steps=2)
     old.update(_step(24.0))
     saved = old.state_dict()
-    resumed = TrustGateController(TrustGateConfig(baseline_prompts=4, baseline_steps=2), ROLLOUT, _run(calls))
+    resumed = TrustGateController(TrustConfig(), ROLLOUT, _run(calls), baseline_prompts=4, baseline_steps=2)
     resumed.load_state_dict(saved)
     out = resumed.update(_step(26.0))
     assert _baseline_calls(calls) == []

@@ -36,11 +36,11 @@ CONTROLLERS: Dict[str, ControllerEntry] = {
     "kl_ctrl": ControllerEntry(lambda cfg, run: KLCoefficient(cfg.algorithm.kl, run.groups,
                                                               after_update=old_log_probs_from_update(cfg)),
                                lambda cfg: True),
-    "trust_gate": ControllerEntry(lambda cfg, run: TrustGateController(cfg.algorithm.hpa.gate, cfg.rollout, run),
+    "trust_gate": ControllerEntry(lambda cfg, run: TrustGateController(cfg.algorithm.hpa.trust, cfg.rollout, run),
                                   trust_gate_enabled),
     "balance": ControllerEntry(lambda cfg, run: GradientBalance(cfg.algorithm.hpa.balance.measure_steps),
                                lambda cfg: cfg.algorithm.hpa.balance.enabled),
-    "coverage": ControllerEntry(lambda cfg, run: CoverageTrust(cfg.algorithm.hpa.coverage, run, cfg.rollout),
+    "coverage": ControllerEntry(lambda cfg, run: CoverageTrust(cfg.algorithm.hpa.trust, run, cfg.rollout),
                                 coverage_enabled),
 }
 

@@ -1,4 +1,4 @@
-"""The coverage trust (``algorithm.hpa.coverage``, ``hpa.algorithms.coverage``) as a controller."""
+"""The coverage trust (``algorithm.hpa.trust``, ``hpa.algorithms.coverage``) as a controller."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hpa.algorithms.coverage import (TRUST_METRICS, EmbeddingCache, abstention_kl_weights, adapt_kl_boost,
-                                     bank_center, calibrate, coverage_trust, far_kl_sums, far_rows, knn_distance,
-                                     trust_stats, unique_rows)
-from hpa.config.algorithm import CoverageConfig
+from hpa.algorithms.coverage import (COVERAGE_HIGH_QUANTILE, COVERAGE_K, COVERAGE_LOW_QUANTILE, COVERAGE_SPACE,
+                                     KL_BOOST_SHAPE, KL_BOOST_TARGET, TRUST_METRICS, EmbeddingCache,
+                                     abstention_kl_weights, adapt_kl_boost, bank_center, calibrate, coverage_trust,
+                                     far_kl_sums, far_rows, knn_distance, trust_stats, unique_rows)
+from hpa.config.algorithm import TrustConfig
 from hpa.config.schema import RolloutConfig
 from hpa.data.sampler import dp_share, evenly_spaced
 from hpa.distributed import comm
@@ -21,7 +22,7 @@ from hpa.trainer.objective.controllers.base import Controller, ControllerInputs,
 from hpa.trainer.objective.weights import StepFactors
 
 
-# the start's skill (``coverage.hold_min_skill``) is measured on at most this many demonstrations no pair covers,
+# the start's skill (``trust.hold_min_skill``) is measured on at most this many demonstrations no pair covers,
 # out of at most SKILL_CANDIDATES examples of data.sft_path (each an evenly spaced subset, the file's order):
 # one greedy generate call of SKILL_EXAMPLES / DP rows a rank and one reward-model forward per candidate prompt,
 # whatever the size of the SFT set
@@ -105,20 +106,26 @@ class CoverageTrust(Controller):
     (the step factor ``kl``, which the objective table and ``hpa/kl_factor`` show) and the pair stream's times
     ``released_pairs`` (``act``); both are run state (saved; a checkpoint without
     them keeps what start-up measured, which is the same start).
+
+    ``margin``, ``kl_boost``, ``hold_min_skill``, ``released_kl`` and ``released_pairs`` are
+    ``algorithm.hpa.trust``'s; ``space``, ``k``, ``kl_boost_shape`` and ``kl_boost_target`` are
+    ``hpa.algorithms.coverage``'s constants, arguments here for the tests and probes.
     """
 
     name, observes = "coverage", "rollouts"
 
-    def __init__(self, c: CoverageConfig, run: ControllerInputs, rollout: RolloutConfig):
-        self.k, self.space, self.model_reward, self.pad_id = c.k, c.space, run.model_reward, run.pad_id
+    def __init__(self, c: TrustConfig, run: ControllerInputs, rollout: RolloutConfig, *, space: str = COVERAGE_SPACE,
+                 k: int = COVERAGE_K, kl_boost_shape: str = KL_BOOST_SHAPE,
+                 kl_boost_target: Optional[float] = KL_BOOST_TARGET):
+        self.k, self.space, self.model_reward, self.pad_id = k, space, run.model_reward, run.pad_id
         self.dp_group, self.timer = run.groups.dp_group, run.timer
-        self.kl_boost, self.kl_boost_shape, self.cache = c.kl_boost, c.kl_boost_shape, EmbeddingCache()
-        self.kl_boost_target, self.kl_boost_ceiling = c.kl_boost_target, 10.0 * c.kl_boost
+        self.kl_boost, self.kl_boost_shape, self.cache = c.kl_boost, kl_boost_shape, EmbeddingCache()
+        self.kl_boost_target, self.kl_boost_ceiling = kl_boost_target, 10.0 * c.kl_boost
         self.bank = self._embed_pairs(run.pairs)  # [m, h]
         self.center = bank_center(self.bank)  # [h]
         held = knn_distance(self._embed_pairs(run.heldout_pairs), self.bank, self.k, center=self.center)  # [n]
-        self.low, self.high = calibrate(held, low_quantile=c.low_quantile, high_quantile=c.high_quantile,
-                                        margin=c.margin)
+        self.low, self.high = calibrate(held, low_quantile=COVERAGE_LOW_QUANTILE,
+                                        high_quantile=COVERAGE_HIGH_QUANTILE, margin=c.margin)
         logging.getLogger("hpa").info("coverage trust (%s space): %d rows in the bank; trust 1 up to distance "
                                       "%.4g, 0 from %.4g", self.space, self.bank.shape[0], self.low, self.high)
         self.start_skill, self.far_demonstrations, self.min_skill = float("nan"), 0, c.hold_min_skill
@@ -145,8 +152,8 @@ class CoverageTrust(Controller):
                  "(greedy); %s", self.start_skill, self.far_demonstrations,
                  f"at least {min_skill:g}: the far rows are held (boost {self.kl_boost:g})" if held else
                  f"below {min_skill:g}: the far rows are not held (boost 0), and every row's KL to the reference "
-                 f"weighs {self.released_kl:g} (coverage.released_kl), the pairs' terms {self.released_pairs:g} "
-                 f"times as much (coverage.released_pairs)")
+                 f"weighs {self.released_kl:g} (trust.released_kl), the pairs' terms {self.released_pairs:g} "
+                 f"times as much (trust.released_pairs)")
         if not held:
             self.kl_boost = 0.0
 

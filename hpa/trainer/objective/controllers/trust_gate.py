@@ -1,4 +1,4 @@
-"""The trust gate (``algorithm.hpa.gate``, ``hpa.algorithms.gate``) as a controller, and what each of its
+"""The trust gate (``algorithm.hpa.trust``, ``hpa.algorithms.gate``) as a controller, and what each of its
 signals needs from the run (``GATE_SIGNAL_INPUTS``)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import functools
 import logging
 from typing import Callable, Dict, Optional
 
-from hpa.algorithms.gate import TrustGate
-from hpa.config.algorithm import TrustGateConfig
+from hpa.algorithms.gate import (GATE_BASELINE_PROMPTS, GATE_BASELINE_STEPS, GATE_HEADROOM_SCALE, GATE_KI, GATE_KP,
+                                 GATE_REWARD_EMA, TrustGate)
+from hpa.config.algorithm import TrustConfig
 from hpa.config.schema import RolloutConfig
 from hpa.data.sampler import evenly_spaced
 from hpa.reward.embeddings import greedy_and_sampled_reward, heldout_reward_ceiling, mean_learned_reward
@@ -25,21 +26,21 @@ BASELINE_PROMPTS_PER_CALL = 64
 
 @dataclasses.dataclass(frozen=True)
 class GateSignal:
-    """What a trust-gate signal needs from the run: ``start(gate, run, rollout, g)`` once, at start-up, and
-    ``measure(run)`` each step (the held-out NLL, or None)."""
+    """What a trust-gate signal needs from the run: ``start(gate, run, rollout, baseline_prompts)`` once, at
+    start-up, and ``measure(run)`` each step (the held-out NLL, or None)."""
 
-    start: Callable[[TrustGate, ControllerInputs, RolloutConfig, TrustGateConfig], None]
+    start: Callable[[TrustGate, ControllerInputs, RolloutConfig, int], None]
     measure: Callable[[ControllerInputs], Optional[float]]
 
 
-def _set_ceiling(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig, g: TrustGateConfig) -> None:
+def _set_ceiling(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig, baseline_prompts: int) -> None:
     gate.set_ceiling(*heldout_reward_ceiling(run.model_reward, run.heldout_pairs, pad_id=run.pad_id))
     logger.info("trust gate: the held-out chosen responses' learned reward is %.4f, margin %.4f", gate.ceiling,
                 gate.margin)
 
 
 def _set_sampled_ceiling(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig,
-                         g: TrustGateConfig) -> None:
+                         baseline_prompts: int) -> None:
     chosen, margin = heldout_reward_ceiling(run.model_reward, run.heldout_pairs, pad_id=run.pad_id)
     greedy, sampled = greedy_and_sampled_reward(run.model_reward, run.tokenizer, run.heldout_pairs, run.generate,
                                                 rollout, run.groups)
@@ -49,7 +50,7 @@ def _set_sampled_ceiling(gate: TrustGate, run: ControllerInputs, rollout: Rollou
                 "is %.4f", chosen, margin, greedy, sampled, gate.ceiling)
 
 
-def _set_headroom(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig, g: TrustGateConfig) -> None:
+def _set_headroom(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig, baseline_prompts: int) -> None:
     chosen, margin = heldout_reward_ceiling(run.model_reward, run.heldout_pairs, pad_id=run.pad_id)
     greedy, sampled = greedy_and_sampled_reward(run.model_reward, run.tokenizer, run.heldout_pairs, run.generate,
                                                 rollout, run.groups)
@@ -57,18 +58,18 @@ def _set_headroom(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig
     logger.info("trust gate: on the held-out prompts the chosen responses' learned reward is %.4f (margin %.4f), "
                 "the start policy's greedy responses' %.4f (sampled %.4f): headroom %.4f above the start's own "
                 "rollouts on the training prompts", chosen, margin, greedy, sampled, gate.headroom)
-    if not g.baseline_prompts:
-        logger.info("trust gate: the baseline is the first %d updates' rollouts", g.baseline_steps)
+    if not baseline_prompts:
+        logger.info("trust gate: the baseline is the first %d updates' rollouts", gate.baseline_steps)
     elif not run.prompts:
         raise ValueError("the start_rollouts gate's baseline needs training prompts (data.prompt_path has none)")
 
 
-def _measure_baseline(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig, g: TrustGateConfig) -> None:
-    """start_rollouts with ``baseline_prompts``: the start policy's sampled rollouts on that many training
+def _measure_baseline(gate: TrustGate, run: ControllerInputs, rollout: RolloutConfig, baseline_prompts: int) -> None:
+    """start_rollouts with ``baseline_prompts`` > 0: the start policy's sampled rollouts on that many training
     prompts (evenly spaced over the file), their mean learned reward the baseline. Run at the first update, on
     the start weights, when the run state holds no baseline: a resumed run's saved one wins, so it samples
     nothing."""
-    prompts = [e.prompt_ids for e in evenly_spaced(run.prompts, g.baseline_prompts)]
+    prompts = [e.prompt_ids for e in evenly_spaced(run.prompts, baseline_prompts)]
     # the steps' seeds are rollout.seed + step * DP + rank: this stream lies far from them
     params = SamplingParams.from_config(rollout, seed=rollout.seed + 2_000_003 + run.groups.dp_rank)
     with run.timer("gate"):
@@ -88,26 +89,29 @@ GATE_SIGNAL_INPUTS: Dict[str, GateSignal] = {
     "reward_ceiling": GateSignal(start=_set_ceiling, measure=lambda run: None),
     "sampled_ceiling": GateSignal(start=_set_sampled_ceiling, measure=lambda run: None),
     "start_rollouts": GateSignal(start=_set_headroom, measure=lambda run: None),
-    "heldout_nll": GateSignal(start=lambda gate, run, rollout, g: None, measure=_heldout_nll),
+    "heldout_nll": GateSignal(start=lambda gate, run, rollout, baseline_prompts: None, measure=_heldout_nll),
 }
 
 
 class TrustGateController(Controller):
     """The weight of the learned component of the advantages (``learned_advantage``), from the signal
-    ``GATE_SIGNAL_INPUTS`` names."""
+    ``GATE_SIGNAL_INPUTS`` names. ``signal`` and ``slack`` are ``algorithm.hpa.trust``'s; the rest are
+    ``hpa.algorithms.gate``'s constants, arguments here for the tests (``baseline_prompts`` 0: the baseline
+    is the first ``baseline_steps`` updates' batches)."""
 
     name, observes = "trust_gate", "rollouts"
 
-    def __init__(self, g: TrustGateConfig, rollout: RolloutConfig, run: ControllerInputs):
-        self.gate = TrustGate(signal=g.signal, slack=g.slack, kp=g.kp, ki=g.ki, reward_ema=g.reward_ema,
-                              baseline_steps=g.baseline_steps, headroom_scale=g.headroom_scale)
-        signal = GATE_SIGNAL_INPUTS[g.signal]
-        signal.start(self.gate, run, rollout, g)
+    def __init__(self, t: TrustConfig, rollout: RolloutConfig, run: ControllerInputs, *,
+                 baseline_prompts: int = GATE_BASELINE_PROMPTS, baseline_steps: int = GATE_BASELINE_STEPS):
+        self.gate = TrustGate(signal=t.signal, slack=t.slack, kp=GATE_KP, ki=GATE_KI, reward_ema=GATE_REWARD_EMA,
+                              baseline_steps=baseline_steps, headroom_scale=GATE_HEADROOM_SCALE)
+        signal = GATE_SIGNAL_INPUTS[t.signal]
+        signal.start(self.gate, run, rollout, baseline_prompts)
         self.measure = functools.partial(signal.measure, run)  # what it reads each step, nothing else of the run
         # the start-up baseline (baseline_prompts > 0), measured at the first update while the gate needs one:
         # a restored run state brings its own
-        self.measure_baseline = (functools.partial(_measure_baseline, self.gate, run, rollout, g)
-                                 if g.signal == "start_rollouts" and g.baseline_prompts else None)
+        self.measure_baseline = (functools.partial(_measure_baseline, self.gate, run, rollout, baseline_prompts)
+                                 if t.signal == "start_rollouts" and baseline_prompts else None)
 
     def update(self, s: StepSignals) -> Dict[str, float]:
         if self.measure_baseline is not None and self.gate.needs_baseline:
