@@ -153,7 +153,7 @@ def _kernels(device: torch.device, kernel: str = "auto", dtype: torch.dtype = to
     stats, grad = (linear_head_triton.chunk_stats, linear_head_triton.chunk_grad) if regions else \
         (chunk_stats, chunk_grad)
     if kernel == "fused_forward" or (kernel == "auto" and dtype in _FUSED_DTYPES
-                                     and linear_head_triton.fused_usable(device)):
+                                     and linear_head_triton.fused_usable(device, linear_log_probs_entropy)):
         return True, linear_head_triton.fused_stats, False, grad
     return False, stats, False, grad
 

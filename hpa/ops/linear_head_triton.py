@@ -350,13 +350,12 @@ def fused_grads(x: torch.Tensor, w: torch.Tensor, m: torch.Tensor, log_s: torch.
 
 
 @functools.lru_cache(maxsize=None)
-def fused_usable(device: torch.device) -> bool:
+def fused_usable(device: torch.device, head) -> bool:
     """Whether the matmul-fused forward (``fused_stats``, the CUDA default's forward) runs on ``device`` and matches
     the head's torch path in fp32 (log-probs and entropy within 2 % of each one's largest) on a small bf16 problem
     with a temperature, repeated positions and a label in the vocab padding. The fused backward (``fused_grads``)
-    runs only when asked for by name and is not checked."""
-    from .linear_head import linear_log_probs_entropy
-
+    runs only when asked for by name and is not checked. ``head``: ``hpa.ops.linear_head.linear_log_probs_entropy``
+    (an argument: this module does not import the head, which imports it)."""
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(2, 40, 64, device=device, generator=gen).to(torch.bfloat16)
@@ -367,8 +366,8 @@ def fused_usable(device: torch.device) -> bool:
 
         def run(kernel, dtype):
             with torch.no_grad():
-                return linear_log_probs_entropy(x.to(dtype), w.to(dtype), labels, None, 990, 0.7,
-                                                positions=positions, entropy=True, kernel=kernel)
+                return head(x.to(dtype), w.to(dtype), labels, None, 990, 0.7, positions=positions,
+                            entropy=True, kernel=kernel)
 
         # against the torch path in fp32 on the same bf16-valued inputs (the kernel rounds the logits to bf16)
         for got, want in zip(run("fused_forward", torch.bfloat16), run("torch", torch.float32)):

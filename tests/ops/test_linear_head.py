@@ -116,7 +116,7 @@ def test_cuda_default_prefers_the_fused_forward_that_passes_its_check(monkeypatc
 
     import hpa.ops
 
-    stub = types.SimpleNamespace(fused_usable=lambda device: fused_ok, usable=lambda device, *fns: regions_ok,
+    stub = types.SimpleNamespace(fused_usable=lambda device, head: fused_ok, usable=lambda device, *fns: regions_ok,
                                  fused_stats="fs", fused_grads="fg", chunk_stats="cs", chunk_grad="cg")
     monkeypatch.setitem(sys.modules, "hpa.ops.linear_head_triton", stub)
     monkeypatch.setattr(hpa.ops, "linear_head_triton", stub, raising=False)
@@ -357,7 +357,7 @@ for kernel, (outputs, temperature, rows) in [(k, c) for k in ("fused", "fused_fo
         assert fused[2].reshape(-1, 24)[[18, 19, 20, 21, 22, 23]].abs().sum() == 0
 with warnings.catch_warnings():  # the first-use check itself passes (it warns where it fails)
     warnings.simplefilter("error")
-    assert linear_head_triton.fused_usable.__wrapped__(torch.device("cpu"))
+    assert linear_head_triton.fused_usable.__wrapped__(torch.device("cpu"), linear_log_probs_entropy)
 print("ok")
 """
 
@@ -390,7 +390,7 @@ def test_fused_triton_kernels_on_a_gpu(dtype):
     from hpa.ops import linear_head_triton
 
     device = torch.device("cuda")
-    assert linear_head_triton.fused_usable(device)
+    assert linear_head_triton.fused_usable(device, linear_head.linear_log_probs_entropy)
     assert linear_head._kernels(device, "auto", dtype) == (True, linear_head_triton.fused_stats, False,
                                                             linear_head_triton.chunk_grad)
     gen = torch.Generator(device=device).manual_seed(0)
