@@ -62,5 +62,5 @@ def test_a_reward_model_of_another_tokenizer_stops_the_run_naming_both_files(dem
     text = output[0]
     assert "/elsewhere/other_tok.model" in text and str(demo / "data" / "tok.model") in text
     # the ConfigError path of the CLI (one line, exit 2), not a traceback from inside the model loading
-    assert "hpa train: " in text and "config key 'reward.model_paths'" in text
+    assert "hpa train: " in text and "config key 'reward.model_paths[0]'" in text  # the entry named
     assert "must share the policy's tokenizer" in text and "hpa_reward_model.json" in text
