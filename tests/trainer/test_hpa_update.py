@@ -181,7 +181,7 @@ def test_micro_batching_does_not_change_the_step(grads):
 
 
 def test_importance_weights_reach_the_policy_loss(grads):
-    """Truncated-IS weights (``algorithm.ppo.rollout_is_threshold``) multiply each token's PPO loss:
+    """The rollout correction's IS weights (``algorithm.rollout_correction.rollout_is``) multiply each token's PPO loss:
     a constant weight of 2 doubles the policy-gradient step."""
     assert np.abs(grads["pg_plain"]).max() > 0
     np.testing.assert_allclose(grads["pg_is_2"], 2.0 * grads["pg_plain"], atol=1e-7)
