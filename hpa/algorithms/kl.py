@@ -281,7 +281,9 @@ def hierarchical_kl(
         if token_weights is not None:
             tw = token_weights.to(per_token.device, per_token.dtype)  # [b, r]
             token_terms = token_terms * tw
-            seq_terms = seq_terms * masked_mean(tw, mask.to(tw.dtype), dim=-1).to(per_seq.dtype)  # [b]
+            m = mask.to(tw.dtype)
+            row_weight = (tw * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)  # [b], exactly w where all are w
+            seq_terms = seq_terms * row_weight.to(per_seq.dtype)
         if row_weights is not None:
             w = row_weights.to(per_token.device, per_token.dtype)  # [b]
             token_terms = token_terms * w[:, None]
