@@ -214,3 +214,39 @@ def test_dp2_metrics_are_the_whole_batchs():
             assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
     torch.testing.assert_close(ranks[0][1], WEIGHTS[:3])
     torch.testing.assert_close(ranks[1][2][:, :3], KEPT[3:])
+
+
+def test_the_ppo_term_is_decoupled_ppo():
+    """The ``ppo`` term on the phase's ``is_weights`` and rejected ``mask`` is ``decoupled_policy_loss`` of the same
+    π_old, π_behaviour and policy log-probs: value, gradient and metrics."""
+    from hpa.algorithms.losses import Aggregation
+    from hpa.algorithms.rollout_correction import RolloutCorrection, decoupled_policy_loss
+    from hpa.trainer.objective.streams import LossInputs
+    from hpa.trainer.objective.terms import ppo_term
+
+    ctx = _ctx(ONE_RANK, *CORRECTION)
+    g = torch.Generator().manual_seed(4)
+    old = (-2.0 + 0.3 * torch.randn(4, 3, generator=g)) * RESPONSE_MASK
+    batch = _batch(old, LOG_RATIO, RESPONSE_MASK, [0, 0, 0, 1])
+    phases.rollout_correction(batch, old, ctx)
+    advantages = torch.randn(4, 3, generator=g) * RESPONSE_MASK
+    new = (old + 0.2 * torch.randn(4, 3, generator=g)).requires_grad_()
+    aggregation = Aggregation(mode="token-mean", num_global_tokens=float((RESPONSE_MASK * KEPT).sum()))
+    inputs = LossInputs(algo=ctx.algorithm, weights=None, counts=None, aggregation=aggregation)
+    mb = {"old_log_probs": old, "advantages": advantages, "mask": RESPONSE_MASK * batch.get("rollout_kept"),
+          "is_weights": batch.get("is_weights")}
+    loss, metrics = ppo_term(mb, {"log_probs": new}, inputs)
+    (grad,) = torch.autograd.grad(loss, new)
+    ppo = ctx.algorithm.ppo
+    options = RolloutCorrection(**dataclasses.asdict(ctx.algorithm.rollout_correction))
+    new2 = new.detach().clone().requires_grad_()
+    expected, expected_metrics = decoupled_policy_loss(
+        old, batch.log_probs, new2, advantages, RESPONSE_MASK, correction=options, name=ppo.policy_loss,
+        clip_ratio=ppo.clip_ratio, clip_ratio_low=ppo.clip_ratio_low, clip_ratio_high=ppo.clip_ratio_high,
+        clip_ratio_c=ppo.clip_ratio_c, aggregation=aggregation)
+    (expected_grad,) = torch.autograd.grad(expected, new2)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    torch.testing.assert_close(grad, expected_grad)
+    assert grad[2].abs().max() == 0 and grad[1, 0] == 0  # the vetoed row, the rejected token
+    for key in ("pg_loss", "pg_clipfrac", "ppo_kl"):
+        assert metrics[f"actor/{key}"].item() == pytest.approx(expected_metrics[key].item(), rel=1e-6, abs=1e-9)
