@@ -906,10 +906,11 @@ def old_log_probs_from_update(cfg: Config) -> bool:
     """Whether a step's old log-probs come from the update's own forward (``trainer.old_log_probs_from_update``):
     the old policy is the policy the update's forward runs (one PPO epoch of one mini-batch, no dropout, one
     pipeline stage) and nothing reads the old log-probs or the old pooled hidden states before the update (no
-    in-reward KL, no rollout correction (``algorithm.rollout_correction``), no coverage trust, no diversity on the policy's
-    embeddings, no refilling rollout filter). The KL controller's ``actor/reward_kl`` and the rollout/training log-prob
-    metrics are then computed after the update, from the same values. verl's FSDP actor (v0.6.0 to v0.7.0,
-    ``dp_actor.update_policy``) takes the detached log-probs the same way but still runs its old-policy forward."""
+    in-reward KL, no rollout correction (``algorithm.rollout_correction``), no coverage trust, no diversity on the
+    policy's embeddings, no refilling rollout filter). The KL controller's ``actor/reward_kl`` and the
+    rollout/training log-prob metrics are then computed after the update, from the same values. verl's FSDP actor
+    (v0.6.0 to v0.7.0, ``dp_actor.update_policy``) takes the detached log-probs the same way but still runs its
+    old-policy forward."""
     t, m, a = cfg.trainer, cfg.model, cfg.algorithm
     one_update = t.ppo_epochs == 1 and (t.ppo_mini_batch_size is None or t.ppo_mini_batch_size == t.global_batch_size)
     no_dropout = m.hidden_dropout == 0 and m.attention_dropout == 0 and (m.lora.rank == 0 or m.lora.dropout == 0)

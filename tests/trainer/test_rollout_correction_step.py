@@ -51,14 +51,16 @@ def hand_metrics():
             "rollout_corr/rollout_is_seq_mean": (1 + 2 + (2 + 1e-4) / 3 + 3.05 / 3) / 4,
             "rollout_corr/rollout_rs_mean": sum(ratios) / 11,
             "rollout_corr/rollout_rs_masked_fraction": 2 / 11, "rollout_corr/rollout_rs_seq_masked_fraction": 0.5,
-            "rollout_corr/rollout_is_veto_fraction": 0.25, "rollout_corr/rollout_is_catastrophic_token_fraction": 1 / 11}
+            "rollout_corr/rollout_is_veto_fraction": 0.25,
+            "rollout_corr/rollout_is_catastrophic_token_fraction": 1 / 11}
 
 
 def _batch(old, log_ratio, response_mask, group_ids, seed=0):
     """A rollout whose engine recorded ``old − log_ratio`` (the behaviour log-probs)."""
     b, r = response_mask.shape
     g = torch.Generator().manual_seed(seed)
-    return RolloutBatch(prompt_ids=torch.randint(1, VOCAB, (b, 3), generator=g), prompt_mask=torch.ones(b, 3, dtype=torch.long),
+    return RolloutBatch(prompt_ids=torch.randint(1, VOCAB, (b, 3), generator=g),
+                        prompt_mask=torch.ones(b, 3, dtype=torch.long),
                         response_ids=(torch.randint(1, VOCAB, (b, r), generator=g) * response_mask).long(),
                         response_mask=response_mask, log_probs=(old - log_ratio) * response_mask,
                         finish_reasons=["stop"] * b, group_ids=torch.tensor(group_ids))

@@ -45,11 +45,12 @@ class Runs(NamedTuple):
 def runs(demo) -> Runs:
     output = []
     dp2 = launch(demo, demo / "tp1_pp1_dp2", 2, [adversarial(demo)], output=output)
-    # truncated IS on here only: on CPU the rollout and training log-probs agree to ~1e-6, so the
+    # token TIS on here only: on CPU the rollout and training log-probs agree to ~1e-6, so the
     # weights are ~1 and the metrics must still equal the TP1 run's
     tp2pp2dp2 = launch(demo, demo / "tp2_pp2_dp2", 8, ["parallel.tensor_model_parallel_size=2",
                                                           "parallel.pipeline_model_parallel_size=2",
-                                                          "algorithm.rollout_correction.rollout_is=token", adversarial(demo)])
+                                                          "algorithm.rollout_correction.rollout_is=token",
+                                                          adversarial(demo)])
     return Runs(dp2=dp2, tp2pp2dp2=tp2pp2dp2, dp2_log=output[0])
 
 
