@@ -67,7 +67,7 @@ def _run(base: list, run_dir: Path, k: int, steps: int) -> list:
     from hpa.config import load_config
     from hpa.trainer.loop import HPATrainer
 
-    extra = [f"rollout.max_staleness={k}", "algorithm.ppo.rollout_is_threshold=2.0"]
+    extra = [f"rollout.max_staleness={k}", "algorithm.rollout_correction.rollout_is=token"]
     cfg = load_config(None, [*base, *extra, f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}"])
     HPATrainer(cfg, _run.groups).train()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

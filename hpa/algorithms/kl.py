@@ -240,6 +240,7 @@ def hierarchical_kl(
     distance: str = "mse",
     aggregation: Aggregation = TOKEN_MEAN,
     row_weights: Optional[torch.Tensor] = None,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Metrics]:
     """HPA's hierarchical regulariser ``λ_token · token_kl + λ_semantic · semantic_distance``.
 
@@ -262,6 +263,10 @@ def hierarchical_kl(
         row_weights: ``[b]`` a weight on each row's token KL and semantic distance in the loss (the coverage
             trust's abstention, ``coverage.abstention_kl_weights``), inside the aggregation so the counts it
             normalises by are unchanged; None: 1. The metrics are unweighted.
+        token_weights: ``[b, r]`` importance weights of the rollout's tokens (the rollout correction's
+            π_old/π_behaviour, ``hpa.algorithms.rollout_correction``): each token's KL is multiplied by its
+            weight and each row's semantic distance by the row's mean weight over ``mask`` (its weight, at the
+            sequence level), inside the aggregation as ``row_weights``; None: 1. The metrics are unweighted.
 
     Returns:
         ``(loss, metrics)`` with ``hier_kl``, ``token_kl``, ``semantic_distance`` (the policy's, without
@@ -271,10 +276,20 @@ def hierarchical_kl(
     per_token = kl_penalty(log_prob, ref_log_prob, kind)  # [b, r]
     per_seq = SEMANTIC_DISTANCES.get(distance)(policy_pooled, ref_pooled)  # [b]
     seq_valid = mask.sum(dim=-1) > 0  # [b]
-    if row_weights is not None:  # the loss weighs rows; the metrics stay the policy's KL and distance
-        w = row_weights.to(per_token.device, per_token.dtype)  # [b]
-        loss = lambda_token * aggregation(per_token * w[:, None], mask) \
-            + lambda_semantic * aggregation.seq_mean(per_seq * w.to(per_seq.dtype), seq_valid)
+    if row_weights is not None or token_weights is not None:  # the loss weighs; the metrics stay the policy's
+        token_terms, seq_terms = per_token, per_seq
+        if token_weights is not None:
+            tw = token_weights.to(per_token.device, per_token.dtype)  # [b, r]
+            token_terms = token_terms * tw
+            m = mask.to(tw.dtype)
+            row_weight = (tw * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)  # [b], exactly w where all are w
+            seq_terms = seq_terms * row_weight.to(per_seq.dtype)
+        if row_weights is not None:
+            w = row_weights.to(per_token.device, per_token.dtype)  # [b]
+            token_terms = token_terms * w[:, None]
+            seq_terms = seq_terms * w.to(per_seq.dtype)
+        loss = lambda_token * aggregation(token_terms, mask) \
+            + lambda_semantic * aggregation.seq_mean(seq_terms, seq_valid)
         with torch.no_grad():  # the metrics only: no autograd graph
             token_kl = aggregation(per_token, mask)
             semantic = aggregation.seq_mean(per_seq, seq_valid)

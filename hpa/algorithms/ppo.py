@@ -251,35 +251,6 @@ def policy_loss(
     return POLICY_LOSSES.get(name)(old_log_prob, log_prob, advantages, mask, settings)
 
 
-def truncated_importance_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor,
-                                 threshold: float) -> Tuple[torch.Tensor, Metrics]:
-    """Truncated importance sampling (TIS) weights of the rollout distribution, per token.
-
-    ``w = min(exp(old_log_prob - rollout_log_prob), threshold)``, 0 where masked, detached: the
-    policy-loss weight that corrects for the rollout engine sampling from a slightly different
-    distribution than the training forward computes (another kernel, precision or engine).
-
-    Args:
-        old_log_prob: training-forward log-probs of the sampled tokens before the update. # [b, r]
-        rollout_log_prob: log-probs the rollout engine returned for them. # [b, r]
-        mask: response mask. # [b, r]
-        threshold: the truncation cap, > 0.
-
-    Returns:
-        ``(weights, metrics)``: weights # [b, r]; ``is_weight_mean`` and ``is_truncated_frac``
-        (share of valid tokens whose ratio exceeded the cap).
-    """
-    if not threshold > 0:
-        raise ValueError(f"truncated importance sampling needs threshold > 0, got {threshold}")
-    with torch.no_grad():
-        mask = mask.to(old_log_prob.dtype)
-        ratio = torch.exp(torch.clamp(old_log_prob - rollout_log_prob, min=-20.0, max=20.0))  # [b, r]
-        weights = torch.clamp(ratio, max=threshold) * mask
-        metrics = {"is_weight_mean": masked_mean(weights, mask),
-                   "is_truncated_frac": masked_mean((ratio > threshold).to(mask.dtype), mask)}
-    return weights, metrics
-
-
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``1 - Var(returns - values) / (Var(returns) + 1e-5)`` over the valid tokens (unbiased variances).
 

@@ -28,6 +28,8 @@ KL_ESTIMATOR_NAMES = (
 KL_CONTROLLER_NAMES = ("adaptive", "fixed")
 DPO_LOSS_NAMES = ("hinge", "ipo", "robust", "sigmoid")
 SCHEDULE_NAMES = ("constant", "cosine", "linear", "piecewise", "warmup_constant")
+ROLLOUT_IS_LEVEL_NAMES = ("sequence", "token")
+ROLLOUT_RS_LEVEL_NAMES = ("geometric", "sequence", "token")
 SEMANTIC_DISTANCE_NAMES = ("cosine", "mse")
 ROLLOUT_FILTER_NAMES = ("dapo_groups", "none", "reward_above_mean_std")
 # hpa.algorithms.gate.GATE_SIGNALS, and the signals the reward models compute
@@ -145,10 +147,9 @@ class PPOConfig:
         loss_agg_mode: how per-token losses become a scalar.
         loss_scale_factor: divisor of seq-mean-token-sum-norm; None uses the padded response length.
         entropy_coef: schedule of the entropy-bonus coefficient.
-        rollout_is_threshold: truncated importance sampling (TIS) of the rollout engine's sampling
-            distribution: each token's policy loss is weighted by ``min(π_old/π_rollout, threshold)``
-            (detached). None (default) is off. Worth turning on with vLLM rollouts, whose
-            log-probs differ from the training forward's (watch ``rollout/logprob_diff_*``).
+
+    The truncated importance weight of the rollouts (``rollout_is_threshold`` here before) is
+    ``algorithm.rollout_correction``.
     """
 
     policy_loss: str = "vanilla"
@@ -160,12 +161,9 @@ class PPOConfig:
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: Optional[float] = None
     entropy_coef: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", value=0.01))
-    rollout_is_threshold: Optional[float] = None
 
     def __post_init__(self):
         check_choice("policy_loss", self.policy_loss, POLICY_LOSS_NAMES)
-        if self.rollout_is_threshold is not None:
-            check_range("rollout_is_threshold", self.rollout_is_threshold, low=0.0, low_open=True)
         check_range("clip_ratio", self.clip_ratio, low=0.0, high=1.0, low_open=True, high_open=True)
         if self.clip_ratio_low is not None:
             if self.policy_loss == "cispo":  # a weight, not a trust region: >= 1 leaves it unbounded below
@@ -182,6 +180,69 @@ class PPOConfig:
         if self.loss_scale_factor is not None:
             check_range("loss_scale_factor", self.loss_scale_factor, low=0.0, low_open=True)
         _check_non_negative("entropy_coef", self.entropy_coef)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutCorrectionConfig:
+    """Off-policy correction of the rollouts (``hpa.algorithms.rollout_correction``): verl's rollout-correction
+    options, names and semantics as of v0.7.0 (``algorithm.rollout_correction``, decoupled mode), every one
+    off by default (verl's ``rollout_is`` defaults to ``sequence``; here null, so a run without the section
+    is the uncorrected one). Each is computed per token from ``log π_old − log π_behaviour``: π_old is the
+    trainer's forward before the update (the proximal policy, which the PPO ratio is clipped around),
+    π_behaviour the log-probs the rollout engine recorded when it sampled (another engine's numerics, or an
+    older policy at ``rollout.max_staleness`` k >= 1). The weights multiply each rollout token's PPO loss
+    and its token KL, and the semantic distance of its row (by the row's mean weight); rejected and vetoed
+    tokens leave the loss mask of every rollout term (PPO, entropy, KL, value loss) after the advantages
+    are computed. See docs/objective.md, "Where each term's samples come from".
+
+    Attributes:
+        rollout_is: importance-weight level: ``token`` (each token's ratio; low variance, biased) |
+            ``sequence`` (the row's product of ratios; unbiased, high variance) | null (no weights).
+        rollout_is_threshold: truncation cap of the weights (verl: 1.5-5 per token, 2-10 per sequence).
+        rollout_rs: rejection level: ``token`` | ``sequence`` (product of ratios) | ``geometric``
+            (geometric mean of the row's ratios; thresholds near 1, e.g. 1.001) | null (no rejection).
+            A token (or a whole row) whose ratio lies outside ``[rollout_rs_threshold_lower,
+            rollout_rs_threshold]`` leaves the loss.
+        rollout_rs_threshold: upper bound of an accepted ratio; required with ``rollout_rs``.
+        rollout_rs_threshold_lower: lower bound, at most ``rollout_rs_threshold``; null: its reciprocal.
+        rollout_token_veto_threshold: a row with any token whose ratio is below this leaves the loss whole
+            (verl: 1e-4 to 1e-6); null: no veto.
+    """
+
+    rollout_is: Optional[str] = None
+    rollout_is_threshold: float = 2.0
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[float] = None
+    rollout_rs_threshold_lower: Optional[float] = None
+    rollout_token_veto_threshold: Optional[float] = None
+
+    def __post_init__(self):
+        if self.rollout_is is not None:
+            check_choice("rollout_is", self.rollout_is, ROLLOUT_IS_LEVEL_NAMES)
+        check_range("rollout_is_threshold", self.rollout_is_threshold, low=0.0, low_open=True)
+        if self.rollout_rs is not None:
+            check_choice("rollout_rs", self.rollout_rs, ROLLOUT_RS_LEVEL_NAMES)
+            if self.rollout_rs_threshold is None:
+                raise ConfigError("rollout_rs_threshold", f"must be set with rollout_rs: {self.rollout_rs} "
+                                                          "(e.g. 2.0; 1.001 for geometric)")
+        for key in ("rollout_rs_threshold", "rollout_rs_threshold_lower", "rollout_token_veto_threshold"):
+            if getattr(self, key) is not None:
+                check_range(key, getattr(self, key), low=0.0, low_open=True)
+        if self.rollout_rs_threshold_lower is not None and self.rollout_rs_threshold is not None \
+                and self.rollout_rs_threshold_lower > self.rollout_rs_threshold:
+            raise ConfigError("rollout_rs_threshold_lower", f"{self.rollout_rs_threshold_lower} exceeds "
+                                                            f"rollout_rs_threshold ({self.rollout_rs_threshold})")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any option is on (the trainer then needs π_old before the update)."""
+        return self.rollout_is is not None or self.rollout_rs is not None \
+            or self.rollout_token_veto_threshold is not None
+
+    @property
+    def rejects(self) -> bool:
+        """Whether tokens or rows can leave the loss (rejection or veto)."""
+        return self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -450,6 +511,7 @@ class AlgorithmConfig:
     hpa: HPAConfig = field(default_factory=HPAConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     rollout_filter: RolloutFilterConfig = field(default_factory=RolloutFilterConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self):
         if self.rollout_filter.name != "none" and self.advantage.estimator in WHITENING_ESTIMATORS:

@@ -189,6 +189,10 @@ def _convert(value: Any, tp, key: str, sources: _Sources):
 MOVED_KEYS = {
     "reward.filter": "the rollout filter is algorithm.rollout_filter now (reward.filter.mode: top_std is "
                      "algorithm.rollout_filter.name: reward_above_mean_std, with k; see docs/training.md)",
+    "algorithm.ppo.rollout_is_threshold": "the truncated importance weight is algorithm.rollout_correction now "
+                                          "(the same weights: algorithm.rollout_correction.rollout_is=token and "
+                                          "algorithm.rollout_correction.rollout_is_threshold=<the value>; they "
+                                          "also weight the KL terms; see docs/objective.md)",
 }
 
 _REGIME = ("algorithm.hpa.trust.regime (auto: each controller where its inputs are given, as enabled: null did; "

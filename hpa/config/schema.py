@@ -268,7 +268,8 @@ class RolloutConfig:
             and counted (``hpa/rollout/queue.py``). k >= 1: a rollout worker (native engine, its own copy of
             the weights, a thread of the trainer process) samples the next step's prompts while the trainer
             trains on this step's rows (``hpa/rollout/worker.py``); needs tensor and pipeline parallel size 1
-            and ``algorithm.ppo.rollout_is_threshold`` (the π_old/π_behaviour weight).
+            and ``algorithm.rollout_correction`` (``rollout_is`` or ``rollout_rs``: the π_old/π_behaviour
+            correction).
     """
 
     engine: str = "megatron"
@@ -708,9 +709,11 @@ def _check_async_rollouts(cfg: Config) -> None:
         raise ConfigError("rollout.max_staleness", f"{k} runs the rollout worker in a thread of each trainer "
                           f"process, which cannot share the tensor/pipeline-parallel communicators "
                           f"(tensor_model_parallel_size, pipeline_model_parallel_size = {layout}); use 1 and 1, or 0")
-    if cfg.algorithm.ppo.rollout_is_threshold is None:
+    correction = cfg.algorithm.rollout_correction
+    if correction.rollout_is is None and correction.rollout_rs is None:
         raise ConfigError("rollout.max_staleness", f"{k} trains on rows sampled by older policies: set "
-                          f"algorithm.ppo.rollout_is_threshold (e.g. 2.0), the truncated weight π_old/π_behaviour")
+                          f"algorithm.rollout_correction.rollout_is (token or sequence, e.g. token with "
+                          f"rollout_is_threshold 2.0: the truncated weight π_old/π_behaviour) or rollout_rs")
 
 
 def _check_model_layout(cfg: Config) -> None:
@@ -903,16 +906,17 @@ def old_log_probs_from_update(cfg: Config) -> bool:
     """Whether a step's old log-probs come from the update's own forward (``trainer.old_log_probs_from_update``):
     the old policy is the policy the update's forward runs (one PPO epoch of one mini-batch, no dropout, one
     pipeline stage) and nothing reads the old log-probs or the old pooled hidden states before the update (no
-    in-reward KL, no truncated importance weights, no coverage trust, no diversity on the policy's
-    embeddings, no refilling rollout filter). The KL controller's ``actor/reward_kl`` and the rollout/training log-prob
-    metrics are then computed after the update, from the same values. verl's FSDP actor (v0.6.0 to v0.7.0,
-    ``dp_actor.update_policy``) takes the detached log-probs the same way but still runs its old-policy forward."""
+    in-reward KL, no rollout correction (``algorithm.rollout_correction``), no coverage trust, no diversity on the
+    policy's embeddings, no refilling rollout filter). The KL controller's ``actor/reward_kl`` and the
+    rollout/training log-prob metrics are then computed after the update, from the same values. verl's FSDP actor
+    (v0.6.0 to v0.7.0, ``dp_actor.update_policy``) takes the detached log-probs the same way but still runs its
+    old-policy forward."""
     t, m, a = cfg.trainer, cfg.model, cfg.algorithm
     one_update = t.ppo_epochs == 1 and (t.ppo_mini_batch_size is None or t.ppo_mini_batch_size == t.global_batch_size)
     no_dropout = m.hidden_dropout == 0 and m.attention_dropout == 0 and (m.lora.rank == 0 or m.lora.dropout == 0)
     shaping, f = cfg.reward.shaping, a.rollout_filter
     refills = f.name == "dapo_groups" and f.max_refill_rounds > 0  # the log-prob metrics are the first round's
-    read_before = (a.kl.use_kl_in_reward or a.ppo.rollout_is_threshold is not None or coverage_enabled(cfg)
+    read_before = (a.kl.use_kl_in_reward or a.rollout_correction.enabled or coverage_enabled(cfg)
                    or (shaping.beta > 0 and shaping.diversity_source == "policy") or refills)
     return (t.old_log_probs_from_update and one_update and no_dropout and not read_before
             and cfg.parallel.pipeline_model_parallel_size == 1)

@@ -24,7 +24,7 @@ from hpa.engine.micro_batch import MicroBatch
 from hpa.rollout.base import RolloutBatch
 
 # per-row tensors of a RolloutBatch that the losses read; "values" (GAE critic) and "is_weights"
-# (truncated importance sampling) and "kl_weights" (the coverage trust's abstention) are present only when
+# (the rollout correction's importance weights) and "kl_weights" (the coverage trust's abstention) are present only when
 # configured; on an on-policy step "old_log_probs" is absent (the update's forward gives it) and "row_ids" (each
 # row's index in the batch) says where the update's log-probs go
 ROLLOUT_ROW_KEYS = ("mask", "old_log_probs", "ref_log_probs", "ref_pooled", "advantages", "returns", "values",

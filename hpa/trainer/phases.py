@@ -14,7 +14,7 @@ import torch
 
 from hpa.algorithms import advantages as adv_lib
 from hpa.algorithms.kl import apply_kl_penalty
-from hpa.algorithms.ppo import truncated_importance_weights
+from hpa.algorithms import rollout_correction as correction_lib
 from hpa.config.algorithm import AlgorithmConfig
 from hpa.config.schema import Config, TrainerConfig, component_advantages, old_log_probs_from_update
 from hpa.distributed import comm
@@ -77,7 +77,7 @@ class StepContext:
 
 def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepContext) -> Dict[str, float]:
     """Reference and rollout-policy log-probs ``[b, r]`` and response-pooled hidden states ``[b, h]``
-    (``ref_*``, ``old_*``), and the truncated importance weights when configured (``is_weights``).
+    (``ref_*``, ``old_*``), and the rollout correction when configured (``rollout_correction``).
 
     On an on-policy step (``ctx.old_from_update``) only the reference runs: ``update_policy`` sets
     ``old_log_probs`` from its own forward and ``old_policy_metrics`` follows it."""
@@ -93,13 +93,41 @@ def reference_and_old_policy(batch: RolloutBatch, reference, policy, ctx: StepCo
         old = forward.sequence_log_probs(policy, batch.sequences, batch.response_mask, ctx.groups, **kw)
     batch.set("old_log_probs", old["log_probs"]).set("old_pooled", old["pooled"])
     metrics.update(logprob_consistency(batch.log_probs, old["log_probs"], batch.response_mask))
-    threshold = ctx.algorithm.ppo.rollout_is_threshold
-    if threshold is not None:
-        weights, is_m = truncated_importance_weights(old["log_probs"], batch.log_probs, batch.response_mask,
-                                                     threshold)
+    metrics = comm.reduce_metrics({k: float(v) for k, v in metrics.items()}, ctx.groups.dp_group)
+    if ctx.algorithm.rollout_correction.enabled:
+        metrics.update(rollout_correction(batch, old["log_probs"], ctx))
+    return metrics
+
+
+def rollout_correction(batch: RolloutBatch, old_log_probs: torch.Tensor, ctx: StepContext) -> Dict[str, float]:
+    """The off-policy correction of the rollout (``algorithm.rollout_correction``) from the old policy's log-probs
+    (π_old, the proximal policy) ``[b, r]`` and the ones the engine recorded when it sampled (π_behaviour,
+    ``batch.log_probs``): the importance weights ``is_weights`` ``[b, r]`` (with ``rollout_is``), which the PPO
+    and KL terms read, and the tokens the rejection and the veto keep ``rollout_kept`` ``[b, r]`` (with either),
+    which ``compute_advantages`` applies to the loss mask. Returns verl's ``rollout_corr/`` metrics of the step's
+    rows on every DP rank (as verl computes them over its whole batch), the same on every rank."""
+    options = correction_lib.RolloutCorrection(**dataclasses.asdict(ctx.algorithm.rollout_correction))
+    (weights, kept), metrics = correction_lib.rollout_correction(old_log_probs, batch.log_probs,
+                                                                 batch.response_mask, options)
+    if weights is not None:
         batch.set("is_weights", weights)
-        metrics.update({f"rollout/{k}": v for k, v in is_m.items()})
-    return comm.reduce_metrics({k: float(v) for k, v in metrics.items()}, ctx.groups.dp_group)
+    if ctx.algorithm.rollout_correction.rejects:
+        batch.set("rollout_kept", kept.to(batch.response_mask.dtype))
+    if ctx.groups.data_parallel_size > 1:
+        rows = gather_rows([old_log_probs, batch.log_probs, batch.response_mask], ctx.groups.dp_group)
+        _, metrics = correction_lib.rollout_correction(*rows, options)
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def gather_rows(tensors: List[torch.Tensor], group) -> List[torch.Tensor]:
+    """Each ``[b, r]`` tensor's rows of every rank of ``group``, in rank order ``[sum b, max r]`` (zero-padded on
+    the right where a rank's ``r`` is shorter; ranks may hold different numbers of rows)."""
+    b, r = tensors[0].shape
+    sizes = comm.all_gather_cat(torch.tensor([[b, r]], dtype=torch.int64), group)  # [n, 2]
+    max_b, max_r = (int(v) for v in sizes.max(dim=0).values)
+    rows = torch.cat([i * max_b + torch.arange(int(n)) for i, n in enumerate(sizes[:, 0])])
+    return [comm.all_gather_cat(torch.nn.functional.pad(t, (0, max_r - r, 0, max_b - b)), group)[rows]
+            for t in tensors]
 
 
 def old_policy_metrics(batch: RolloutBatch, ctx: StepContext) -> Dict[str, float]:
@@ -165,7 +193,9 @@ def critic_values(batch: RolloutBatch, critic, ctx: StepContext) -> None:
 def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: float,
                        learned_weight: float = 1.0) -> Dict[str, float]:
     """Token rewards (the batch's ``token_scores``, minus the in-reward KL when configured) ->
-    ``advantages`` and ``returns`` ``[b, r]``, under the batch's loss ``mask``.
+    ``advantages`` and ``returns`` ``[b, r]``, under the batch's loss ``mask``; then the tokens the rollout
+    correction rejects (``rollout_kept``, when present) leave the loss ``mask``: the advantages (group baselines,
+    GAE) see every scored token, the losses (PPO, entropy, KL, value) only the kept ones.
 
     With ``algorithm.advantage.per_component`` the rule reward (``rule_scores``) and the learned rest of
     the shaped reward are group-normalised apart and added with their shares of the reward weights
@@ -201,6 +231,9 @@ def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: fl
                                                          gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_by_std,
                                                          epsilon=a.epsilon)
     batch.set("advantages", advantages * mask).set("returns", returns)
+    kept = batch.extras.get("rollout_kept")
+    if kept is not None:  # the rollout correction's rejection and veto: out of every rollout term from here on
+        batch.set("mask", mask * kept.to(mask.dtype))
     return metrics
 
 

@@ -73,9 +73,13 @@ class RolloutStep:
 
     def queue_metrics(self) -> Dict[str, float]:
         """The step's ``async/lag_max`` (max over DP ranks) and the rows dropped as too old (summed); at k >= 1
-        also those discarded at a rollback."""
+        also those discarded at a rollback, and the staleness histogram: ``async/lag_frac_<i>`` (the share of
+        trained tokens i versions old, i = 0..k) and ``async/lag_mean``, means over DP ranks."""
         queued = self.queue.metrics()
         metrics = comm.reduce_metrics({"async/lag_max": queued["async/lag_max"]}, self.groups.dp_group, op="max")
+        if self.worker is not None:
+            metrics.update(comm.reduce_metrics({k: v for k, v in queued.items() if k.startswith("async/lag_frac_")
+                                                or k == "async/lag_mean"}, self.groups.dp_group))
         counts = {"async/dropped_rows": queued["async/dropped_rows"]}
         if self.worker is not None:  # rows sampled ahead and discarded at a rollback
             counts["async/discarded_rows"] = queued["async/discarded_rows"]

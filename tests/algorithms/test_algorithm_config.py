@@ -115,3 +115,10 @@ def test_config_does_not_import_algorithms():
     imported = {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import) for a in n.names}
     assert not any(m and m.startswith("hpa.algorithms") for m in imported)
+
+
+def test_rollout_correction_level_tuples_equal_registries():
+    from hpa.algorithms.rollout_correction import IS_LEVELS, RS_LEVELS
+
+    assert A.ROLLOUT_IS_LEVEL_NAMES == IS_LEVELS.names()
+    assert A.ROLLOUT_RS_LEVEL_NAMES == RS_LEVELS.names()

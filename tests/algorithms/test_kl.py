@@ -180,6 +180,33 @@ def test_hierarchical_kl_by_hand():
     )
 
 
+def test_hierarchical_kl_token_weights_by_hand():
+    """The rollout correction's IS weights (``token_weights``): each token's KL times its weight, each row's
+    distance times the row's mean weight over the mask, the counts unchanged; with the coverage trust's row
+    weights the two multiply; the metrics stay unweighted; None is the unweighted loss bit for bit."""
+    lp = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -1.0], [-1.0, -3.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    pol = torch.tensor([[1.0, 2.0], [0.0, 0.0]], dtype=torch.float64)
+    refh = torch.tensor([[1.0, 0.0], [3.0, 4.0]], dtype=torch.float64)
+    tw = torch.tensor([[2.0, 0.5], [3.0, 7.0]], dtype=torch.float64)  # row 1's second token is padding
+    kw = dict(lambda_token=1.0, lambda_semantic=0.2, kind="mse")
+    loss, m = hierarchical_kl(lp, ref, mask, pol, refh, token_weights=tw, **kw)
+    # mse per token: 0.125, 0.5 | 0.0 (pad); distances 2 and 12.5; row mean weights 1.25 and 3
+    assert loss.item() == pytest.approx((2 * 0.125 + 0.5 * 0.5 + 3 * 0.0) / 3 + 0.2 * (1.25 * 2 + 3 * 12.5) / 2)
+    assert m["token_kl"].item() == pytest.approx((0.125 + 0.5) / 3)
+    assert m["semantic_distance"].item() == pytest.approx((2 + 12.5) / 2)
+    w = torch.tensor([2.0, 5.0], dtype=torch.float64)
+    both, _ = hierarchical_kl(lp, ref, mask, pol, refh, token_weights=tw, row_weights=w, **kw)
+    assert both.item() == pytest.approx((2 * (2 * 0.125 + 0.5 * 0.5) + 5 * 0.0) / 3
+                                        + 0.2 * (2 * 1.25 * 2 + 5 * 3 * 12.5) / 2)
+    plain, _ = hierarchical_kl(lp, ref, mask, pol, refh, **kw)
+    unweighted, _ = hierarchical_kl(lp, ref, mask, pol, refh, token_weights=None, **kw)
+    assert torch.equal(plain, unweighted)
+    ones, _ = hierarchical_kl(lp, ref, mask, pol, refh, token_weights=torch.ones_like(tw), **kw)
+    assert ones.item() == pytest.approx(plain.item(), rel=1e-12)
+
+
 def test_hierarchical_kl_semantic_uses_global_sequence_count():
     lp = torch.zeros(2, 2, dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]], dtype=torch.float64)  # second row empty: excluded

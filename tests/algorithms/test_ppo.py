@@ -140,30 +140,21 @@ def test_global_token_count_is_used():
     assert agg_loss(-adv, mask, num_global_tokens=12).item() == pytest.approx(-0.5)
 
 
-def test_truncated_importance_weights_by_hand():
-    from hpa.algorithms.ppo import truncated_importance_weights
+def test_token_truncated_importance_weights_by_hand():
+    """The trainer's token TIS (``algorithm.rollout_correction.rollout_is: token``, formerly
+    ``algorithm.ppo.rollout_is_threshold``): ``min(π_old/π_rollout, threshold)``, 0 on padding."""
+    from hpa.algorithms.rollout_correction import rollout_is_weights
 
     old = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
     rollout = torch.tensor([[-1.0, -2.5, -2.5, -1.0]])  # ratios 1, e^0.5, e^2 (capped), e^-2
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    w, m = truncated_importance_weights(old, rollout, mask, threshold=2.0)
+    w, m = rollout_is_weights(old - rollout, mask, rollout_is="token", rollout_is_threshold=2.0)
     expected = torch.tensor([[1.0, math.exp(0.5), 2.0, 0.0]])
     torch.testing.assert_close(w, expected)
-    assert float(m["is_weight_mean"]) == pytest.approx((1.0 + math.exp(0.5) + 2.0) / 3)
-    assert float(m["is_truncated_frac"]) == pytest.approx(1 / 3)
-    with pytest.raises(ValueError, match="threshold > 0"):
-        truncated_importance_weights(old, rollout, mask, threshold=0.0)
-
-
-def test_rollout_is_threshold_is_reachable_from_yaml():
-    from hpa.config import load_config
-    from hpa.config.errors import ConfigError
-
-    cfg = load_config(None, ["algorithm.ppo.rollout_is_threshold=2.0"])
-    assert cfg.algorithm.ppo.rollout_is_threshold == 2.0
-    assert load_config(None, []).algorithm.ppo.rollout_is_threshold is None
-    with pytest.raises(ConfigError, match="rollout_is_threshold"):
-        load_config(None, ["algorithm.ppo.rollout_is_threshold=-1"])
+    assert float(m["rollout_corr/rollout_is_mean"]) == pytest.approx((1.0 + math.exp(0.5) + math.exp(2.0)) / 3)
+    assert float(m["rollout_corr/rollout_is_ratio_fraction_high"]) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="rollout_is_threshold"):
+        rollout_is_weights(old - rollout, mask, rollout_is="token", rollout_is_threshold=0.0)
 
 
 # -- GSPO, CISPO, GMPO against transcriptions of verl's functions -------------------------------------

@@ -47,7 +47,8 @@ def test_the_walk_finds_the_keys_it_must():
     floats = {k for k, _, _ in FLOAT_KEYS}
     assert {"algorithm.hpa.trust.slack", "algorithm.hpa.trust.released_kl", "algorithm.hpa.trust.kl_boost",
             "algorithm.hpa.trust.margin", "algorithm.ppo.clip_ratio", "algorithm.ppo.value_clip",
-            "algorithm.ppo.rollout_is_threshold", "algorithm.ppo.loss_scale_factor", "algorithm.rollout_filter.k",
+            "algorithm.rollout_correction.rollout_is_threshold", "algorithm.ppo.loss_scale_factor",
+            "algorithm.rollout_filter.k",
             "serve.kl_threshold", "serve.batch_wait_ms", "algorithm.hpa.w_ppo.boundaries"} <= floats
     assert {k for k, _, _ in ABLATE_FLOAT_KEYS} == {"ablate.collapse_margin", "ablate.stop_timeout_s"}
     assert {"trainer.seed", "rollout.seed", "data.seed"} <= {k for k, _ in SEED_KEYS}

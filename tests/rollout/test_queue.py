@@ -173,13 +173,13 @@ def test_versions_from_the_future_and_backwards_are_refused():
                          versions=torch.zeros(1, 2, dtype=torch.int64), mask=torch.ones(1, 2))
 
 
-IS = "algorithm.ppo.rollout_is_threshold=2.0"
+IS = "algorithm.rollout_correction.rollout_is=token"
 
 
 @pytest.mark.parametrize("overrides,message", [
     (["rollout.max_staleness=-1"], "integer >= 0"),
     (["rollout.max_staleness=1.5"], "type int"),
-    (["rollout.max_staleness=2"], "set algorithm.ppo.rollout_is_threshold"),
+    (["rollout.max_staleness=2"], "set algorithm.rollout_correction.rollout_is"),
     (["rollout.max_staleness=1", "rollout.engine=vllm", IS], "engine=vllm has none"),
     (["rollout.max_staleness=1", "parallel.tensor_model_parallel_size=2", IS], "cannot share the tensor/pipeline"),
     (["rollout.max_staleness=1", "parallel.pipeline_model_parallel_size=2", IS], "cannot share the tensor/pipeline"),

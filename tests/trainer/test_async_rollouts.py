@@ -7,7 +7,7 @@ import pytest
 from multirank import run_ranks
 from trainer_runs import overrides, read_metrics
 
-ASYNC = ["rollout.max_staleness=2", "algorithm.ppo.rollout_is_threshold=2.0", "trainer.eval_interval=0",
+ASYNC = ["rollout.max_staleness=2", "algorithm.rollout_correction.rollout_is=token", "trainer.eval_interval=0",
          "rollout.max_new_tokens=4"]
 
 
@@ -61,9 +61,18 @@ def test_fifty_steps_at_k2_never_train_a_row_older_than_k(demo, tmp_path):
     assert [r["async/lag_max"] for r in metrics] == [float(lag_of[s]) for s in range(50)]
     # π_old (the trainer's forward at consume time) and π_behaviour differ on rows sampled by older weights,
     # and the PPO term's token IS weight is computed every step
-    assert all("rollout/is_weight_mean" in r for r in metrics)
+    assert all("rollout_corr/rollout_is_mean" in r for r in metrics)
     diff = {lag: [r["rollout/logprob_diff_mean"] for s, r in enumerate(metrics) if lag_of[s] == lag] for lag in (0, 2)}
     assert min(diff[2]) > 10 * max(diff[0]), diff
+    # the staleness histogram: each step's tokens by lag, the step's own lag among them; the weights' ESS is
+    # below 1 where the rows are stale
+    for s, record in enumerate(metrics):
+        assert sum(record[f"async/lag_frac_{i}"] for i in range(3)) == pytest.approx(1.0)
+        assert record[f"async/lag_frac_{lag_of[s]}"] > 0
+        assert 0 < record["rollout_corr/rollout_is_eff_sample_size"] <= 1.0 + 1e-6
+    ess = {lag: [r["rollout_corr/rollout_is_eff_sample_size"] for s, r in enumerate(metrics) if lag_of[s] == lag]
+           for lag in (0, 2)}
+    assert max(ess[2]) < min(ess[0]), ess
 
 
 def _run_with_a_lost_push(groups, root, run_dir):

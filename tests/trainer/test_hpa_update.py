@@ -129,6 +129,8 @@ def gradients_worker(groups):
     out["dpo_unit"], out["dpo_metrics"] = grad(0.0, 1.0, 0.0, with_rollouts=False)
     out["pg_plain"], _ = grad(0.4, 0.0, 0.0, with_pairs=False, entropy=0.0)
     out["pg_is_2"], _ = grad(0.4, 0.0, 0.0, with_pairs=False, entropy=0.0, is_weight=2.0)
+    out["kl_plain"], out["kl_plain_metrics"] = grad(0.0, 0.0, 0.2, with_pairs=False)
+    out["kl_is_2"], out["kl_is_2_metrics"] = grad(0.0, 0.0, 0.2, with_pairs=False, is_weight=2.0)
     # the SFT replay: its own part, split over micro-batches, in the mixed step, under the balance's factor
     out["replay_unit"], out["replay_metrics"] = grad(0.0, 1.0, 0.0, with_rollouts=False, with_pairs=False,
                                                      replay_size=3, coef=1.0)
@@ -181,10 +183,19 @@ def test_micro_batching_does_not_change_the_step(grads):
 
 
 def test_importance_weights_reach_the_policy_loss(grads):
-    """Truncated-IS weights (``algorithm.ppo.rollout_is_threshold``) multiply each token's PPO loss:
+    """The rollout correction's IS weights (``algorithm.rollout_correction.rollout_is``) multiply each token's PPO loss:
     a constant weight of 2 doubles the policy-gradient step."""
     assert np.abs(grads["pg_plain"]).max() > 0
     np.testing.assert_allclose(grads["pg_is_2"], 2.0 * grads["pg_plain"], atol=1e-7)
+
+
+def test_importance_weights_reach_both_kl_terms(grads):
+    """The same weights multiply the token KL and the semantic distance (by the row's mean weight): a constant
+    weight of 2 doubles the hierarchical-KL step; the logged KL stays the policy's, unweighted."""
+    assert np.abs(grads["kl_plain"]).max() > 0
+    np.testing.assert_allclose(grads["kl_is_2"], 2.0 * grads["kl_plain"], atol=1e-7)
+    for key in ("kl/token", "kl/semantic"):
+        assert grads["kl_is_2_metrics"][key] == pytest.approx(grads["kl_plain_metrics"][key], rel=1e-6)
 
 
 def test_the_sft_replay_is_hpa_sfts_loss_weighted_and_split_freely(grads):

@@ -26,7 +26,7 @@ def test_when_the_shortcut_applies():
     for off in (["trainer.old_log_probs_from_update=false"], ["trainer.ppo_epochs=2"],
                 ["trainer.ppo_mini_batch_size=4", "trainer.global_batch_size=8"],
                 ["algorithm.kl.use_kl_in_reward=true"], ["reward.shaping.beta=0.1"],
-                ["algorithm.ppo.rollout_is_threshold=2.0"], ["model.hidden_dropout=0.1"],
+                ["algorithm.rollout_correction.rollout_is=token"], ["model.hidden_dropout=0.1"],
                 ["model.attention_dropout=0.1"], ["model.lora.rank=4", "model.lora.dropout=0.1"],
                 ["algorithm.rollout_filter.name=dapo_groups"], ["parallel.pipeline_model_parallel_size=2"]):
         assert not applies(*off), off

@@ -45,11 +45,12 @@ class Runs(NamedTuple):
 def runs(demo) -> Runs:
     output = []
     dp2 = launch(demo, demo / "tp1_pp1_dp2", 2, [adversarial(demo)], output=output)
-    # truncated IS on here only: on CPU the rollout and training log-probs agree to ~1e-6, so the
+    # token TIS on here only: on CPU the rollout and training log-probs agree to ~1e-6, so the
     # weights are ~1 and the metrics must still equal the TP1 run's
     tp2pp2dp2 = launch(demo, demo / "tp2_pp2_dp2", 8, ["parallel.tensor_model_parallel_size=2",
                                                           "parallel.pipeline_model_parallel_size=2",
-                                                          "algorithm.ppo.rollout_is_threshold=2.0", adversarial(demo)])
+                                                          "algorithm.rollout_correction.rollout_is=token",
+                                                          adversarial(demo)])
     return Runs(dp2=dp2, tp2pp2dp2=tp2pp2dp2, dp2_log=output[0])
 
 
@@ -116,9 +117,9 @@ def test_rollout_logprobs_match_training_forward(runs):
         for record in run[1:]:
             assert record["rollout/logprob_diff_max"] < 1e-4
     for record in runs.tp2pp2dp2[1:]:
-        assert record["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
-        assert record["rollout/is_truncated_frac"] == 0.0
-    assert "rollout/is_weight_mean" not in runs.dp2[-1]
+        assert record["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert record["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+    assert "rollout_corr/rollout_is_mean" not in runs.dp2[-1]
 
 
 def test_token_budget_micro_batches_give_the_same_step(demo):

@@ -38,6 +38,10 @@ LossFn = Callable[[MicroBatch, Dict[str, torch.Tensor], LossInputs], Tuple[torch
 
 
 def ppo_term(batch: MicroBatch, out, inputs: LossInputs):
+    """Decoupled PPO (``hpa.algorithms.rollout_correction.decoupled_policy_loss``, its parts computed once per step
+    by ``phases.rollout_correction``): the ratio and clip around the old policy π_old, each token's loss times
+    ``is_weights`` (π_old/π_behaviour, truncated; present with ``algorithm.rollout_correction.rollout_is``), the
+    rejected tokens already out of ``mask``."""
     ppo = inputs.algo.ppo
     old = batch.get("old_log_probs")
     if old is None:  # an on-policy step (``old_log_probs_from_update``): the old policy is this forward's
@@ -54,7 +58,8 @@ def hier_kl_term(batch: MicroBatch, out, inputs: LossInputs):
     hier, m = hierarchical_kl(out["log_probs"], batch["ref_log_probs"], batch["mask"], out["pooled"],
                               batch["ref_pooled"], lambda_token=w.lambda_token, lambda_semantic=w.lambda_semantic,
                               kind=algo.kl.estimator, distance=algo.hpa.semantic_distance,
-                              aggregation=inputs.aggregation, row_weights=batch.get("kl_weights"))
+                              aggregation=inputs.aggregation, row_weights=batch.get("kl_weights"),
+                              token_weights=batch.get("is_weights"))
     if not algo.kl.use_kl_loss:
         hier = hier * 0.0
     # actor/kl_loss: the KL term as it enters the loss (before w_kl): kl/hier, or 0 without the KL loss
