@@ -7,7 +7,7 @@ This is the only module that imports ``megatron.core.parallel_state`` (a test en
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import datetime
 import importlib
 import logging
@@ -93,9 +93,13 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
 
 
 @contextlib.contextmanager
-def launched(cfg):
+def launched(cfg, *, disaggregate: bool = False):
     """The one launch preamble of every entry point: check ``cfg`` at this launch's world size (torchrun,
     Slurm or one process), initialise distributed and logging, yield ``(cfg, groups)``, tear down.
+
+    ``disaggregate``: ``hpa train`` splits the launch into trainer and rollout ranks when
+    ``rollout.placement`` is disaggregated (``groups.placement``); the other commands use every rank, as
+    colocated.
 
     Raises:
         ConfigError: when the config does not fit the launch (the caller prints it and exits with 2).
@@ -105,9 +109,12 @@ def launched(cfg):
     from hpa.config.schema import validate
 
     launch = read_launch_env()
+    if cfg.rollout.placement == "disaggregated" and not disaggregate:
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, placement="colocated", num_ranks=0))
     validate(cfg, launch.world_size)
     configure_logging(cfg.logging.level)
-    groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
+    rollout_ranks = cfg.rollout.num_ranks if cfg.rollout.placement == "disaggregated" else 0
+    groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch, rollout_ranks=rollout_ranks)
     note = megatron_fallback_note(groups.device)
     if note and groups.rank == 0:
         logger.warning("%s", note)
@@ -162,20 +169,42 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
-def initialize(parallel: ParallelConfig, *, seed: int = 1234,
-               launch: Optional[LaunchEnv] = None) -> ParallelGroups:
+def initialize(parallel: ParallelConfig, *, seed: int = 1234, launch: Optional[LaunchEnv] = None,
+               rollout_ranks: int = 0) -> ParallelGroups:
     """Initialise torch.distributed and megatron's model-parallel state; return the groups.
 
     Args:
         parallel: the ``parallel`` config section.
         seed: base seed; megatron derives the TP-rank-specific model-parallel RNG stream from it.
         launch: overrides the environment (tests); default ``read_launch_env()``.
+        rollout_ranks: the last ``rollout_ranks`` ranks of the launch are rollout ranks (disaggregated
+            rollouts, ``rollout_groups.py``): torch.distributed's world and megatron's state are this process's
+            side of the split (the trainer ranks with ``parallel``'s layout; the rollout ranks at TP = PP = 1),
+            and ``groups.placement`` holds the groups between the two sides.
     """
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     launch = launch or read_launch_env()
     backend = choose_backend(parallel.backend)
+    global_launch, placement_store = launch, None
+    if rollout_ranks:
+        from .rollout_groups import ROLLOUT, split_world
+
+        role, rank, size, prefix = split_world(rank=launch.rank, world_size=launch.world_size,
+                                               num_rollout_ranks=rollout_ranks)
+        if not dist.is_initialized():
+            timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
+            placement_store = _restart_safe_store(launch, timeout) or dist.TCPStore(
+                launch.master_addr, launch.master_port, launch.world_size, is_master=launch.rank == 0,
+                timeout=timeout)
+            dist.init_process_group(backend=backend, rank=rank, world_size=size, timeout=timeout,
+                                    store=dist.PrefixStore(prefix, placement_store))
+        launch = dataclasses.replace(launch, rank=rank, world_size=size)
+        if role == ROLLOUT:  # each rollout rank holds a whole copy of the policy
+            parallel = dataclasses.replace(parallel, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                           context_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                                           sequence_parallel=False, use_distributed_optimizer=False)
     dp = data_parallel_size(parallel, launch.world_size)
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank)
@@ -219,6 +248,20 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234,
         tp_group=pgs.tp, pp_group=pgs.pp, cp_group=pgs.cp, dp_group=pgs.dp, dp_cp_group=pgs.dp_cp,
         mp_group=pgs.mp, embd_group=getattr(pgs, "embd", None), pg_collection=pgs,
     )
+    if rollout_ranks:
+        from .rollout_groups import build_placement
+
+        if placement_store is None:
+            raise RuntimeError("disaggregated rollouts initialise torch.distributed themselves (it was initialised "
+                               "before hpa.distributed.initialize)")
+        placement = build_placement(placement_store, rank=global_launch.rank, world_size=global_launch.world_size,
+                                    num_rollout_ranks=rollout_ranks, backend=backend, device=device,
+                                    timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
+        groups = dataclasses.replace(groups, placement=placement)
+        if placement.role == "trainer":
+            from .rollout_groups import stop_serving
+
+            on_destroy(lambda: stop_serving(placement))
     logger.info("initialised %s on %s (%s, launcher=%s)", groups.layout, device, backend, launch.launcher)
     return groups
 
