@@ -840,6 +840,9 @@ def _check_data_parallel(cfg: Config, world_size: int) -> None:
         raise ConfigError("--world-size", f"must be a positive number of processes, got {world_size!r}")
     world_size = trainer_world_size(cfg.rollout, world_size)  # the trainer ranks: the checks below count them
     dp = data_parallel_size(cfg.parallel, world_size)
+    if cfg.rollout.placement == "disaggregated" and cfg.rollout.num_ranks > dp:
+        raise ConfigError("rollout.num_ranks", f"{cfg.rollout.num_ranks} rollout ranks for {dp} trainer DP ranks: each "
+                          f"rollout rank serves at least one DP rank (and takes every weight push); use at most {dp}")
     for key, value in (("trainer.global_batch_size", cfg.trainer.global_batch_size),
                        ("sft.global_batch_size", cfg.sft.global_batch_size),
                        ("trainer.preference_batch_size", cfg.trainer.preference_batch_size),
