@@ -187,24 +187,9 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234, launch: Optional[L
 
     launch = launch or read_launch_env()
     backend = choose_backend(parallel.backend)
-    global_launch, placement_store = launch, None
+    full_launch = launch
     if rollout_ranks:
-        from .rollout_groups import ROLLOUT, split_world
-
-        role, rank, size, prefix = split_world(rank=launch.rank, world_size=launch.world_size,
-                                               num_rollout_ranks=rollout_ranks)
-        if not dist.is_initialized():
-            timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
-            placement_store = _restart_safe_store(launch, timeout) or dist.TCPStore(
-                launch.master_addr, launch.master_port, launch.world_size, is_master=launch.rank == 0,
-                timeout=timeout)
-            dist.init_process_group(backend=backend, rank=rank, world_size=size, timeout=timeout,
-                                    store=dist.PrefixStore(prefix, placement_store))
-        launch = dataclasses.replace(launch, rank=rank, world_size=size)
-        if role == ROLLOUT:  # each rollout rank holds a whole copy of the policy
-            parallel = dataclasses.replace(parallel, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                           context_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-                                           sequence_parallel=False, use_distributed_optimizer=False)
+        launch, parallel = _side_of_split(launch, parallel, rollout_ranks)
     dp = data_parallel_size(parallel, launch.world_size)
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank)
@@ -215,14 +200,9 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234, launch: Optional[L
         megatron_patches.apply_cpu_patches()
         device = test_model_device() or torch.device("cpu")
 
+    store = None
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
-        # one process meets no one: a store in its own memory (a port found free may be taken before it is bound)
-        store = dist.HashStore() if launch.launcher == "single" else _restart_safe_store(launch, timeout)
-        dist.init_process_group(
-            backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
-            **({"store": store} if store is not None else
-               {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}))
+        store = _init_world(full_launch, launch, parallel, backend, rollout_ranks)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
@@ -249,21 +229,65 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234, launch: Optional[L
         mp_group=pgs.mp, embd_group=getattr(pgs, "embd", None), pg_collection=pgs,
     )
     if rollout_ranks:
-        from .rollout_groups import build_placement
-
-        if placement_store is None:
-            raise RuntimeError("disaggregated rollouts initialise torch.distributed themselves (it was initialised "
-                               "before hpa.distributed.initialize)")
-        placement = build_placement(placement_store, rank=global_launch.rank, world_size=global_launch.world_size,
-                                    num_rollout_ranks=rollout_ranks, backend=backend, device=device,
-                                    timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
-        groups = dataclasses.replace(groups, placement=placement)
-        if placement.role == "trainer":
-            from .rollout_groups import stop_serving
-
-            on_destroy(lambda: stop_serving(placement))
+        groups = _with_placement(groups, store, full_launch, rollout_ranks, parallel.timeout_minutes)
     logger.info("initialised %s on %s (%s, launcher=%s)", groups.layout, device, backend, launch.launcher)
     return groups
+
+
+def _side_of_split(launch: LaunchEnv, parallel: ParallelConfig, rollout_ranks: int):
+    """``(launch, parallel)`` of this process's side of a disaggregated launch: its rank and size within the
+    trainer or the rollout ranks; a rollout rank's layout is TP = PP = CP = 1 (a whole copy of the policy)."""
+    from .rollout_groups import ROLLOUT, split_world
+
+    role, rank, size, _ = split_world(rank=launch.rank, world_size=launch.world_size,
+                                      num_rollout_ranks=rollout_ranks)
+    if role == ROLLOUT:
+        parallel = dataclasses.replace(parallel, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                       context_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                                       sequence_parallel=False, use_distributed_optimizer=False)
+    return dataclasses.replace(launch, rank=rank, world_size=size), parallel
+
+
+def _init_world(full_launch: LaunchEnv, launch: LaunchEnv, parallel: ParallelConfig, backend: str,
+                rollout_ranks: int) -> Optional[dist.Store]:
+    """torch.distributed's default group over ``launch`` (this process's side of the launch); returns the store
+    of the whole launch when it is split for rollout ranks (the groups between the sides are made on it)."""
+    timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
+    if rollout_ranks:
+        from .rollout_groups import split_world
+
+        store = _restart_safe_store(full_launch, timeout) or dist.TCPStore(
+            full_launch.master_addr, full_launch.master_port, full_launch.world_size,
+            is_master=full_launch.rank == 0, timeout=timeout)
+        prefix = split_world(rank=full_launch.rank, world_size=full_launch.world_size,
+                             num_rollout_ranks=rollout_ranks)[3]
+        dist.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
+                                store=dist.PrefixStore(prefix, store))
+        return store
+    # one process meets no one: a store in its own memory (a port found free may be taken before it is bound)
+    store = dist.HashStore() if launch.launcher == "single" else _restart_safe_store(launch, timeout)
+    dist.init_process_group(
+        backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
+        **({"store": store} if store is not None else
+           {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}))
+    return None
+
+
+def _with_placement(groups: ParallelGroups, store, full_launch: LaunchEnv, rollout_ranks: int,
+                    timeout_minutes: float) -> ParallelGroups:
+    """``groups`` with the groups between the trainer and the rollout ranks (``groups.placement``); a trainer rank
+    tells its rollout rank that it is done at ``destroy``."""
+    from .rollout_groups import TRAINER, build_placement, stop_serving
+
+    if store is None:
+        raise RuntimeError("disaggregated rollouts initialise torch.distributed themselves (it was initialised "
+                           "before hpa.distributed.initialize)")
+    placement = build_placement(store, rank=full_launch.rank, world_size=full_launch.world_size,
+                                num_rollout_ranks=rollout_ranks, backend=groups.backend, device=groups.device,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    if placement.role == TRAINER:
+        on_destroy(lambda: stop_serving(placement))
+    return dataclasses.replace(groups, placement=placement)
 
 
 def _restart_safe_store(launch: LaunchEnv, timeout: datetime.timedelta,
