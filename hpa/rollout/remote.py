@@ -108,7 +108,17 @@ class RemoteRolloutWorker:
         return dict(self._last_checksums)
 
     def close(self) -> None:
-        """Tell the rollout rank this trainer rank is done (once; ``hpa.distributed.destroy`` calls it)."""
+        """Tell the rollout rank this trainer rank is done (once; ``hpa.distributed.destroy`` calls it). Jobs
+        still in flight (a run that stops with a step sampled ahead) are taken first and dropped: the rollout
+        rank's answers must arrive before this process goes, or its sends fail."""
+        try:
+            self.drain()
+        except RuntimeError as exc:  # the run is ending anyway; the stop below still tells the rollout rank
+            logger.warning("rollout rank %d: the jobs in flight at the end could not be taken back: %s",
+                           self.server, exc)
+        if self._done:
+            logger.info("dropped %d rollout job(s) sampled ahead and not trained on at the end of the run",
+                        len(self._done))
         self._outbox.flush()
         stop_serving(self.placement)
 

@@ -87,3 +87,16 @@ def test_tp1_pp1_dp2_r1_a_push_that_changes_nothing_stops_the_run_naming_the_ten
         assert len(watched) == 3 and all(name in error for name in watched), (watched, error)
     assert results[2][0] == "rollout"
     assert len(read_metrics(tmp_path)) == 1
+
+
+@pytest.mark.multirank
+def test_tp1_pp1_dp1_r1_a_run_that_stops_with_a_job_in_flight_ends_both_sides(demo, tmp_path):
+    """``trainer.max_steps_per_run`` 2 of 4 at k = 1: the trainer stops after step 2 (index 1) with step 3's job
+    sampled ahead and never taken; the rollout rank's answer to it must not keep it (or the launch) waiting."""
+    extra = [*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.ppo.rollout_is_threshold=2.0",
+             "trainer.total_steps=4", "trainer.max_steps_per_run=2"]
+    results = run_ranks(_run, dp=1, rollout_ranks=1, args=(demo, tmp_path, extra),
+                        parallel_kwargs={"timeout_minutes": 1.0})
+    assert [r[0] for r in results] == ["trainer", "rollout"]
+    assert results[1][2] == {"jobs": 3, "pushes": 2}
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
