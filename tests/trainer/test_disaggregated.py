@@ -100,3 +100,35 @@ def test_tp1_pp1_dp1_r1_a_run_that_stops_with_a_job_in_flight_ends_both_sides(de
     assert [r[0] for r in results] == ["trainer", "rollout"]
     assert results[1][2] == {"jobs": 3, "pushes": 2}
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def _run_with_a_rollback(groups, root, run_dir, extra):
+    import os
+
+    os.environ["HPA_INJECT_FAULT"] = "kl_spike@3"
+    try:
+        return _run(groups, root, run_dir, extra)
+    finally:
+        del os.environ["HPA_INJECT_FAULT"]
+
+
+@pytest.mark.multirank
+def test_tp1_pp1_dp1_r1_at_k1_with_a_rollback_equals_the_colocated_worker(demo, tmp_path):
+    """k = 1 with a guard rollback after the third step (to the checkpoint of version 2): the rollout rank samples
+    what the colocated worker thread samples, so the two runs agree bit for bit (metrics, final weights), and
+    what was sampled ahead by the lost policies is discarded on both."""
+    extra = ["rollout.max_staleness=1", "algorithm.ppo.rollout_is_threshold=2.0", "trainer.total_steps=5",
+             "checkpoint.save_interval=2", "guard.kl_rollback_threshold=10.0"]
+    [colocated] = run_ranks(_run_with_a_rollback, args=(demo, tmp_path / "colocated", extra))
+    disaggregated = run_ranks(_run_with_a_rollback, rollout_ranks=1,
+                              args=(demo, tmp_path / "disaggregated", [*extra, *DISAGGREGATED]))
+    # 5 steps and step 2 again, one more job for step 3 (sampled ahead, then discarded); a push per step taken
+    assert disaggregated[1][2] == {"jobs": 7, "pushes": 6}
+    for name in colocated[2]:
+        assert colocated[2][name].equal(disaggregated[0][2][name]), name
+    a_metrics, b_metrics = read_metrics(tmp_path / "colocated"), read_metrics(tmp_path / "disaggregated")
+    assert b_metrics[2]["guard/rollbacks"] == 1 and b_metrics[-1]["async/discarded_rows"] == 8.0
+    assert len(a_metrics) == len(b_metrics) == 5
+    for a, b in zip(a_metrics, b_metrics):
+        assert {k: v for k, v in a.items() if not k.startswith(VOLATILE)} == \
+            {k: v for k, v in b.items() if not k.startswith(VOLATILE)}
