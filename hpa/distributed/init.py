@@ -230,7 +230,8 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234, launch: Optional[L
     )
     if rollout_ranks:
         groups = _with_placement(groups, store, full_launch, rollout_ranks, parallel.timeout_minutes)
-    logger.info("initialised %s on %s (%s, launcher=%s)", groups.layout, device, backend, launch.launcher)
+    role = f"{groups.placement.role} ranks, " if groups.placement is not None else ""
+    logger.info("initialised %s on %s (%s%s, launcher=%s)", groups.layout, device, role, backend, launch.launcher)
     return groups
 
 

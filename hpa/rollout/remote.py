@@ -56,7 +56,7 @@ class RemoteRolloutWorker:
 
     def submit(self, prompts, params: SamplingParams, tag) -> None:
         """Send a job: ``params.n`` responses to each of ``prompts`` (token-id lists), handed back under ``tag``."""
-        self._outbox.send(("job", tag, [list(p) for p in prompts], params, self.version), self.server)
+        self._outbox.send(("job", tag, [[int(t) for t in p] for p in prompts], params, self.version), self.server)
         self._pending.append(tag)
 
     def _receive_one(self) -> None:
