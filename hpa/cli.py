@@ -99,7 +99,12 @@ def train(argv: List[str]) -> int:
     from hpa.distributed.watchdog import EXIT_COLLECTIVE_FAILURE, CollectiveFailure
     from hpa.trainer.loop import HPATrainer
 
-    with launched(cfg) as (cfg, groups):
+    with launched(cfg, disaggregate=True) as (cfg, groups):
+        if groups.placement is not None and groups.placement.role == "rollout":
+            from hpa.trainer.rollout_server import serve_rollouts
+
+            serve_rollouts(cfg, groups)  # until the trainer ranks stop
+            return 0
         try:
             trainer = HPATrainer(cfg, groups)
         except CollectiveFailure as exc:  # at start-up: the message names the phase and the ranks waited for

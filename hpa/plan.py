@@ -115,7 +115,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from hpa.config.errors import ConfigError
 from hpa.config.linears import BY_NAME as LINEARS
-from hpa.config.schema import Config, LoRAConfig, ModelConfig, data_parallel_size, validate
+from hpa.config.schema import Config, LoRAConfig, ModelConfig, data_parallel_size, trainer_world_size, validate
 
 GB = 1e9
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -535,7 +535,8 @@ def _fitting_utilization(cfg: Config, static_gb: float, activations_gb: float, g
 def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float,
               reward_models: Sequence[ModelConfig]) -> dict:
     m = cfg.model
-    dp = world_size // (k.tp * k.pp)
+    disaggregated = cfg.rollout.placement == "disaggregated"
+    dp = trainer_world_size(cfg.rollout, world_size) // (k.tp * k.pp)
     sp = k.tp > 1 and _sequence_parallel_possible(cfg) and (
         cfg.parallel.sequence_parallel or k.tp != cfg.parallel.tensor_model_parallel_size)
     shapes = training_micro_batches(cfg)
@@ -590,6 +591,9 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float,
     held = kv if bucket else 0.0  # a graph's bucket stays allocated through training
     if bucket:  # while decoding, the captured step's logits (fp32) on top of the cache
         rollout = bucket[0] * _padded_vocab(m, k.tp) * 4 / GB
+    if disaggregated:  # the rollout ranks sample (``rollout_rank_memory``); the trainer ranks hold no cache
+        kv = rollout = held = 0.0
+        bucket = None
     return {
         "layout": {"tensor_model_parallel_size": k.tp, "pipeline_model_parallel_size": k.pp,
                    "data_parallel_size": dp, "sequence_parallel": sp,
@@ -607,6 +611,23 @@ def _estimate(cfg: Config, world_size: int, k: _Knobs, gpu_memory_gb: float,
         "graph_bucket": list(bucket) if bucket else None,  # (rows, slots) of the graph decode's cache
         "total_gb": static + held + max(activations, rollout),
     }
+
+
+def rollout_rank_memory(cfg: Config, world_size: int, gpu_memory_gb: float) -> dict:
+    """Memory of one rollout rank of a disaggregated run (``rollout.placement: disaggregated``): the policy's
+    weights whole (TP = PP = 1; with LoRA the base and the adapters), no gradients or optimizer, and the native
+    engine's KV cache for one job (a trainer DP rank's ``global_batch_size/DP·n`` rows: a rollout rank samples
+    its trainer ranks' jobs one at a time), with graph decode its bucket and the decode step's fp32 logits."""
+    m = cfg.model
+    dp = trainer_world_size(cfg.rollout, world_size) // (
+        cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
+    weights = (count_parameters(m) + lora_parameters(m, 1, 1)) * _DTYPE_BYTES[m.params_dtype] / GB
+    shape = rollout_cache_shape(cfg, 1, 1, dp)
+    kv = kv_cache_bytes(cfg, 1, 1, dp, shape) / GB
+    logits = shape[0] * _padded_vocab(m, 1) * 4 / GB if graph_decode(cfg, 1, 1) else 0.0
+    total = weights + kv + logits
+    return {"num_ranks": cfg.rollout.num_ranks, "weights_gb": weights, "kv_cache_gb": kv, "logits_gb": logits,
+            "cache_shape": list(shape), "total_gb": total, "fits": total <= gpu_memory_gb}
 
 
 def _sequence_parallel_possible(cfg: Config) -> bool:
@@ -642,9 +663,10 @@ def _suggest(cfg: Config, world_size: int, gpu_memory_gb: float, reward_models: 
              limit: int = 5) -> List[dict]:
     """Single and combined changes that make the run fit, fewest changes first, then least memory."""
     p, m = cfg.parallel, cfg.model
-    layouts = [(tp, pp) for tp in range(1, min(_MAX_TP, world_size) + 1)
-               for pp in range(1, world_size // tp + 1)
-               if world_size % (tp * pp) == 0 and _valid_layout(cfg, world_size, tp, pp)]
+    trainers = trainer_world_size(cfg.rollout, world_size)
+    layouts = [(tp, pp) for tp in range(1, min(_MAX_TP, trainers) + 1)
+               for pp in range(1, trainers // tp + 1)
+               if trainers % (tp * pp) == 0 and _valid_layout(cfg, world_size, tp, pp)]
     found = []
     for (tp, pp), dist, rec in itertools.product(
             layouts, {p.use_distributed_optimizer, True}, {m.recompute_granularity, "selective", "full"}):
@@ -679,7 +701,7 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float, reward_config: Opti
     Raises:
         ConfigError: the layout does not divide the world size or the model.
     """
-    data_parallel_size(cfg.parallel, world_size)
+    data_parallel_size(cfg.parallel, trainer_world_size(cfg.rollout, world_size))
     validate(cfg, world_size)
     p = cfg.parallel
     k = _Knobs(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.use_distributed_optimizer,
@@ -688,7 +710,10 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float, reward_config: Opti
     out = _estimate(cfg, world_size, k, gpu_memory_gb, reward_models)
     out["world_size"] = world_size
     out["gpu_memory_gb"] = gpu_memory_gb
-    out["fits"] = out["total_gb"] <= gpu_memory_gb
+    out["placement"] = cfg.rollout.placement
+    out["rollout_ranks"] = rollout_rank_memory(cfg, world_size, gpu_memory_gb) \
+        if cfg.rollout.placement == "disaggregated" else None
+    out["fits"] = out["total_gb"] <= gpu_memory_gb and (out["rollout_ranks"] is None or out["rollout_ranks"]["fits"])
     out["suggestions"] = [] if out["fits"] else _suggest(cfg, world_size, gpu_memory_gb, reward_models)
     shapes = training_micro_batches(cfg)
     out["training_micro_batches"] = {kind: {"rows": b, "seq_length": s} for kind, (b, s) in shapes.items()}
@@ -712,9 +737,15 @@ def plan(cfg: Config, world_size: int, gpu_memory_gb: float, reward_config: Opti
              *out["graph_bucket"],
              cfg.trainer.global_batch_size, cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens)
          if out["graph_bucket"] else
+         f"disaggregated: {cfg.rollout.num_ranks} rollout rank(s) hold the policy's weights whole and the KV cache "
+         f"of one job ({cfg.trainer.global_batch_size}·{cfg.rollout.n}/DP sequences); the trainer ranks hold the "
+         f"model, its gradients and optimizer state (an evaluation's or a refill round's generate still runs on "
+         f"them, its KV cache not counted)"
+         if out["rollout_ranks"] else
          f"rollout KV cache: {cfg.trainer.global_batch_size}·{cfg.rollout.n}/DP sequences of "
          f"{cfg.data.max_prompt_length}+{cfg.rollout.max_new_tokens} tokens (native engine)"),
         ("peak = static + graph decode cache + max(activations, the decode step's logits)" if out["graph_cache_gb"] > 0
+         else "peak (trainer ranks) = static + activations" if out["rollout_ranks"]
          else "peak = static + max(activations, rollout)") + "; keep 2-5 GB for CUDA context, NCCL, fragmentation",
     ]
     return out
@@ -726,7 +757,11 @@ def format_plan(result: dict) -> str:
     graph = result["graph_cache_gb"] > 0
     rollout_label = ("rollout (vLLM, awake)" if result["rollout_engine"] == "vllm"
                      else "rollout: the graph step's logits" if graph else "rollout KV cache (native engine)")
-    lines = [f"hpa plan: {result['world_size']} GPUs x {result['gpu_memory_gb']:g} GB, "
+    rollout_ranks = result.get("rollout_ranks")
+    trainers = result["world_size"] - (rollout_ranks["num_ranks"] if rollout_ranks else 0)
+    lines = [f"hpa plan: {result['world_size']} GPUs x {result['gpu_memory_gb']:g} GB"
+             + (f" ({trainers} trainer + {rollout_ranks['num_ranks']} rollout ranks)" if rollout_ranks else "")
+             + ", "
              f"TP{lay['tensor_model_parallel_size']} x PP{lay['pipeline_model_parallel_size']} x "
              f"DP{lay['data_parallel_size']}, sequence_parallel={lay['sequence_parallel']}, "
              f"distributed_optimizer={lay['use_distributed_optimizer']}, "
@@ -741,11 +776,20 @@ def format_plan(result: dict) -> str:
                      + ("   (the policy's base)" if r["shares_base"] else ""))
     lines += [f"{'static (weights + grads + optimizer)':<40} {result['static_gb']:>8.2f}",
               f"{'activations (training, forward-only)':<40} {result['activations_gb']:>8.2f}",
-              f"{rollout_label:<40} {result['rollout_gb']:>8.2f}",
+              *([] if rollout_ranks else [f"{rollout_label:<40} {result['rollout_gb']:>8.2f}"]),
               *([f"{'graph decode KV cache (kept)':<40} {result['graph_cache_gb']:>8.2f}"] if graph else []),
-              f"{'total = static + ' + ('cache + ' if graph else '') + 'max(activ., rollout)':<40} "
+              f"{'total = static + ' + ('cache + ' if graph else '') + ('activations' if rollout_ranks else 'max(activ., rollout)'):<40} "
               f"{result['total_gb']:>8.2f}  of "
-              f"{result['gpu_memory_gb']:g} GB"]
+              f"{result['gpu_memory_gb']:g} GB" + (" (per trainer rank)" if rollout_ranks else "")]
+    if rollout_ranks:
+        r = rollout_ranks
+        lines += ["",
+                  f"per rollout rank ({r['num_ranks']}, TP1, native engine):",
+                  f"{'  weights (the policy whole)':<40} {r['weights_gb']:>8.2f}",
+                  f"{'  KV cache ({}x{} rows x positions)'.format(*r['cache_shape']):<40} {r['kv_cache_gb']:>8.2f}",
+                  *([f"{'  decode step logits (fp32)':<40} {r['logits_gb']:>8.2f}"] if r["logits_gb"] else []),
+                  f"{'  total':<40} {r['total_gb']:>8.2f}  of {result['gpu_memory_gb']:g} GB"
+                  + ("" if r["fits"] else "  DOES NOT FIT")]
     policy = result["models"]["policy"]
     lines += ["",
               f"policy optimizer state: {policy['optimizer_gb_plain']:.2f} GB plain, "

@@ -36,11 +36,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def layout_id(tp: int = 1, pp: int = 1, dp: int = 1) -> str:
-    return f"tp{tp}_pp{pp}_dp{dp}"
+def layout_id(tp: int = 1, pp: int = 1, dp: int = 1, rollout_ranks: int = 0) -> str:
+    return f"tp{tp}_pp{pp}_dp{dp}" + (f"_r{rollout_ranks}" if rollout_ranks else "")
 
 
-def _worker(rank, world_size, port, tp, pp, fn, args, parallel_kwargs, out_dir, environ=None):
+def _worker(rank, world_size, port, tp, pp, fn, args, parallel_kwargs, out_dir, environ=None, rollout_ranks=0):
     if environ is not None:  # the caller's environment at the call (a forkserver child has the server's)
         os.environ.clear()
         os.environ.update(environ)
@@ -57,7 +57,8 @@ def _worker(rank, world_size, port, tp, pp, fn, args, parallel_kwargs, out_dir, 
             ParallelConfig(**{"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                               "backend": "gloo", **parallel_kwargs}),
             launch=LaunchEnv(rank=rank, world_size=world_size, local_rank=rank,
-                             master_addr="127.0.0.1", master_port=port, launcher="torchrun"))
+                             master_addr="127.0.0.1", master_port=port, launcher="torchrun"),
+            rollout_ranks=rollout_ranks)
         result = fn(groups, *args)
         with open(path, "wb") as f:
             pickle.dump(("ok", result), f)
@@ -73,21 +74,22 @@ def _worker(rank, world_size, port, tp, pp, fn, args, parallel_kwargs, out_dir, 
 
 
 def run_ranks(fn: Callable, *, tp: int = 1, pp: int = 1, dp: int = 1, args: Sequence[Any] = (),
-              parallel_kwargs: dict | None = None) -> List[Any]:
-    """Run ``fn(groups, *args)`` on TP·PP·DP gloo ranks and return each rank's result."""
-    world_size = tp * pp * dp
+              parallel_kwargs: dict | None = None, rollout_ranks: int = 0) -> List[Any]:
+    """Run ``fn(groups, *args)`` on TP·PP·DP gloo ranks and return each rank's result; with ``rollout_ranks``,
+    that many more ranks after them, split off as disaggregated rollout ranks (``groups.placement``)."""
+    world_size = tp * pp * dp + rollout_ranks
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(_worker, args=(world_size, free_port(), tp, pp, fn, tuple(args),
-                                              parallel_kwargs or {}, out_dir, dict(os.environ)),
+                                              parallel_kwargs or {}, out_dir, dict(os.environ), rollout_ranks),
                                nprocs=world_size, join=True, start_method=START_METHOD)
         except mp.ProcessRaisedException as exc:
-            raise AssertionError(f"a rank failed under {layout_id(tp, pp, dp)}:\n{exc}") from None
+            raise AssertionError(f"a rank failed under {layout_id(tp, pp, dp, rollout_ranks)}:\n{exc}") from None
         results = []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
                 status, value = pickle.load(f)
             if status != "ok":
-                raise AssertionError(f"rank {rank} failed under {layout_id(tp, pp, dp)}:\n{value}")
+                raise AssertionError(f"rank {rank} failed under {layout_id(tp, pp, dp, rollout_ranks)}:\n{value}")
             results.append(value)
     return results

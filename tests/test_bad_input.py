@@ -47,6 +47,19 @@ def test_check_config_bad_arguments(tmp_path, capsys):
         _one_line_error(capsys, main(["check-config", *argv]), *needles)
 
 
+@pytest.mark.parametrize("argv,needles", [
+    (["rollout.max_staleness=-1"], ("rollout.max_staleness", ">= 0")),
+    (["--world-size", "2", "rollout.placement=disaggregated", "rollout.num_ranks=2"],
+     ("rollout.num_ranks", "leave no trainer rank")),
+    (["--world-size", "3", "rollout.placement=disaggregated", "rollout.num_ranks=1",
+      "parallel.tensor_model_parallel_size=2"], ("rollout.placement", "tensor and pipeline parallel size 1")),
+    (["rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.engine=vllm"],
+     ("rollout.placement", "engine=vllm")),
+])
+def test_check_config_refuses_a_launch_that_cannot_be_split(argv, needles, capsys):
+    _one_line_error(capsys, main(["check-config", *argv]), *needles)
+
+
 @pytest.mark.parametrize("command", ["train", "sft", "train-rm", "generate", "serve"])
 def test_a_missing_path_names_its_key_at_start_up(command, data, tmp_path, capsys):
     missing = str(tmp_path / "nowhere")

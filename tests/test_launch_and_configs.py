@@ -17,6 +17,7 @@ from hpa.config import ConfigError, load_config
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
 SLURM_SBATCH = ROOT / "launch" / "slurm.sbatch"
+SLURM_DISAGGREGATED = ROOT / "launch" / "slurm_disaggregated.sbatch"
 
 # config -> world size it is meant for
 CONFIGS = {"llama2_7b.yaml": 8, "llama2_70b.yaml": 64}
@@ -95,7 +96,7 @@ def test_recompute_granularity_is_validated():
         load_config(ROOT / "configs" / "llama2_7b.yaml", ["model.recompute_granularity=everything"])
 
 
-@pytest.mark.parametrize("script", [TORCHRUN_SH, SLURM_SBATCH], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [TORCHRUN_SH, SLURM_SBATCH, SLURM_DISAGGREGATED], ids=lambda p: p.name)
 def test_scripts_parse(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
 
@@ -154,6 +155,44 @@ def test_sbatch_starts_one_torchrun_per_node_with_overrides(fake_bin, tmp_path):
     assert "SIGUSR1" in joined
     assert torchrun[-7:] == ["-m", "hpa.cli", "train", "--config", "configs/llama2_70b.yaml",
                              "trainer.total_steps=5", "trainer.run_dir=/scratch/a b"]
+
+
+def test_disaggregated_sbatch_gives_the_last_nodes_gpus_to_the_rollout_ranks(fake_bin, tmp_path):
+    log = tmp_path / "srun.log"
+    fake(fake_bin, "srun", 'printf "%s\\n" "$@" > "$FAKE_LOG"\n')
+    proc = subprocess.run(["bash", str(SLURM_DISAGGREGATED), "configs/llama2_7b.yaml", "trainer.total_steps=5"],
+                          cwd=ROOT, env=slurm_env(fake_bin, log), capture_output=True, text=True, check=True)
+    assert "1 trainer node(s), 1 rollout node(s) x 4 GPUs" in proc.stdout
+    args = log.read_text().splitlines()
+    assert args[:5] == ["--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--ntasks=2", "torchrun"]
+    assert "--nnodes 2 --nproc_per_node 4" in " ".join(args)
+    # 2 nodes x 4 GPUs: the 4 GPUs of one node sample; the user's overrides come after (and win)
+    assert args[-8:] == ["-m", "hpa.cli", "train", "--config", "configs/llama2_7b.yaml",
+                         "rollout.placement=disaggregated", "rollout.num_ranks=4", "trainer.total_steps=5"]
+    for nodes in ("0", "2", "x"):
+        bad = subprocess.run(["bash", str(SLURM_DISAGGREGATED), "configs/llama2_7b.yaml"], cwd=ROOT,
+                             env=slurm_env(fake_bin, log, HPA_ROLLOUT_NODES=nodes), capture_output=True, text=True)
+        assert bad.returncode == 2 and "HPA_ROLLOUT_NODES" in bad.stderr, (nodes, bad.stderr)
+
+
+def test_disaggregated_sbatch_example_fits_what_its_comment_says():
+    """The header's example (2 nodes x 8 GPUs of 80 GB, 8 rollout ranks) passes the cross-checks and fits, with
+    the plan's numbers the comment quotes."""
+    import re
+
+    from hpa.plan import plan
+
+    header = SLURM_DISAGGREGATED.read_text()
+    example = re.search(r"launch/slurm_disaggregated.sbatch configs/llama2_7b.yaml (.*?)trainer.run_dir",
+                        header, re.S).group(1)
+    overrides = [o for o in example.replace("\\", " ").split() if "=" in o]
+    assert "rollout.engine=megatron" in overrides and "model.lora.rank=16" in overrides
+    cfg = load_config(ROOT / "configs" / "llama2_7b.yaml",
+                      [*overrides, "rollout.placement=disaggregated", "rollout.num_ranks=8"], world_size=16)
+    result = plan(cfg, world_size=16, gpu_memory_gb=80)
+    assert result["fits"] and result["layout"]["data_parallel_size"] == 8
+    assert f"{result['total_gb']:.2f} GB per trainer rank" in header
+    assert f"{result['rollout_ranks']['total_gb']:.2f} GB per rollout rank" in header
 
 
 def test_sbatch_forwards_usr1_to_the_step_and_requeues(fake_bin, tmp_path):

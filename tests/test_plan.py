@@ -753,3 +753,39 @@ def test_graph_decode_keeps_its_bucket_through_training():
     tp2 = plan(dataclasses.replace(tp2, rollout=dataclasses.replace(tp2.rollout, cuda_graphs=True)), world_size=2,
                gpu_memory_gb=80)
     assert tp2["graph_cache_gb"] == 0 and tp2["graph_bucket"] is None
+
+
+def test_disaggregated_plan_splits_trainer_and_rollout_ranks(capsys):
+    """9 GPUs, 8 trainer ranks (DP 8) and 1 rollout rank, the 7B shapes of ``test_7b_plan_sane``: the rollout rank
+    holds the bf16 weights whole (13.48 GB) and one job's KV cache (global 64 prompts x n 4 / DP 8 = 32 rows,
+    graph decode: bucket 32 rows x 1024 slots; 2·32 layers·32 rows·32 kv-heads·1024·128·2 B = 17.18 GB) and the
+    step's fp32 logits (32 x 32000 x 4 B); the trainer ranks hold no cache: static + activations."""
+    from hpa.config import load_config
+    from hpa.plan import format_plan, plan
+
+    overrides = ["model.num_layers=32", "model.hidden_size=4096", "model.num_attention_heads=32",
+                 "model.num_query_groups=32", "model.ffn_hidden_size=11008", "model.max_sequence_length=2048",
+                 "data.max_prompt_length=512", "rollout.max_new_tokens=512", "rollout.engine=megatron",
+                 "rollout.n=4", "trainer.global_batch_size=64",
+                 "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+                 "parallel.sequence_parallel=false", "parallel.use_distributed_optimizer=true"]
+    cfg = load_config(ROOT / "configs" / "llama2_70b.yaml", [*overrides, "rollout.placement=disaggregated",
+                                                             "rollout.num_ranks=1"], world_size=9)
+    result = plan(cfg, world_size=9, gpu_memory_gb=80)
+    colocated = plan(load_config(ROOT / "configs" / "llama2_70b.yaml", overrides, world_size=8), world_size=8,
+                     gpu_memory_gb=80)
+    r = result["rollout_ranks"]
+    assert r["num_ranks"] == 1 and r["cache_shape"] == [32, 1024]
+    assert r["weights_gb"] == pytest.approx(6_738_415_616 * 2 / 1e9)
+    assert r["kv_cache_gb"] == pytest.approx(2 * 32 * 32 * 32 * 1024 * 128 * 2 / 1e9)
+    assert r["logits_gb"] == pytest.approx(32 * 32000 * 4 / 1e9)
+    assert r["total_gb"] == pytest.approx(r["weights_gb"] + r["kv_cache_gb"] + r["logits_gb"])
+    # the trainer ranks: the colocated run's model, gradients and optimizer at the same DP, without the cache
+    assert result["layout"]["data_parallel_size"] == 8
+    assert result["static_gb"] == pytest.approx(colocated["static_gb"])
+    assert result["kv_cache_gb"] == 0 and result["graph_cache_gb"] == 0 and colocated["graph_cache_gb"] > 0
+    assert result["total_gb"] == pytest.approx(result["static_gb"] + result["activations_gb"])
+    assert result["total_gb"] < colocated["total_gb"]
+    text = format_plan(result)
+    assert "(8 trainer + 1 rollout ranks)" in text and "per rollout rank (1, TP1, native engine)" in text
+    assert colocated["rollout_ranks"] is None and "rollout rank" not in format_plan(colocated)

@@ -27,6 +27,7 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 ROLLOUT_ENGINES = ("megatron", "vllm")
+ROLLOUT_PLACEMENTS = ("colocated", "disaggregated")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RESUME_MODES = ("auto", "never")
@@ -270,6 +271,16 @@ class RolloutConfig:
             trains on this step's rows (``hpa/rollout/worker.py``); needs tensor and pipeline parallel size 1
             and ``algorithm.rollout_correction`` (``rollout_is`` or ``rollout_rs``: the π_old/π_behaviour
             correction).
+        placement: colocated (the engine samples in the trainer processes) | disaggregated (the last
+            ``num_ranks`` ranks of the launch are rollout ranks that hold the engine's own copy of the
+            weights and its KV cache and only sample; the trainer pushes its weights to them before each
+            rollout and checks that they arrived, ``hpa/rollout/remote.py``). Disaggregated: native engine,
+            trainer tensor and pipeline parallel size 1, each rollout rank a whole (TP 1) copy serving the
+            trainer DP ranks ``i`` with ``i mod num_ranks`` equal to its index; at ``max_staleness`` 0 it
+            samples each step's prompts after that step's push (the synchronous loop), at k >= 1 one step
+            ahead.
+        num_ranks: rollout ranks with ``placement: disaggregated`` (0 with colocated); the trainer gets the
+            rest of the launch's ranks, and its TP·PP·CP divides them.
     """
 
     engine: str = "megatron"
@@ -285,9 +296,23 @@ class RolloutConfig:
     cuda_graphs: bool = True
     compile_decode: bool = True
     max_staleness: int = 0
+    placement: str = "colocated"
+    num_ranks: int = 0
 
     def __post_init__(self):
         check_choice("engine", self.engine, ROLLOUT_ENGINES)
+        check_choice("placement", self.placement, ROLLOUT_PLACEMENTS)
+        if self.placement == "disaggregated":
+            if isinstance(self.num_ranks, bool) or self.num_ranks < 1:
+                raise ConfigError("num_ranks", f"placement=disaggregated samples on rollout.num_ranks >= 1 ranks of "
+                                               f"their own, got {self.num_ranks}; set it, or placement: colocated")
+            if self.engine != "megatron":
+                raise ConfigError("placement", f"disaggregated rollout ranks run the native engine; engine="
+                                               f"{self.engine} on rollout ranks is not implemented (use engine="
+                                               f"megatron, or placement: colocated)")
+        elif self.num_ranks != 0:
+            raise ConfigError("num_ranks", f"{self.num_ranks} rollout ranks need placement: disaggregated; "
+                                           f"colocated placement samples in the trainer ranks (num_ranks: 0)")
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", f"must be an integer >= 0 (0: synchronous), got {self.max_staleness}")
         if self.max_staleness > 0 and self.engine != "megatron":
@@ -670,6 +695,18 @@ class Config:
                 self.algorithm, replay=dataclasses.replace(self.algorithm.replay, coef=coef)))
 
 
+def trainer_world_size(rollout: RolloutConfig, world_size: int) -> int:
+    """The ranks of a launch of ``world_size`` that train: all but ``rollout.num_ranks`` with disaggregated
+    rollouts (the last ranks), all of them colocated."""
+    if rollout.placement != "disaggregated":
+        return world_size
+    trainers = world_size - rollout.num_ranks
+    if trainers < 1:
+        raise ConfigError("rollout.num_ranks", f"{rollout.num_ranks} rollout ranks of a launch of {world_size} "
+                          f"leave no trainer rank; launch more processes or lower rollout.num_ranks")
+    return trainers
+
+
 def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
     model_parallel = (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
                       * parallel.context_parallel_size)
@@ -702,9 +739,13 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
 
 def _check_async_rollouts(cfg: Config) -> None:
     k = cfg.rollout.max_staleness
+    layout = (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
+    if cfg.rollout.placement == "disaggregated" and layout != (1, 1):
+        raise ConfigError("rollout.placement", f"disaggregated pushes the weights whole from trainer rank 0, which "
+                          f"holds them whole at tensor and pipeline parallel size 1 only (tensor_model_parallel_size, "
+                          f"pipeline_model_parallel_size = {layout}); use 1 and 1, or placement: colocated")
     if k == 0:
         return
-    layout = (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
     if layout != (1, 1):
         raise ConfigError("rollout.max_staleness", f"{k} runs the rollout worker in a thread of each trainer "
                           f"process, which cannot share the tensor/pipeline-parallel communicators "
@@ -800,7 +841,11 @@ def _check_rewards_and_filters(cfg: Config) -> None:
 def _check_data_parallel(cfg: Config, world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError("--world-size", f"must be a positive number of processes, got {world_size!r}")
+    world_size = trainer_world_size(cfg.rollout, world_size)  # the trainer ranks: the checks below count them
     dp = data_parallel_size(cfg.parallel, world_size)
+    if cfg.rollout.placement == "disaggregated" and cfg.rollout.num_ranks > dp:
+        raise ConfigError("rollout.num_ranks", f"{cfg.rollout.num_ranks} rollout ranks for {dp} trainer DP ranks: each "
+                          f"rollout rank serves at least one DP rank (and takes every weight push); use at most {dp}")
     for key, value in (("trainer.global_batch_size", cfg.trainer.global_batch_size),
                        ("sft.global_batch_size", cfg.sft.global_batch_size),
                        ("trainer.preference_batch_size", cfg.trainer.preference_batch_size),

@@ -21,6 +21,8 @@ class ParallelGroups:
     Attributes:
         pg_collection: megatron's ``ProcessGroupCollection`` for the same groups, handed to
             megatron constructors and schedules so they make no global lookups.
+        placement: with disaggregated rollouts, ``rollout_groups.Placement``; the other fields then describe
+            this process's side only (``world_size``, ``rank``: within the trainer ranks, or the rollout ranks).
     """
 
     world_size: int
@@ -45,6 +47,9 @@ class ParallelGroups:
     mp_group: Any
     embd_group: Any
     pg_collection: Any
+    # disaggregated rollouts: this process's side of the launch and the groups between the sides
+    # (``rollout_groups.Placement``); None when the rollouts are colocated
+    placement: Any = None
 
     @property
     def is_first_stage(self) -> bool:

@@ -7,7 +7,7 @@ This is the only module that imports ``megatron.core.parallel_state`` (a test en
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import datetime
 import importlib
 import logging
@@ -93,9 +93,13 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
 
 
 @contextlib.contextmanager
-def launched(cfg):
+def launched(cfg, *, disaggregate: bool = False):
     """The one launch preamble of every entry point: check ``cfg`` at this launch's world size (torchrun,
     Slurm or one process), initialise distributed and logging, yield ``(cfg, groups)``, tear down.
+
+    ``disaggregate``: ``hpa train`` splits the launch into trainer and rollout ranks when
+    ``rollout.placement`` is disaggregated (``groups.placement``); the other commands use every rank, as
+    colocated.
 
     Raises:
         ConfigError: when the config does not fit the launch (the caller prints it and exits with 2).
@@ -105,9 +109,12 @@ def launched(cfg):
     from hpa.config.schema import validate
 
     launch = read_launch_env()
+    if cfg.rollout.placement == "disaggregated" and not disaggregate:
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, placement="colocated", num_ranks=0))
     validate(cfg, launch.world_size)
     configure_logging(cfg.logging.level)
-    groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch)
+    rollout_ranks = cfg.rollout.num_ranks if cfg.rollout.placement == "disaggregated" else 0
+    groups = initialize(cfg.parallel, seed=cfg.trainer.seed, launch=launch, rollout_ranks=rollout_ranks)
     note = megatron_fallback_note(groups.device)
     if note and groups.rank == 0:
         logger.warning("%s", note)
@@ -162,20 +169,27 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
-def initialize(parallel: ParallelConfig, *, seed: int = 1234,
-               launch: Optional[LaunchEnv] = None) -> ParallelGroups:
+def initialize(parallel: ParallelConfig, *, seed: int = 1234, launch: Optional[LaunchEnv] = None,
+               rollout_ranks: int = 0) -> ParallelGroups:
     """Initialise torch.distributed and megatron's model-parallel state; return the groups.
 
     Args:
         parallel: the ``parallel`` config section.
         seed: base seed; megatron derives the TP-rank-specific model-parallel RNG stream from it.
         launch: overrides the environment (tests); default ``read_launch_env()``.
+        rollout_ranks: the last ``rollout_ranks`` ranks of the launch are rollout ranks (disaggregated
+            rollouts, ``rollout_groups.py``): torch.distributed's world and megatron's state are this process's
+            side of the split (the trainer ranks with ``parallel``'s layout; the rollout ranks at TP = PP = 1),
+            and ``groups.placement`` holds the groups between the two sides.
     """
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     launch = launch or read_launch_env()
     backend = choose_backend(parallel.backend)
+    full_launch = launch
+    if rollout_ranks:
+        launch, parallel = _side_of_split(launch, parallel, rollout_ranks)
     dp = data_parallel_size(parallel, launch.world_size)
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank)
@@ -186,14 +200,9 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234,
         megatron_patches.apply_cpu_patches()
         device = test_model_device() or torch.device("cpu")
 
+    store = None
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
-        # one process meets no one: a store in its own memory (a port found free may be taken before it is bound)
-        store = dist.HashStore() if launch.launcher == "single" else _restart_safe_store(launch, timeout)
-        dist.init_process_group(
-            backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
-            **({"store": store} if store is not None else
-               {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}))
+        store = _init_world(full_launch, launch, parallel, backend, rollout_ranks)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
@@ -219,8 +228,67 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234,
         tp_group=pgs.tp, pp_group=pgs.pp, cp_group=pgs.cp, dp_group=pgs.dp, dp_cp_group=pgs.dp_cp,
         mp_group=pgs.mp, embd_group=getattr(pgs, "embd", None), pg_collection=pgs,
     )
-    logger.info("initialised %s on %s (%s, launcher=%s)", groups.layout, device, backend, launch.launcher)
+    if rollout_ranks:
+        groups = _with_placement(groups, store, full_launch, rollout_ranks, parallel.timeout_minutes)
+    role = f"{groups.placement.role} ranks, " if groups.placement is not None else ""
+    logger.info("initialised %s on %s (%s%s, launcher=%s)", groups.layout, device, role, backend, launch.launcher)
     return groups
+
+
+def _side_of_split(launch: LaunchEnv, parallel: ParallelConfig, rollout_ranks: int):
+    """``(launch, parallel)`` of this process's side of a disaggregated launch: its rank and size within the
+    trainer or the rollout ranks; a rollout rank's layout is TP = PP = CP = 1 (a whole copy of the policy)."""
+    from .rollout_groups import ROLLOUT, split_world
+
+    role, rank, size, _ = split_world(rank=launch.rank, world_size=launch.world_size,
+                                      num_rollout_ranks=rollout_ranks)
+    if role == ROLLOUT:
+        parallel = dataclasses.replace(parallel, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                       context_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                                       sequence_parallel=False, use_distributed_optimizer=False)
+    return dataclasses.replace(launch, rank=rank, world_size=size), parallel
+
+
+def _init_world(full_launch: LaunchEnv, launch: LaunchEnv, parallel: ParallelConfig, backend: str,
+                rollout_ranks: int) -> Optional[dist.Store]:
+    """torch.distributed's default group over ``launch`` (this process's side of the launch); returns the store
+    of the whole launch when it is split for rollout ranks (the groups between the sides are made on it)."""
+    timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
+    if rollout_ranks:
+        from .rollout_groups import split_world
+
+        store = _restart_safe_store(full_launch, timeout) or dist.TCPStore(
+            full_launch.master_addr, full_launch.master_port, full_launch.world_size,
+            is_master=full_launch.rank == 0, timeout=timeout)
+        prefix = split_world(rank=full_launch.rank, world_size=full_launch.world_size,
+                             num_rollout_ranks=rollout_ranks)[3]
+        dist.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
+                                store=dist.PrefixStore(prefix, store))
+        return store
+    # one process meets no one: a store in its own memory (a port found free may be taken before it is bound)
+    store = dist.HashStore() if launch.launcher == "single" else _restart_safe_store(launch, timeout)
+    dist.init_process_group(
+        backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
+        **({"store": store} if store is not None else
+           {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}))
+    return None
+
+
+def _with_placement(groups: ParallelGroups, store, full_launch: LaunchEnv, rollout_ranks: int,
+                    timeout_minutes: float) -> ParallelGroups:
+    """``groups`` with the groups between the trainer and the rollout ranks (``groups.placement``); a trainer rank
+    tells its rollout rank that it is done at ``destroy``."""
+    from .rollout_groups import TRAINER, build_placement, stop_serving
+
+    if store is None:
+        raise RuntimeError("disaggregated rollouts initialise torch.distributed themselves (it was initialised "
+                           "before hpa.distributed.initialize)")
+    placement = build_placement(store, rank=full_launch.rank, world_size=full_launch.world_size,
+                                num_rollout_ranks=rollout_ranks, backend=groups.backend, device=groups.device,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    if placement.role == TRAINER:
+        on_destroy(lambda: stop_serving(placement))
+    return dataclasses.replace(groups, placement=placement)
 
 
 def _restart_safe_store(launch: LaunchEnv, timeout: datetime.timedelta,

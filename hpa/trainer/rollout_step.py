@@ -1,5 +1,6 @@
 """The rollout stream of an HPA step: roll out (through the versioned rollout queue, ``hpa/rollout/queue.py``;
-at ``rollout.max_staleness`` k >= 1 sampled one step ahead by a ``RolloutWorker``, ``hpa/rollout/worker.py``)
+at ``rollout.max_staleness`` k >= 1 sampled one step ahead by a ``RolloutWorker``, ``hpa/rollout/worker.py``;
+disaggregated, at every k, by rollout ranks of their own through a ``RemoteRolloutWorker``, ``hpa/rollout/remote.py``)
 → reference / old-policy forwards → shaped reward →
 rollout filter (with DAPO's refill: more rounds of the three before it) → critic values → the controllers
 that observe the rollouts → advantages; after the policy update, the critic update and the length
@@ -16,6 +17,7 @@ from hpa.config.errors import ConfigError
 from hpa.distributed import comm
 from hpa.rollout.base import RolloutBatch, SamplingParams
 from hpa.rollout.queue import RolloutQueue, rollout_batch, rollout_entry
+from hpa.rollout.remote import RemoteRolloutWorker
 from hpa.rollout.worker import RolloutWorker, check_delivery, checksum
 from hpa.trainer import faults, phases, rollout_filter
 from hpa.trainer.metrics import length_metrics
@@ -40,7 +42,10 @@ class RolloutStep:
         self.worker: Optional[RolloutWorker] = None
         self.ahead: Dict[int, list] = {}  # step -> the examples submitted to the worker for it
         self.collected: Optional[int] = None  # the last step whose rows the worker gave
-        if self.cfg.rollout.max_staleness > 0:
+        if self.groups.placement is not None:  # disaggregated: the rollout ranks sample, at every k
+            self.worker = RemoteRolloutWorker(self.groups.placement,
+                                              [n for n, _ in self.parts.engine.module.named_parameters()])
+        elif self.cfg.rollout.max_staleness > 0:
             if not self.parts.engine.has_async_worker:  # the schema refuses it; an engine registered later too
                 raise ConfigError("rollout.max_staleness", f"{self.cfg.rollout.max_staleness} needs an engine with "
                                   f"an asynchronous worker; {self.parts.engine.name!r} has none")
@@ -81,7 +86,7 @@ class RolloutStep:
             metrics.update(comm.reduce_metrics({k: v for k, v in queued.items() if k.startswith("async/lag_frac_")
                                                 or k == "async/lag_mean"}, self.groups.dp_group))
         counts = {"async/dropped_rows": queued["async/dropped_rows"]}
-        if self.worker is not None:  # rows sampled ahead and discarded at a rollback
+        if self.cfg.rollout.max_staleness > 0:  # rows sampled ahead and discarded at a rollback
             counts["async/discarded_rows"] = queued["async/discarded_rows"]
         metrics.update(comm.reduce_metrics(counts, self.groups.dp_group, op="sum"))
         return metrics
@@ -132,8 +137,9 @@ class RolloutStep:
         return self.through_queue(batch)
 
     def steps_ahead(self, step: int) -> int:
-        """How many steps past ``step`` the worker has prompts for when step ``step`` trains."""
-        return STEPS_AHEAD
+        """How many steps past ``step`` the worker has prompts for when step ``step`` trains (none at k = 0:
+        the disaggregated synchronous loop samples each step's prompts after its push)."""
+        return STEPS_AHEAD if self.cfg.rollout.max_staleness > 0 else 0
 
     def async_rollout(self):
         """Step s's examples and rows at ``max_staleness`` k >= 1: the worker gets version s's weights (after

@@ -1,0 +1,178 @@
+"""Rollouts on rollout ranks of their own (``rollout.placement: disaggregated``; the groups are
+``hpa/distributed/rollout_groups.py``).
+
+Trainer side: ``RemoteRolloutWorker``, with ``RolloutWorker``'s interface (``submit`` / ``poll`` / ``wait`` /
+``drain`` / ``push_weights`` / ``checksums`` / ``version`` / ``watched``), so ``RolloutStep`` drives either.
+Rollout side: ``serve``, the loop of a rollout rank. A rollout rank serves its trainer ranks in turn, one
+message each: every trainer DP rank sends the same sequence of messages (jobs, pushes, the stop), so taking
+them in turn never waits on a message that will not come. The messages:
+
+- ``("job", tag, prompts, params, version)``: sample; the rollout rank sends back a ``WorkerResult``;
+- ``("push", push_id, names)``: the first of a push's headers that a rollout rank takes joins trainer rank 0's
+  broadcast of ``names`` (in that order) into its copy; every header is answered with the checksums of the
+  watched tensors, which the trainer checks (``check_delivery``);
+- ``("stop",)``: the trainer rank is done (sent from ``hpa.distributed.destroy``, before the groups go).
+
+Results are sent without waiting for the trainer to take them, so a rollout rank samples one trainer's next
+job while another trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict, List, Mapping
+
+import torch
+
+from hpa.distributed.init import on_destroy
+from hpa.distributed.rollout_groups import Outbox, Placement, broadcast_tensors, receive, stop_serving
+from hpa.rollout.base import RolloutEngine, SamplingParams
+from hpa.rollout.worker import WorkerResult, checksum, watched_names
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteRolloutWorker:
+    """The trainer side of a rollout rank: jobs go to ``placement.server_of(rank)``, finished rollouts come back
+    in submission order.
+
+    Args:
+        placement: the groups of the disaggregated launch (``ParallelGroups.placement``).
+        names: the names of the policy's parameters, in the model's order (as the rollout rank's copy has them).
+        version: the policy version of the rollout ranks' weights now (-1: none pushed yet).
+    """
+
+    def __init__(self, placement: Placement, names: List[str], *, version: int = -1):
+        self.placement, self.version = placement, int(version)
+        self.server = placement.server_of(placement.global_rank)
+        self.watched = watched_names(list(names))
+        self._outbox = Outbox(placement.bridge)
+        self._pending: List[object] = []  # tags submitted, not yet received (the server answers in this order)
+        self._done: Dict[object, WorkerResult] = {}
+        self._pushes = 0
+        self._last_checksums: Dict[str, float] = {}
+        on_destroy(self.close)
+
+    def submit(self, prompts, params: SamplingParams, tag) -> None:
+        """Send a job: ``params.n`` responses to each of ``prompts`` (token-id lists), handed back under ``tag``."""
+        self._outbox.send(("job", tag, [[int(t) for t in p] for p in prompts], params, self.version), self.server)
+        self._pending.append(tag)
+
+    def _receive_one(self) -> None:
+        result = receive(self.placement.bridge, self.server)
+        expected = self._pending.pop(0)
+        if result.tag != expected:  # a protocol error, not a user's: the two sides disagree on the order
+            raise RuntimeError(f"rollout rank {self.server} answered job {result.tag!r}, expected {expected!r}")
+        if result.batch is not None:
+            result = dataclasses.replace(result, batch=to_device(result.batch, self.placement.device))
+        self._done[result.tag] = result
+
+    def poll(self) -> List[WorkerResult]:
+        """The jobs received since the last ``poll``/``wait`` (after a ``drain``: every job finished)."""
+        results, self._done = list(self._done.values()), {}
+        return results
+
+    def wait(self, tag) -> WorkerResult:
+        """Block until the job ``tag`` has come back and return it (raising the error it raised)."""
+        while tag not in self._done:
+            if tag not in self._pending:
+                raise KeyError(f"no job {tag!r} was submitted to rollout rank {self.server}")
+            self._receive_one()
+        result = self._done.pop(tag)
+        if result.error is not None:
+            raise result.error
+        return result
+
+    def drain(self) -> None:
+        """Block until every job submitted has come back (they stay for ``poll``/``wait``)."""
+        while self._pending:
+            self._receive_one()
+
+    def push_weights(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> Dict[str, float]:
+        """Send the trainer's tensors of policy ``version`` to the rollout ranks (trainer rank 0 broadcasts, every
+        trainer rank tells its rollout rank), after the jobs in flight; returns the rollout rank's checksums of
+        its watched tensors after the push (``check_delivery`` reads them)."""
+        self.drain()
+        self._pushes += 1
+        names = list(named_tensors)
+        self._outbox.send(("push", self._pushes, names), self.server)
+        if self.placement.push is not None:  # trainer rank 0
+            broadcast_tensors(self.placement.push, [named_tensors[n] for n in names], self.placement.device)
+        self._last_checksums = receive(self.placement.bridge, self.server)
+        self.version = int(version)
+        return dict(self._last_checksums)
+
+    def checksums(self) -> Dict[str, float]:
+        """The rollout rank's checksums of its watched tensors after the last push."""
+        return dict(self._last_checksums)
+
+    def close(self) -> None:
+        """Tell the rollout rank this trainer rank is done (once; ``hpa.distributed.destroy`` calls it). Jobs
+        still in flight (a run that stops with a step sampled ahead) are taken first and dropped: the rollout
+        rank's answers must arrive before this process goes, or its sends fail."""
+        try:
+            self.drain()
+        except RuntimeError as exc:  # the run is ending anyway; the stop below still tells the rollout rank
+            logger.warning("rollout rank %d: the jobs in flight at the end could not be taken back: %s",
+                           self.server, exc)
+        if self._done:
+            logger.info("dropped %d rollout job(s) sampled ahead and not trained on at the end of the run",
+                        len(self._done))
+        self._outbox.flush()
+        stop_serving(self.placement)
+
+
+def receive_weights(placement: Placement, params: Mapping[str, torch.Tensor], names: List[str]) -> None:
+    """The rollout side of a push: trainer rank 0's broadcast of ``names`` into ``params`` (in place)."""
+    with torch.no_grad():
+        broadcast_tensors(placement.push, [params[n] for n in names], placement.device)
+
+
+def serve(engine: RolloutEngine, module: torch.nn.Module, placement: Placement) -> Dict[str, int]:
+    """The loop of a rollout rank: sample the jobs of its trainer ranks with ``engine`` (over ``module``, this
+    rank's copy of the policy), take the weight pushes into ``module``, until every trainer rank has stopped.
+    Returns counts (``jobs``, ``pushes``)."""
+    params = dict(module.named_parameters())
+    watched = watched_names(list(params))
+    outbox = Outbox(placement.bridge)
+    clients = placement.clients()
+    active, pushed, counts = list(clients), 0, {"jobs": 0, "pushes": 0}
+    module.eval()
+    while active:
+        for trainer in list(active):
+            message = receive(placement.bridge, trainer)
+            kind = message[0]
+            if kind == "stop":
+                active.remove(trainer)
+            elif kind == "push":
+                _, push_id, names = message
+                if push_id != pushed:  # the first header of this push: join the broadcast
+                    receive_weights(placement, params, names)
+                    pushed = push_id
+                    counts["pushes"] += 1
+                outbox.send({name: checksum(params[name]) for name in watched}, trainer)
+            elif kind == "job":
+                _, tag, prompts, sampling, version = message
+                try:
+                    with torch.no_grad():
+                        batch, error = engine.generate(prompts, sampling), None
+                    batch = to_device(batch, torch.device("cpu"))
+                except Exception as exc:  # handed to the trainer rank, whose ``wait`` raises it
+                    batch, error = None, RuntimeError(f"rollout rank {placement.global_rank}: {exc!r}")
+                outbox.send(WorkerResult(tag=tag, version=version, batch=batch, error=error), trainer)
+                counts["jobs"] += 1
+            else:
+                raise RuntimeError(f"rollout rank {placement.global_rank}: unknown message {kind!r} from {trainer}")
+    outbox.flush()
+    return counts
+
+
+def to_device(batch, device: torch.device):
+    """``batch`` with its tensors on ``device`` (it travels pickled, on the CPU, over the gloo bridge)."""
+    if batch is None or batch.prompt_ids.device == device:
+        return batch
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.init}
+    moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+    moved["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
+    return type(batch)(**moved)
