@@ -82,7 +82,7 @@ class RolloutStep:
         trained tokens i versions old, i = 0..k) and ``async/lag_mean``, means over DP ranks."""
         queued = self.queue.metrics()
         metrics = comm.reduce_metrics({"async/lag_max": queued["async/lag_max"]}, self.groups.dp_group, op="max")
-        if self.worker is not None:
+        if self.cfg.rollout.max_staleness > 0:
             metrics.update(comm.reduce_metrics({k: v for k, v in queued.items() if k.startswith("async/lag_frac_")
                                                 or k == "async/lag_mean"}, self.groups.dp_group))
         counts = {"async/dropped_rows": queued["async/dropped_rows"]}

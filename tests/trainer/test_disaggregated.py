@@ -39,7 +39,7 @@ def _run(groups, root, run_dir, extra, lose_pushes=False):
 
 @pytest.mark.multirank
 def test_tp1_pp1_dp2_r1_five_steps_at_k1_lag_at_most_one(demo, tmp_path):
-    extra = [*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.ppo.rollout_is_threshold=2.0",
+    extra = [*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.rollout_correction.rollout_is=token",
              "trainer.total_steps=5"]
     results = run_ranks(_run, dp=2, rollout_ranks=1, args=(demo, tmp_path, extra))
     assert [r[0] for r in results] == ["trainer", "trainer", "rollout"]
@@ -77,7 +77,7 @@ def test_tp1_pp1_dp2_r1_at_k0_equals_the_colocated_synchronous_run(demo, tmp_pat
 
 @pytest.mark.multirank
 def test_tp1_pp1_dp2_r1_a_push_that_changes_nothing_stops_the_run_naming_the_tensors(demo, tmp_path):
-    extra = [*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.ppo.rollout_is_threshold=2.0",
+    extra = [*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.rollout_correction.rollout_is=token",
              "trainer.total_steps=3"]
     results = run_ranks(_run, dp=2, rollout_ranks=1, args=(demo, tmp_path, extra, True))
     # step 0's push finds the rollout rank's copy equal to the trainer's (the same initial policy); step 1's,
@@ -93,7 +93,7 @@ def test_tp1_pp1_dp2_r1_a_push_that_changes_nothing_stops_the_run_naming_the_ten
 def test_tp1_pp1_dp1_r1_a_run_that_stops_with_a_job_in_flight_ends_both_sides(demo, tmp_path):
     """``trainer.max_steps_per_run`` 2 of 4 at k = 1: the trainer stops after step 2 (index 1) with step 3's job
     sampled ahead and never taken; the rollout rank's answer to it must not keep it (or the launch) waiting."""
-    extra = [*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.ppo.rollout_is_threshold=2.0",
+    extra = [*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.rollout_correction.rollout_is=token",
              "trainer.total_steps=4", "trainer.max_steps_per_run=2"]
     results = run_ranks(_run, dp=1, rollout_ranks=1, args=(demo, tmp_path, extra),
                         parallel_kwargs={"timeout_minutes": 1.0})
@@ -117,7 +117,7 @@ def test_tp1_pp1_dp1_r1_at_k1_with_a_rollback_equals_the_colocated_worker(demo, 
     """k = 1 with a guard rollback after the third step (to the checkpoint of version 2): the rollout rank samples
     what the colocated worker thread samples, so the two runs agree bit for bit (metrics, final weights), and
     what was sampled ahead by the lost policies is discarded on both."""
-    extra = ["rollout.max_staleness=1", "algorithm.ppo.rollout_is_threshold=2.0", "trainer.total_steps=5",
+    extra = ["rollout.max_staleness=1", "algorithm.rollout_correction.rollout_is=token", "trainer.total_steps=5",
              "checkpoint.save_interval=2", "guard.kl_rollback_threshold=10.0"]
     [colocated] = run_ranks(_run_with_a_rollback, args=(demo, tmp_path / "colocated", extra))
     disaggregated = run_ranks(_run_with_a_rollback, rollout_ranks=1,
