@@ -47,7 +47,8 @@ class RolloutStep:
         self.worker: Optional[RolloutWorker] = None
         self.ahead: Dict[int, List[int]] = {}  # step -> the prompt indices submitted to the worker for it
         self.finished: Dict[int, WorkerResult] = {}  # step -> its job's result, taken from the worker at a save
-        self.restored: Dict[int, Tuple[List[int], Optional[WorkerResult]]] = {}  # step -> a checkpoint's (indices, rows)
+        # step -> a checkpoint's (prompt indices, rows; None: to be sampled), until drawn
+        self.restored: Dict[int, Tuple[List[int], Optional[WorkerResult]]] = {}
         self.collected: Optional[int] = None  # the last step whose rows the worker gave
         if self.cfg.rollout.max_staleness > 0:
             if not self.parts.engine.has_async_worker:  # the schema refuses it; an engine registered later too
@@ -144,7 +145,8 @@ class RolloutStep:
         """Step s's examples and rows at ``max_staleness`` k >= 1: the worker gets version s's weights (after
         step s's job, which sampled during step s−1's update), then the prompts of the steps ahead; step s's
         rows go through the queue, and if they are older than s − k (dropped, counted) version s samples
-        step s's prompts again. Returns ``(examples, batch)``."""
+        step s's prompts again. After a resume or a rollback the checkpoint's prompts and rows ahead are used
+        (``draw``). Returns ``(examples, batch)``."""
         step, worker, p = self.trainer.state.step, self.worker, self.parts
         if self.collected is not None and step <= self.collected:
             # the guard rolled back (to this version or an earlier one): what was sampled ahead is discarded, and
