@@ -83,7 +83,8 @@ class HPATrainer:
         parts = {"guard": self.guard, "prompt_sampler": p.prompt_sampler, "pair_sampler": p.pair_sampler,
                  **({"replay_sampler": p.replay_sampler} if p.replay_sampler is not None else {}),
                  "reward": p.reward, "policy_sched": p.policy.scheduler, "monitor": p.evaluator,
-                 **({"critic_sched": p.critic.scheduler} if p.critic is not None else {}), **self.controllers.state_parts()}
+                 **({"critic_sched": p.critic.scheduler} if p.critic is not None else {}), **self.controllers.state_parts(),
+                 **self.rollouts.state_parts()}
         self.state = RunState(cfg, groups, trainables, parts, self.guard)
         self.exit_reason = "done"
         resumed = self.state.resume()

@@ -5,24 +5,31 @@ disaggregated, at every k, by rollout ranks of their own through a ``RemoteRollo
 rollout filter (with DAPO's refill: more rounds of the three before it) → critic values → the controllers
 that observe the rollouts → advantages; after the policy update, the critic update and the length
 metrics. A run whose ``w_ppo`` is 0 throughout is plain DPO and spends no rollouts (``NoRollouts``).
+
+Resume at k >= 1 is exact: a checkpoint holds, per DP rank, the prompts drawn for the steps ahead and the rows
+the worker sampled for them (it waits for them), sampled by the policy before the checkpoint's, and the
+queue's counters. Re-sampling them after a resume could not give the same rows: the weights that sampled them
+are not in the checkpoint. A rollback restores them as a resume does.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+import logging
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from hpa.config.errors import ConfigError
 from hpa.distributed import comm
 from hpa.rollout.base import RolloutBatch, SamplingParams
-from hpa.rollout.queue import RolloutQueue, rollout_batch, rollout_entry
+from hpa.rollout.queue import RolloutQueue, VersionedRollout, rollout_batch, rollout_entry
 from hpa.rollout.remote import RemoteRolloutWorker
-from hpa.rollout.worker import RolloutWorker, check_delivery, checksum
+from hpa.rollout.worker import RolloutWorker, WorkerResult, check_delivery, checksum
 from hpa.trainer import faults, phases, rollout_filter
 from hpa.trainer.metrics import length_metrics
 from hpa.trainer.objective import StepSignals, StepWeights
 
+logger = logging.getLogger("hpa")
 
 # steps the worker samples ahead of the update: one keeps every trained row at most one version old and hides
 # generation behind training (or the reverse); tests raise it past k to make rows stale (``steps_ahead``)
@@ -40,7 +47,10 @@ class RolloutStep:
         # is put, so the queue is empty between steps and a checkpoint needs nothing of it
         self.queue = RolloutQueue(self.cfg.rollout.max_staleness)  # its version follows the run state: through_queue
         self.worker: Optional[RolloutWorker] = None
-        self.ahead: Dict[int, list] = {}  # step -> the examples submitted to the worker for it
+        self.ahead: Dict[int, List[int]] = {}  # step -> the prompt indices submitted to the worker for it
+        self.finished: Dict[int, WorkerResult] = {}  # step -> its job's result, taken from the worker at a save
+        # step -> a checkpoint's (prompt indices, rows; None: to be sampled), until drawn
+        self.restored: Dict[int, Tuple[List[int], Optional[WorkerResult]]] = {}
         self.collected: Optional[int] = None  # the last step whose rows the worker gave
         if self.groups.placement is not None:  # disaggregated: the rollout ranks sample, at every k
             self.worker = RemoteRolloutWorker(self.groups.placement,
@@ -145,7 +155,8 @@ class RolloutStep:
         """Step s's examples and rows at ``max_staleness`` k >= 1: the worker gets version s's weights (after
         step s's job, which sampled during step s−1's update), then the prompts of the steps ahead; step s's
         rows go through the queue, and if they are older than s − k (dropped, counted) version s samples
-        step s's prompts again. Returns ``(examples, batch)``."""
+        step s's prompts again. After a resume or a rollback the checkpoint's prompts and rows ahead are used
+        (``draw``). Returns ``(examples, batch)``."""
         step, worker, p = self.trainer.state.step, self.worker, self.parts
         if self.collected is not None and step <= self.collected:
             # the guard rolled back (to this version or an earlier one): what was sampled ahead is discarded, and
@@ -162,9 +173,8 @@ class RolloutStep:
         last = min(step + self.steps_ahead(step), self.cfg.trainer.total_steps - 1)
         for target in range(step, last + 1):
             if target not in self.ahead:
-                self.ahead[target] = [p.prompts[i] for i in p.prompt_sampler.next_batch()]
-                self.submit(target, self.ahead[target])
-        examples = self.ahead.pop(step)
+                self.ahead[target] = self.draw(target)
+        examples = [p.prompts[i] for i in self.ahead.pop(step)]
         taken = self.take(step)
         if not taken:  # too old: dropped and counted; sampled again by this step's policy
             self.submit(step, examples)
@@ -172,11 +182,24 @@ class RolloutStep:
         (entry,) = taken
         return examples, rollout_batch(entry)
 
+    def draw(self, step: int) -> List[int]:
+        """Step ``step``'s prompt indices, and its job: a checkpoint's prompts and rows when it holds them (not
+        sampled again), else the sampler's next batch, submitted."""
+        p = self.parts
+        indices, result = self.restored.pop(step, (None, None))
+        if indices is None:
+            indices = p.prompt_sampler.next_batch()
+        if result is None:
+            self.submit(step, [p.prompts[i] for i in indices])
+        else:
+            self.finished[step] = result
+        return list(indices)
+
     def submit(self, step: int, examples) -> None:
         self.worker.submit([e.prompt_ids for e in examples], self.sampling_params(step), tag=step)
 
     def take(self, step: int):
-        result = self.worker.wait(step)
+        result = self.finished.pop(step, None) or self.worker.wait(step)
         self.queue.put(rollout_entry(result.batch, result.version))
         return self.queue.get(max_rows=1)
 
@@ -187,6 +210,57 @@ class RolloutStep:
         tensors = dict(self.parts.engine.module.named_parameters())
         sent = {name: checksum(tensors[name]) for name in self.worker.watched}
         check_delivery(version, sent, self.worker.push_weights(version, tensors))
+
+    def state_parts(self) -> Dict[str, object]:
+        return {"rollouts": self}
+
+    def state_dict(self) -> Dict[str, object]:
+        """What was sampled ahead, for a checkpoint (identical on every rank: each DP rank's part, gathered).
+        Waits for the jobs ahead. At ``max_staleness`` 0 nothing is ahead and the queue is empty between steps."""
+        if self.worker is None:
+            return {"data_parallel_size": self.groups.data_parallel_size, "ranks": None}
+        for step in self.ahead:
+            if step not in self.finished:
+                self.finished[step] = self.worker.wait(step)
+        ahead = [{"step": step, "indices": list(indices), "version": self.finished[step].version,
+                  "rows": _to(rollout_entry(self.finished[step].batch, self.finished[step].version).to_state(), "cpu")}
+                 for step, indices in sorted(self.ahead.items())]
+        mine = {"queue": _to(self.queue.state_dict(), "cpu"), "ahead": ahead}
+        return {"data_parallel_size": self.groups.data_parallel_size,
+                "ranks": comm.all_gather_objects(mine, self.groups.dp_group)}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restore ``state_dict``'s prompts and rows ahead (and queue counters) for this DP rank. Under another
+        DP size each step's global batch of prompts is split anew and sampled again by the restored policy; at
+        ``max_staleness`` 0 the prompts drawn ahead are skipped. Both say so."""
+        discarded = sum(r.batch.batch_size for r in self.finished.values() if r.batch is not None)
+        self.finished, self.restored = {}, {}  # a rollback: what the lost policies sampled ahead goes
+        ranks, g = state["ranks"], self.groups
+        steps = [entry["step"] for entry in ranks[0]["ahead"]] if ranks else []
+        if ranks and self.worker is None and steps:
+            logger.warning("the checkpoint holds prompts drawn ahead for steps %s by rollout.max_staleness >= 1; "
+                           "at rollout.max_staleness 0 they are skipped", steps)
+        if ranks and self.worker is not None and len(ranks) == g.data_parallel_size:
+            mine = ranks[g.dp_rank]
+            self.queue.load_state_dict(mine["queue"])
+            for entry in mine["ahead"]:
+                batch = rollout_batch(VersionedRollout(**_to(entry["rows"], g.device)))
+                self.restored[entry["step"]] = (entry["indices"],
+                                                WorkerResult(tag=entry["step"], version=entry["version"], batch=batch))
+        elif ranks and self.worker is not None:
+            if steps:
+                logger.warning("the checkpoint's rows sampled ahead for steps %s are from %d DP ranks, this run has "
+                               "%d: their prompts are split anew and sampled again by the restored policy", steps,
+                               len(ranks), g.data_parallel_size)
+            for i, step in enumerate(steps):
+                prompts = [index for rank in ranks for index in rank["ahead"][i]["indices"]]  # the global batch
+                share = len(prompts) // g.data_parallel_size
+                self.restored[step] = (prompts[g.dp_rank * share:(g.dp_rank + 1) * share], None)
+            # the counters are summed over DP ranks when logged: DP rank 0 carries the saved ranks' sums
+            counters = {name: sum(rank["queue"]["counters"][name] for rank in ranks) if g.dp_rank == 0 else 0
+                        for name in ranks[0]["queue"]["counters"]}
+            self.queue.load_state_dict(dict(ranks[0]["queue"], entries=[], counters=counters))  # empty between steps
+        self.queue.num_discarded_rows += discarded
 
     def through_queue(self, batch: RolloutBatch) -> RolloutBatch:
         """``batch``, sampled by the current policy (version: the optimizer steps so far), put into the queue
@@ -212,6 +286,9 @@ class NoRollouts:
     def finish(self, batch) -> Dict[str, float]:
         return {}
 
+    def state_parts(self) -> Dict[str, object]:
+        return {}
+
 
 def generate(parts, ctx, prompt_ids, params: SamplingParams) -> RolloutBatch:
     """Responses from the rollout engine on the policy's current weights (vLLM keeps a copy: synced
@@ -228,3 +305,14 @@ def generate(parts, ctx, prompt_ids, params: SamplingParams) -> RolloutBatch:
             engine.sleep()
     model.train()
     return batch
+
+
+def _to(state, device):
+    """``state`` (nested dicts and lists) with its tensors on ``device``."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {name: _to(value, device) for name, value in state.items()}
+    if isinstance(state, list):
+        return [_to(value, device) for value in state]
+    return state

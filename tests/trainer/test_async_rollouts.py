@@ -112,11 +112,12 @@ def _run_with_a_rollback(groups, root, run_dir):
 
     cfg = load_config(None, overrides(root, run_dir, [*ASYNC, "rollout.max_staleness=1", "trainer.total_steps=5",
                                                       "checkpoint.save_interval=2", "guard.kl_rollback_threshold=10.0"]))
-    trained, original = [], rollout_step.RolloutStep.take
+    trained, rows, original = [], [], rollout_step.RolloutStep.take
 
     def take(self, step):
         taken = original(self, step)
         trained.append((step, self.queue.version, [int(e.versions.min()) for e in taken]))
+        rows.append([e.rows["response_ids"].clone() for e in taken])
         return taken
 
     rollout_step.RolloutStep.take = take
@@ -127,19 +128,21 @@ def _run_with_a_rollback(groups, root, run_dir):
     finally:
         rollout_step.RolloutStep.take = original
         del os.environ["HPA_INJECT_FAULT"]
-    return trained, trainer.rollouts.queue.metrics()["async/discarded_rows"]
+    return trained, rows, trainer.rollouts.queue.metrics()["async/discarded_rows"]
 
 
 @pytest.mark.multirank
 def test_a_rollback_discards_what_was_sampled_ahead_by_the_lost_policies(demo, tmp_path):
-    trained, discarded = run_ranks(_run_with_a_rollback, args=(demo, tmp_path))[0]
+    trained, rows, discarded = run_ranks(_run_with_a_rollback, args=(demo, tmp_path))[0]
     metrics = read_metrics(tmp_path)
     assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5] and metrics[2]["guard/rollbacks"] == 1
     # the spike after the third step (index 2) rolls back to the checkpoint of version 2: steps 2..4 again
     assert [step for step, _, _ in trained] == [0, 1, 2, 2, 3, 4]
-    # the replayed step 2 is sampled anew by the restored version 2 (lag 0); step 3's job, sampled ahead before
-    # the spike, was discarded with the prompts drawn for it (counted as discarded, not as stale)
-    assert trained[3] == (2, 2, [2]) and trained[4] == (3, 3, [2])
+    # the replayed step 2 trains the rows the checkpoint holds, sampled ahead by version 1 (as a resume from it
+    # does); step 3's job, sampled ahead by version 2 before the spike, was discarded with the prompts drawn for it
+    # (counted as discarded, not as stale) and sampled again by the restored version 2
+    assert trained[3] == (2, 2, [1]) and trained[4] == (3, 3, [2])
+    assert all(a.equal(b) for a, b in zip(rows[2], rows[3], strict=True))
     assert all(0 <= version - v <= 1 for _, version, vs in trained for v in vs)
     assert all(r["async/lag_max"] <= 1.0 for r in metrics)
     assert discarded == 4 * 2 and metrics[-1]["async/discarded_rows"] == 8.0

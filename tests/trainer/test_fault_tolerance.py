@@ -99,6 +99,37 @@ def test_kill_9_mid_step_under_max_restarts_resumes_by_itself_tp1_pp1_dp2(demo):
     assert_same_metrics(reference, metrics, steps=[1, 2, 3, 4])
 
 
+def final_policy(run_dir, step):
+    """The checkpoint's policy (weights and optimizer state), read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run_dir / f"policy_{step}.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step_{step:08d}" / "policy", out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.e2e
+def test_kill_9_at_max_staleness_1_then_resume_equals_uninterrupted_tp1_pp1_dp2(demo):
+    """k = 1, two DP ranks: rank 1 SIGKILLs itself mid-step 3, while the worker samples step 3's prompts; the
+    restart resumes from step 2's checkpoint, which holds each rank's rows sampled ahead for step 2 (by
+    version 1), and ends with the uninterrupted run's metrics and final weights and optimizer state, bit for
+    bit. Without the rows ahead in the checkpoint the resumed step 3 drew the prompts of step 4."""
+    extra = FOUR_STEPS + ["rollout.max_staleness=1", "algorithm.ppo.rollout_is_threshold=2.0"]
+    reference = launch(demo, demo / "ft_async_ref", 2, extra)
+    run_dir = demo / "ft_async_killed"
+    launch(demo, run_dir, 2, extra, env={"HPA_INJECT_FAULT": "kill@3:1"}, expect=None)
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))[-1] == "step_00000002"
+    resumed = launch(demo, run_dir, 2, extra)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert [r["async/lag_max"] for r in resumed[1:]] == [0.0, 1.0, 1.0, 1.0]  # step 1: the first push samples it
+    assert [comparable(r) for r in resumed] == [comparable(r) for r in reference]
+    expected, got = final_policy(demo / "ft_async_ref", 4), final_policy(run_dir, 4)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        same = expected[key].equal(got[key]) if isinstance(expected[key], torch.Tensor) else expected[key] == got[key]
+        assert same, key
+
+
 @pytest.mark.e2e
 def test_max_steps_per_run_exits_resumable_and_resume_is_exact(demo, uninterrupted):
     run_dir = demo / "ft_sliced"

@@ -42,3 +42,43 @@ def test_staleness_zero_through_the_queue_equals_the_synchronous_loop(demo, tmp_
         a = {k: v for k, v in a.items() if not k.startswith(VOLATILE)}
         b = {k: v for k, v in b.items() if not k.startswith(VOLATILE)}
         assert a == b
+
+
+def _run_worker(groups, root, run_dir, k):
+    from hpa.config import load_config
+    from hpa.trainer.loop import HPATrainer
+    from hpa.trainer.rollout_step import RolloutStep
+
+    cfg = load_config(None, overrides(root, run_dir, ["trainer.eval_interval=0", "trainer.total_steps=4",
+                                                      f"rollout.max_staleness={k}",
+                                                      "algorithm.ppo.rollout_is_threshold=2.0"]))
+    original = RolloutStep.steps_ahead
+    RolloutStep.steps_ahead = lambda self, step: 0  # the worker samples each step's prompts by that step's policy
+    try:
+        trainer = HPATrainer(cfg, groups)
+        trainer.train()
+    finally:
+        RolloutStep.steps_ahead = original
+    return ({name: p.detach().clone() for name, p in trainer.parts.policy.model.named_parameters()},
+            trainer.rollouts.worker is not None)
+
+
+@pytest.mark.multirank
+def test_the_rollout_worker_at_lag_zero_equals_the_synchronous_loop(demo, tmp_path):
+    """The asynchronous path with nothing sampled ahead (k = 1, the worker sampling each step by its own policy
+    after the weight push) reproduces the synchronous run (k = 0) bit for bit, metrics.jsonl and final weights,
+    4 steps, fp32 CPU: the worker's copy of the weights, the push, the thread and the queue change no bit; what
+    an async run changes is the staleness alone."""
+    [(sync, sync_worker)] = run_ranks(_run_worker, args=(demo, tmp_path / "sync", 0))
+    [(worker, used_worker)] = run_ranks(_run_worker, args=(demo, tmp_path / "worker", 1))
+    assert not sync_worker and used_worker
+    assert sync.keys() == worker.keys()
+    for name in sync:
+        assert sync[name].equal(worker[name]), name
+    sync_metrics, worker_metrics = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "worker")
+    assert [r["step"] for r in worker_metrics] == [1, 2, 3, 4]
+    for a, b in zip(sync_metrics, worker_metrics, strict=True):
+        assert b.pop("async/discarded_rows") == 0.0 and b["async/lag_max"] == 0.0  # the worker's count only
+        a = {k: v for k, v in a.items() if not k.startswith(VOLATILE)}
+        b = {k: v for k, v in b.items() if not k.startswith(VOLATILE)}
+        assert a == b
