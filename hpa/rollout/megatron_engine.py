@@ -531,16 +531,18 @@ class _DecodeState:
         for i, seq in enumerate(rows):  # left-padded prompts
             tokens[i, p - len(seq):p] = torch.tensor(seq, dtype=torch.long)
             valid[i, p - len(seq):p] = True
-        tokens[:self.b, p:p + j] = partial.response_ids.cpu()  # the steps done, where they were decoded
-        valid[:self.b, p:p + j] = partial.response_mask.cpu().bool()
+        if j:  # the steps done, where they were decoded
+            tokens[:self.b, p:p + j] = partial.response_ids.cpu()
+            valid[:self.b, p:p + j] = partial.response_mask.cpu().bool()
         self.tokens = tokens.to(device)
         self.key_valid = decoding.key_valid
         self.key_valid.copy_(valid)
         self.positions = (self.key_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [b_pad, p + r]; unused by RoPE
         self.log_probs = torch.zeros((b_pad, params.max_new_tokens), dtype=torch.float32, device=device)
-        self.log_probs[:self.b, :j] = partial.log_probs.to(device)
         self.stopped = torch.zeros(b_pad, dtype=torch.bool, device=device)
-        self.stopped[:self.b] = partial.stopped.to(device)
+        if j:  # a fresh request copies nothing more (the host reads of a generate call are counted)
+            self.log_probs[:self.b, :j] = partial.log_probs.to(device)
+            self.stopped[:self.b] = partial.stopped.to(device)
         self.finished = (torch.arange(b_pad, device=device) >= self.b) | self.stopped  # [b_pad]: + bucket padding
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {info.eos_token_id})
         self.stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)

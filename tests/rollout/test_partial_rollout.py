@@ -193,3 +193,70 @@ def test_continue_with_changed_weights_samples_after_the_cut_from_the_new_model(
                                            atol=1e-5, rtol=0)
     else:
         assert not new["response_ids"][:, CUT:].equal(old["response_ids"][:, CUT:])
+
+
+def worker_push_mid_job(groups):
+    """A ``RolloutWorker`` with ``partial`` on the native engine's detached copy: a push while the job is held in
+    the forward of decode step ``CUT - 1``; and the same cut made by hand on the trainer's engine."""
+    import threading
+    import time
+
+    from hpa.config.schema import ModelConfig, ParallelConfig
+    from hpa.models import build_policy
+    from hpa.rollout import PartialRollout, SamplingParams, TokenizerInfo
+    from hpa.rollout.megatron_engine import MegatronRolloutEngine
+    from hpa.rollout.queue import TOKEN_VERSIONS
+    from hpa.rollout.worker import RolloutWorker
+
+    torch.manual_seed(0)
+    model = build_policy(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                                     vocab_size=VOCAB, max_sequence_length=32, make_vocab_size_divisible_by=16,
+                                     init_method_std=0.1), ParallelConfig(), groups)
+    engine = MegatronRolloutEngine(model, groups, TokenizerInfo(vocab_size=VOCAB, eos_token_id=1, pad_token_id=0),
+                                   decode="eager")
+    copy = engine.detached_copy()
+    worker = RolloutWorker(copy, copy.module, version=0, partial=True)
+    params = SamplingParams(**SAMPLED)
+    whole = engine.generate(PROMPTS, params)
+    part = engine.resume(PartialRollout.start(PROMPTS, params), stop=stop_before(CUT))
+    with torch.no_grad():  # the trainer's update
+        g = torch.Generator().manual_seed(7)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    by_hand = engine.resume(part)
+
+    at_hold, go, calls = threading.Event(), threading.Event(), [0]
+    forward = copy._forward
+
+    def held_forward(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == CUT:  # the forward of decode step CUT - 1: the stop is read before step CUT
+            at_hold.set()
+            go.wait()
+        return forward(*args, **kwargs)
+
+    copy._forward = held_forward
+    worker.submit(PROMPTS, params, tag="job")
+    assert at_hold.wait(60)
+    pushed = threading.Thread(target=worker.push_weights, args=(1, dict(model.named_parameters())))
+    pushed.start()
+    while not worker._jobs.stop.is_set():
+        time.sleep(0.01)
+    go.set()
+    pushed.join(timeout=60)
+    result = worker.wait("job")
+    return dict(whole=fields(whole), by_hand=fields(by_hand), got=fields(result.batch), version=result.version,
+                token_versions=result.batch.get(TOKEN_VERSIONS), calls=calls[0])
+
+
+def test_a_worker_push_mid_job_continues_the_rows_with_the_new_weights():
+    [r] = run_ranks(worker_push_mid_job)
+    got, by_hand, whole = r["got"], r["by_hand"], r["whole"]
+    for key in ("response_ids", "response_mask", "log_probs", "finish_reasons"):
+        assert got[key] == by_hand[key] if key == "finish_reasons" else got[key].equal(by_hand[key]), key
+    assert got["response_ids"][:, :CUT].equal(whole["response_ids"][:, :CUT])
+    assert not got["log_probs"].equal(whole["log_probs"])  # after the cut: the new weights
+    width = got["response_ids"].shape[1]
+    assert r["token_versions"].tolist() == [[0] * CUT + [1] * (width - CUT)] * len(got["finish_reasons"])
+    assert r["version"] == 0
+    assert r["calls"] > CUT + 1  # the continuation prefilled and decoded on
