@@ -269,6 +269,13 @@ class RolloutConfig:
             the weights, a thread of the trainer process) samples the next step's prompts while the trainer
             trains on this step's rows (``hpa/rollout/worker.py``); needs tensor and pipeline parallel size 1
             and ``algorithm.ppo.rollout_is_threshold`` (the π_old/π_behaviour weight).
+        partial: partial rollouts, at ``max_staleness`` k >= 1 (native engine): a weight push does not wait for
+            the rollout in flight; its unfinished rows stop between two decode steps, keep their tokens and continue
+            with the new weights (their prefix recomputed by them), so the rows are fresher and the push never
+            waits for the longest response. Each token records the version that sampled it; the lag counts a
+            row's oldest token, and the correction reads every token's behaviour log-prob. The sampling noise
+            continues from where it stopped: with unchanged weights a continued row is the uninterrupted one
+            (``hpa/rollout/megatron_engine.py``, "Partial rollouts").
     """
 
     engine: str = "megatron"
@@ -284,11 +291,19 @@ class RolloutConfig:
     cuda_graphs: bool = True
     compile_decode: bool = True
     max_staleness: int = 0
+    partial: bool = False
 
     def __post_init__(self):
         check_choice("engine", self.engine, ROLLOUT_ENGINES)
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", f"must be an integer >= 0 (0: synchronous), got {self.max_staleness}")
+        if self.partial and self.engine != "megatron":
+            raise ConfigError("partial", f"engine={self.engine} cannot stop a row at a weight push and resume it "
+                                         f"(only the native engine can); set rollout.partial=false or engine=megatron")
+        if self.partial and self.max_staleness == 0:
+            raise ConfigError("partial", "means nothing at max_staleness 0 (every rollout is sampled by the current "
+                                         "policy, no weight push comes mid-rollout); set rollout.max_staleness >= 1 "
+                                         "or rollout.partial=false")
         if self.max_staleness > 0 and self.engine != "megatron":
             raise ConfigError("max_staleness", f"{self.max_staleness} needs a rollout engine with an asynchronous "
                                                f"worker; engine={self.engine} has none (use engine=megatron, or 0)")
