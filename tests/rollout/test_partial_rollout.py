@@ -5,7 +5,7 @@ One TP1/PP1 spawn runs every generate call; the tests compare what it returned:
   reasons and log-probs of the uninterrupted call, greedy and sampled (the generator's state travels with the
   rows): exactly in the ``"none"`` cache mode (every step recomputes every position, as the continuation's prefill
   does), within 1e-5 with hpa's cache (the prefill of j tokens at once rounds differently from j steps), eager and
-  static decode; a row that stopped before the cut stays stopped; cut twice equals cut once;
+  static decode, and with megatron's static inference context; a row that stopped before the cut stays stopped; cut twice equals cut once;
 - continued with changed weights, the tokens before the cut and their log-probs are the old call's, and every
   log-prob after the cut is the new model's training forward on the tokens (the old one's differs), greedy tokens
   after the cut are the new model's argmax; the same cut and weights give the same tokens twice.
@@ -77,7 +77,7 @@ def engine_worker(groups):
     out = {"same": {}, "stopped_rows": {}}
     # an EOS that row 0 samples at step 1 (before the cut): a row that finished before the cut is carried over
     eos = int(engine().generate(PROMPTS, SamplingParams(**SAMPLED)).response_ids[0, 1])
-    for kv_cache, decode in (("none", "eager"), ("hpa", "eager"), ("hpa", "static")):
+    for kv_cache, decode in (("none", "eager"), ("hpa", "eager"), ("hpa", "static"), ("megatron", "eager")):
         for name, params in (("sampled", SamplingParams(**SAMPLED)), ("greedy", SamplingParams(**GREEDY))):
             e = engine(kv_cache, decode, eos)
             whole = e.generate(PROMPTS, params)
@@ -139,7 +139,8 @@ def results():
 
 
 @pytest.mark.parametrize("name", ["sampled", "greedy"])
-@pytest.mark.parametrize("kv_cache,decode", [("none", "eager"), ("hpa", "eager"), ("hpa", "static")])
+@pytest.mark.parametrize("kv_cache,decode", [("none", "eager"), ("hpa", "eager"), ("hpa", "static"),
+                                             ("megatron", "eager")])
 def test_stop_and_continue_with_the_same_weights_is_the_uninterrupted_call(results, kv_cache, decode, name):
     whole, once, twice, steps = results["same"][kv_cache, decode, name]
     assert steps == 5
