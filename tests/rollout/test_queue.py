@@ -204,6 +204,15 @@ def test_the_cli_refuses_async_vllm_in_one_line(capsys):
     assert "rollout.max_staleness" in err and "vllm" in err, err
 
 
+def test_the_cli_refuses_partial_rollouts_on_vllm_in_one_line(capsys):
+    from hpa.cli import main
+
+    code = main(["check-config", "rollout.partial=true", "rollout.max_staleness=1", "rollout.engine=vllm", IS])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "rollout.partial" in err and "vllm" in err and "resume" in err, err
+
+
 def test_a_rollout_batch_round_trips_through_an_entry():
     from hpa.rollout.queue import rollout_batch, rollout_entry
     from hpa.rollout.base import RolloutBatch
