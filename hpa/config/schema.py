@@ -281,6 +281,13 @@ class RolloutConfig:
             ahead.
         num_ranks: rollout ranks with ``placement: disaggregated`` (0 with colocated); the trainer gets the
             rest of the launch's ranks, and its TP·PP·CP divides them.
+        partial: partial rollouts, at ``max_staleness`` k >= 1 (native engine): a weight push does not wait for
+            the rollout in flight; its unfinished rows stop between two decode steps, keep their tokens and continue
+            with the new weights (their prefix recomputed by them), so the rows are fresher and the push never
+            waits for the longest response. Each token records the version that sampled it; the lag counts a
+            row's oldest token, and the correction reads every token's behaviour log-prob. The sampling noise
+            continues from where it stopped: with unchanged weights a continued row is the uninterrupted one
+            (``hpa/rollout/megatron_engine.py``, "Partial rollouts").
     """
 
     engine: str = "megatron"
@@ -298,6 +305,7 @@ class RolloutConfig:
     max_staleness: int = 0
     placement: str = "colocated"
     num_ranks: int = 0
+    partial: bool = False
 
     def __post_init__(self):
         check_choice("engine", self.engine, ROLLOUT_ENGINES)
@@ -315,6 +323,13 @@ class RolloutConfig:
                                            f"colocated placement samples in the trainer ranks (num_ranks: 0)")
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", f"must be an integer >= 0 (0: synchronous), got {self.max_staleness}")
+        if self.partial and self.engine != "megatron":
+            raise ConfigError("partial", f"engine={self.engine} cannot stop a row at a weight push and resume it "
+                                         f"(only the native engine can); set rollout.partial=false or engine=megatron")
+        if self.partial and self.max_staleness == 0:
+            raise ConfigError("partial", "means nothing at max_staleness 0 (every rollout is sampled by the current "
+                                         "policy, no weight push comes mid-rollout); set rollout.max_staleness >= 1 "
+                                         "or rollout.partial=false")
         if self.max_staleness > 0 and self.engine != "megatron":
             raise ConfigError("max_staleness", f"{self.max_staleness} needs a rollout engine with an asynchronous "
                                                f"worker; engine={self.engine} has none (use engine=megatron, or 0)")

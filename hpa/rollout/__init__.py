@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from hpa.registry import Registry
 
-from .base import (FINISH_LENGTH, FINISH_REASONS, FINISH_STOP, RolloutBatch, RolloutEngine, SamplingParams,
-                   TokenizerInfo, TrainingSequences, logprob_consistency, prompt_token_lists)
+from .base import (FINISH_LENGTH, FINISH_REASONS, FINISH_STOP, PartialRollout, RolloutBatch, RolloutEngine,
+                   SamplingParams, TokenizerInfo, TrainingSequences, logprob_consistency, prompt_token_lists)
 
 ROLLOUT_ENGINES = Registry("rollout engine")
 
@@ -51,6 +51,6 @@ def build_rollout_engine(rollout_cfg, model, groups, tokenizer_info: TokenizerIn
                                                    checkpoint_path=checkpoint_path, **kwargs)
 
 
-__all__ = ["FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "ROLLOUT_ENGINES", "RolloutBatch", "RolloutEngine",
-           "SamplingParams", "TokenizerInfo", "TrainingSequences", "build_rollout_engine", "logprob_consistency",
-           "prompt_token_lists"]
+__all__ = ["FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "PartialRollout", "ROLLOUT_ENGINES", "RolloutBatch",
+           "RolloutEngine", "SamplingParams", "TokenizerInfo", "TrainingSequences", "build_rollout_engine",
+           "logprob_consistency", "prompt_token_lists"]

@@ -304,6 +304,70 @@ def logprob_consistency(rollout_log_probs: torch.Tensor, training_log_probs: tor
             "rollout/logprob_diff_max": float(peak[0])}
 
 
+@dataclass(frozen=True, kw_only=True)
+class PartialRollout:
+    """The rows of one ``generate`` request stopped between decode steps (``RolloutEngine.resume``), to be
+    continued, possibly by other weights. Every row is kept, the finished ones too: the sampling noise of a step
+    is drawn for all rows (``hpa.rollout.sampling``), so the continuation draws what the uninterrupted call would.
+
+    Attributes:
+        prompts: the request's prompts (token-id lists, no padding); row i answers ``prompts[i // params.n]``.
+        params: the request's sampling parameters (``max_new_tokens`` counts the steps done too).
+        response_ids: int64 tokens of the steps done, pad after a row stopped. # [b, j]
+        response_mask: bool, True on sampled tokens. # [b, j]
+        log_probs: fp32 sampled-token log-probs (by the weights of the step that sampled each), 0 on padding. # [b, j]
+        stopped: bool, the row sampled EOS or a stop id. # [b]
+        generator_state: the sampling generator's state after the ``j`` steps (``torch.Generator.get_state``);
+            None when greedy and on a request not started (``start``: the continuation seeds ``params.seed``).
+            The continuation restores it, so a continued row's noise is that of the uninterrupted call.
+    """
+
+    prompts: List[List[int]]
+    params: SamplingParams
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    log_probs: torch.Tensor
+    stopped: torch.Tensor
+    generator_state: Optional[torch.Tensor] = None
+
+    @classmethod
+    def start(cls, prompts, params: SamplingParams) -> "PartialRollout":
+        """``prompts`` (token-id lists or 1-d tensors) with no step done."""
+        token_lists = prompt_token_lists(prompts)
+        b = len(token_lists) * params.n
+        return cls(prompts=token_lists, params=params, response_ids=torch.zeros((b, 0), dtype=torch.long),
+                   response_mask=torch.zeros((b, 0), dtype=torch.bool), log_probs=torch.zeros((b, 0)),
+                   stopped=torch.zeros(b, dtype=torch.bool))
+
+    def __post_init__(self):
+        b, j = len(self.prompts) * self.params.n, self.response_ids.shape[1]
+        for name in ("response_ids", "response_mask", "log_probs"):
+            if tuple(getattr(self, name).shape) != (b, j):
+                raise ValueError(f"PartialRollout.{name} has shape {tuple(getattr(self, name).shape)}, want {(b, j)}")
+        if j > self.params.max_new_tokens:
+            raise ValueError(f"PartialRollout has {j} steps, more than max_new_tokens {self.params.max_new_tokens}")
+
+    @property
+    def rows(self) -> List[List[int]]:
+        """Each row's prompt (``params.n`` consecutive rows per prompt)."""
+        return [p for p in self.prompts for _ in range(self.params.n)]
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        """``[b]`` int64: the prompt each row answers."""
+        return torch.arange(len(self.prompts)).repeat_interleave(self.params.n)
+
+    @property
+    def steps(self) -> int:
+        """Decode steps done (``j``)."""
+        return self.response_ids.shape[1]
+
+    @property
+    def done(self) -> bool:
+        """Every row stopped, or ``max_new_tokens`` steps are done: nothing left to decode."""
+        return self.steps >= self.params.max_new_tokens or bool(self.stopped.all())
+
+
 class GenerationStopped(RuntimeError):
     """``generate`` stopped between decode steps because the engine's ``should_stop`` said so."""
 
@@ -322,6 +386,7 @@ class RolloutEngine(abc.ABC):
     name: str = ""
     copies_weights: bool = False
     has_async_worker: bool = False  # ``detached_copy`` gives an engine over its own weights (``hpa/rollout/worker.py``)
+    can_resume: bool = False  # ``resume`` stops a request between decode steps and continues it (rollout.partial)
     should_stop: Optional[Callable[[], bool]] = None
 
     @abc.abstractmethod
@@ -336,6 +401,14 @@ class RolloutEngine(abc.ABC):
             ``RolloutBatch`` with ``len(prompts) · n`` rows; the n responses of prompt g are
             consecutive rows with ``group_ids == g``.
         """
+
+    def resume(self, partial: PartialRollout, *,
+               stop: Optional[Callable[[], bool]] = None) -> Union[RolloutBatch, "PartialRollout"]:
+        """Continue ``partial`` (``PartialRollout.start`` for a new request) with the engine's current weights:
+        the finished ``RolloutBatch``, or, when ``stop()`` said so between two decode steps, the rows so far
+        as a ``PartialRollout`` (engines with ``can_resume`` only)."""
+        raise NotImplementedError(f"the {self.name!r} rollout engine cannot stop a request and resume its rows "
+                                  f"(rollout.partial needs rollout.engine=megatron)")
 
     def decode_metrics(self) -> Dict[str, float]:
         """Facts of the engine's decoding for the step's metrics (the native engine: which decode ran)."""
@@ -386,5 +459,6 @@ def prompt_token_lists(prompts) -> List[List[int]]:
     return out
 
 
-__all__ = ["FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "RolloutBatch", "decode_responses", "RolloutEngine", "SamplingParams",
-           "TokenizerInfo", "TrainingSequences", "WeightsFrom", "logprob_consistency", "prompt_token_lists"]
+__all__ = ["FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "PartialRollout", "RolloutBatch", "decode_responses",
+           "RolloutEngine", "SamplingParams", "TokenizerInfo", "TrainingSequences", "WeightsFrom",
+           "logprob_consistency", "prompt_token_lists"]

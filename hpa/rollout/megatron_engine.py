@@ -54,6 +54,17 @@ the engine's KV cache or static over a bucket's (with the graph wrapper, which r
 Sampling runs after the step, eagerly and on the real rows only, so a bucket's padding rows change
 neither the tokens nor the random stream.
 
+Partial rollouts (``resume``, ``rollout.partial``): ``stop`` is read before every decode step; when it says so the
+request comes back as a ``PartialRollout``: every row (finished ones too) with its tokens, mask and log-probs of
+the ``j`` steps done, and the sampling generator's state. ``resume`` continues it, possibly with new weights: the
+same left-padded layout, one prefill of ``[0, p + j)`` (the prompts and the ``j`` tokens, through the current
+weights: their keys and values are recomputed, so every later token is sampled by the current model alone), then
+steps ``j .. max_new_tokens - 1``. The generator continues from the saved state (``torch.Generator.set_state``; a
+fresh request seeds ``SamplingParams.seed``), and a step draws its noise for all rows, so a continued row draws the
+noise the uninterrupted call would at that step. With the same weights the continuation is the uninterrupted call
+but for rounding: the prefill of ``j`` response tokens at once does different matmul shapes than ``j`` one-token
+steps (exactly equal in the ``"none"`` mode, which recomputes every position every step).
+
 Limits: in the ``"megatron"`` and ``"none"`` modes Transformer Engine attention drops
 ``attention_mask`` under a causal mask type, so with the TE spec prompts of different lengths are
 refused there (the ``"hpa"`` mode masks padding itself); sequence parallelism is refused (a decode
@@ -62,7 +73,8 @@ step has one position). The batch comes back on the CPU.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import dataclasses
+from typing import Callable, List, Optional, Tuple, Union
 
 import logging
 
@@ -73,8 +85,8 @@ import torch.nn.functional as F
 from hpa.distributed.groups import ParallelGroups
 from hpa.models.builders import compute_device
 
-from .base import (FINISH_LENGTH, FINISH_STOP, GenerationStopped, RolloutBatch, RolloutEngine, SamplingParams,
-                   TokenizerInfo, prompt_token_lists)
+from .base import (FINISH_LENGTH, FINISH_STOP, GenerationStopped, PartialRollout, RolloutBatch, RolloutEngine,
+                   SamplingParams, TokenizerInfo)
 from .kv_cache import CachedDecoder, unsupported_reason
 from .sampling import sample_tokens
 
@@ -158,6 +170,7 @@ class MegatronRolloutEngine(RolloutEngine):
 
     name = "megatron"
     has_async_worker = True
+    can_resume = True
 
     def __init__(self, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo, *, kv_cache: str = "hpa",
                  decode: str = "auto", compile_decode: Optional[bool] = None):
@@ -307,38 +320,73 @@ class MegatronRolloutEngine(RolloutEngine):
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
-        token_lists = prompt_token_lists(prompts)
-        rows: List[List[int]] = [p for p in token_lists for _ in range(params.n)]
-        group_ids = torch.arange(len(token_lists)).repeat_interleave(params.n)  # [b]
+        return self.resume(PartialRollout.start(prompts, params))
+
+    @torch.no_grad()
+    def resume(self, partial: PartialRollout, *,
+               stop: Optional[Callable[[], bool]] = None) -> Union[RolloutBatch, PartialRollout]:
+        """Continue ``partial`` with the current weights (see "Partial rollouts" in the module docstring).
+
+        Args:
+            partial: the rows so far (``PartialRollout.start`` for a new request).
+            stop: read before every decode step (OR-ed over the model-parallel ranks); True stops there.
+
+        Returns:
+            The finished ``RolloutBatch``, or the rows so far as a ``PartialRollout`` when ``stop`` said so.
+        """
+        params, rows = partial.params, partial.rows
         p = self._check_request(rows, params.max_new_tokens)
         was_training = self.module.training
         self.module.eval()  # before a graph is captured
         try:
             decoding = self._decoding(len(rows), p + params.max_new_tokens)
-            state = _DecodeState.start(decoding, rows, p, params, self.tokenizer_info, self.device)
-            self._decode(decoding, state, params)
+            state = _DecodeState.start(decoding, rows, p, params, self.tokenizer_info, self.device, partial)
+            generator = None
+            if not params.greedy:
+                generator = torch.Generator(device=self.device)
+                if partial.generator_state is None:
+                    generator.manual_seed(int(params.seed))
+                else:
+                    generator.set_state(partial.generator_state)
+            stopped = self._decode(decoding, state, params, generator, stop)
         finally:
             self.module.set_input_tensor(None)
             self.module.train(was_training)
-        return state.batch(group_ids, self.tokenizer_info.pad_token_id)
+        if stopped:
+            return state.partial(partial, None if generator is None else generator.get_state())
+        return state.batch(partial.group_ids, self.tokenizer_info.pad_token_id)
 
-    def _decode(self, decoding: "_Decoding", state: "_DecodeState", params: SamplingParams) -> None:
-        """Prefill, then one step per token until every row stopped (checked every ``decoding.check_every``)."""
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(int(params.seed))
-        r_max, p, b = params.max_new_tokens, state.p, state.b
-        for step in range(r_max):
+    def _decode(self, decoding: "_Decoding", state: "_DecodeState", params: SamplingParams,
+                generator: Optional[torch.Generator], stop: Optional[Callable[[], bool]]) -> bool:
+        """Prefill the prompts and the steps done, then one step per token until every row stopped (checked every
+        ``decoding.check_every``); True when ``stop`` ended it first."""
+        r_max, p, b, first = params.max_new_tokens, state.p, state.b, state.steps
+        if first > 0 and bool(state.finished.all()):
+            return False
+        for step in range(first, r_max):
             if self.should_stop is not None and self.should_stop():
                 raise GenerationStopped(f"generation stopped after {step} of {r_max} decode steps")
+            if stop is not None and self._agreed(bool(stop())):
+                return True
             end = p + step
-            logits = decoding.prefill(state) if step == 0 else decoding.step(state, end)  # [b_pad, v] or None
+            logits = decoding.prefill(state, end) if step == first else decoding.step(state, end)  # [b_pad, v]
             new_tokens, new_log_probs = self._sample_and_broadcast(
                 logits[:b] if logits is not None else None, params, generator, b)  # the real rows only
             state.append(step, new_tokens, new_log_probs)
             if state.steps % decoding.check_every == 0 and bool(state.finished.all()):
                 break
+        return False
+
+    def _agreed(self, flag: bool) -> bool:
+        """``flag`` OR-ed over the model-parallel (TP × PP) ranks, which must all stop at the same step."""
+        g = self.groups
+        if _group_size(g.tp_group) == 1 and _group_size(g.pp_group) == 1:
+            return flag
+        value = torch.tensor([float(flag)], device=self.device)
+        for group in (g.tp_group, g.pp_group):
+            if _group_size(group) > 1:
+                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return bool(value.item())
 
     # ----------------------------------------------------------------------------------------------
     def _new_context(self, batch_size: int, max_sequence_length: int):
@@ -416,8 +464,9 @@ class _Decoding:
     key_valid: torch.Tensor
     check_every: int
 
-    def prefill(self, state: "_DecodeState") -> Optional[torch.Tensor]:
-        """``[rows, v_padded]`` logits of the prompts' last position (None off the last stage)."""
+    def prefill(self, state: "_DecodeState", end: int) -> Optional[torch.Tensor]:
+        """``[rows, v_padded]`` logits of position ``end - 1``, positions ``[0, end)`` run at once: the prompts and,
+        when a partial rollout continues, the response tokens it had (None off the last stage)."""
         raise NotImplementedError
 
     def step(self, state: "_DecodeState", end: int) -> Optional[torch.Tensor]:
@@ -433,8 +482,8 @@ class _EagerDecoding(_Decoding):
         self.key_valid = torch.zeros((b, total), dtype=torch.bool, device=engine.device)  # [b, p + r]
         self.context = engine._new_context(b, total)
 
-    def prefill(self, state):
-        return self._run(state, 0, state.p)
+    def prefill(self, state, end):
+        return self._run(state, 0, end)
 
     def step(self, state, end):
         return self._run(state, 0 if self.context is None else end - 1, end)  # no cache: the whole sequence
@@ -457,9 +506,8 @@ class _StaticDecoding(_Decoding):
         static.key_valid.zero_()
         self.key_valid = static.key_valid[:, :total]  # [b_pad, p + r], a view: the step reads it
 
-    def prefill(self, state):
-        p = state.p
-        return self.engine._forward(state.tokens[:, :p], state.positions[:, :p], self.key_valid, 0, p,
+    def prefill(self, state, end):
+        return self.engine._forward(state.tokens[:, :end], state.positions[:, :end], self.key_valid, 0, end,
                                     self.static.decoder)
 
     def step(self, state, end):
@@ -473,22 +521,29 @@ class _DecodeState:
 
     @classmethod
     def start(cls, decoding: _Decoding, rows: List[List[int]], p: int, params: SamplingParams,
-              info: TokenizerInfo, device: torch.device) -> "_DecodeState":
+              info: TokenizerInfo, device: torch.device, partial: PartialRollout) -> "_DecodeState":
         self = cls()
-        self.b, self.p, self.steps, self.pad = len(rows), p, 0, info.pad_token_id
+        j = partial.steps
+        self.b, self.p, self.steps, self.pad = len(rows), p, j, info.pad_token_id
         b_pad, total = decoding.key_valid.shape
         tokens = torch.full((b_pad, total), info.pad_token_id, dtype=torch.long)  # [b_pad, p + r], on the host
         valid = torch.zeros((b_pad, total), dtype=torch.bool)
         for i, seq in enumerate(rows):  # left-padded prompts
             tokens[i, p - len(seq):p] = torch.tensor(seq, dtype=torch.long)
             valid[i, p - len(seq):p] = True
+        if j:  # the steps done, where they were decoded
+            tokens[:self.b, p:p + j] = partial.response_ids.cpu()
+            valid[:self.b, p:p + j] = partial.response_mask.cpu().bool()
         self.tokens = tokens.to(device)
         self.key_valid = decoding.key_valid
         self.key_valid.copy_(valid)
         self.positions = (self.key_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [b_pad, p + r]; unused by RoPE
         self.log_probs = torch.zeros((b_pad, params.max_new_tokens), dtype=torch.float32, device=device)
-        self.finished = torch.arange(b_pad, device=device) >= self.b  # [b_pad]: the bucket's padding rows
         self.stopped = torch.zeros(b_pad, dtype=torch.bool, device=device)
+        if j:  # a fresh request copies nothing more (the host reads of a generate call are counted)
+            self.log_probs[:self.b, :j] = partial.log_probs.to(device)
+            self.stopped[:self.b] = partial.stopped.to(device)
+        self.finished = (torch.arange(b_pad, device=device) >= self.b) | self.stopped  # [b_pad]: + bucket padding
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {info.eos_token_id})
         self.stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
         return self
@@ -508,6 +563,15 @@ class _DecodeState:
         self.stopped |= hit_stop
         self.finished |= hit_stop
         self.steps = step + 1
+
+    def partial(self, before: PartialRollout, generator_state: Optional[torch.Tensor]) -> PartialRollout:
+        """The real rows after ``self.steps`` steps, on the CPU, to continue ``before``'s request."""
+        b, p, j = self.b, self.p, self.steps
+        # copies: on the CPU ``.cpu()`` is the tensor itself, and a static bucket's ``key_valid`` is reused
+        return dataclasses.replace(before, response_ids=self.tokens[:b, p:p + j].clone().cpu(),
+                                   response_mask=self.key_valid[:b, p:p + j].clone().cpu(),
+                                   log_probs=self.log_probs[:b, :j].clone().cpu(),
+                                   stopped=self.stopped[:b].clone().cpu(), generator_state=generator_state)
 
     def batch(self, group_ids: torch.Tensor, pad_token_id: int) -> RolloutBatch:
         """The real rows on the CPU; the responses end at the last step any row was active in (steps after

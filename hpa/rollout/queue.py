@@ -90,17 +90,27 @@ class VersionedRollout:
         return {"rows": dict(self.rows), "log_probs": self.log_probs, "versions": self.versions, "mask": self.mask}
 
 
+# a ``RolloutBatch`` extra ``[b, r]`` int64: the version that sampled each response token (a partial rollout,
+# ``hpa/rollout/worker.py``); ``rollout_entry`` makes it the entry's ``versions``
+TOKEN_VERSIONS = "token_versions"
 _BATCH_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids")
 _EXTRA = "extras."
 
 
 def rollout_entry(batch: RolloutBatch, version: int) -> VersionedRollout:
-    """A whole ``RolloutBatch`` sampled by policy ``version`` as one entry (its rows stay together)."""
+    """A whole ``RolloutBatch`` sampled by policy ``version`` as one entry (its rows stay together). A batch
+    whose tokens were sampled by several versions (a partial rollout) carries them in ``extras["token_versions"]``
+    ``[b, r]``: they are the entry's ``versions`` (``version`` is then unused) and leave the extras."""
+    extras = dict(batch.extras)
+    per_token = extras.pop(TOKEN_VERSIONS, None)
     rows = {name: getattr(batch, name) for name in _BATCH_FIELDS}
     rows["finish_reasons"] = torch.tensor([FINISH_REASONS.index(r) for r in batch.finish_reasons], dtype=torch.int64)
     rows["pad_token_id"] = torch.full((batch.batch_size,), batch.pad_token_id, dtype=torch.int64)
-    rows.update({_EXTRA + name: value for name, value in batch.extras.items()})
-    versions = torch.full(batch.log_probs.shape, int(version), dtype=torch.int64)
+    rows.update({_EXTRA + name: value for name, value in extras.items()})
+    if per_token is not None:
+        versions = per_token.to(torch.int64)
+    else:
+        versions = torch.full(batch.log_probs.shape, int(version), dtype=torch.int64)
     return VersionedRollout(rows=rows, log_probs=batch.log_probs, versions=versions, mask=batch.response_mask)
 
 

@@ -60,7 +60,8 @@ class RolloutStep:
                 raise ConfigError("rollout.max_staleness", f"{self.cfg.rollout.max_staleness} needs an engine with "
                                   f"an asynchronous worker; {self.parts.engine.name!r} has none")
             engine = self.parts.engine.detached_copy()
-            self.worker = RolloutWorker(engine, engine.module, version=-1)  # the first push sets the weights
+            self.worker = RolloutWorker(engine, engine.module, version=-1,  # the first push sets the weights
+                                        partial=self.cfg.rollout.partial)
 
     def collect(self, weights: StepWeights) -> Tuple[RolloutBatch, Dict[str, float], StepWeights]:
         """This step's scored, filtered rollouts with their advantages (and values), their metrics, and the

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpa.config.errors import ConfigError
-from hpa.rollout.queue import RolloutQueue, VersionedRollout
+from hpa.rollout.queue import RolloutQueue, VersionedRollout, rollout_batch, rollout_entry
 
 
 def _entry(versions, num_rows=2, width=4, valid=None, tag=0):
@@ -204,6 +204,15 @@ def test_the_cli_refuses_async_vllm_in_one_line(capsys):
     assert "rollout.max_staleness" in err and "vllm" in err, err
 
 
+def test_the_cli_refuses_partial_rollouts_on_vllm_in_one_line(capsys):
+    from hpa.cli import main
+
+    code = main(["check-config", "rollout.partial=true", "rollout.max_staleness=1", "rollout.engine=vllm", IS])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "rollout.partial" in err and "vllm" in err and "resume" in err, err
+
+
 def test_a_rollout_batch_round_trips_through_an_entry():
     from hpa.rollout.queue import rollout_batch, rollout_entry
     from hpa.rollout.base import RolloutBatch
@@ -220,3 +229,43 @@ def test_a_rollout_batch_round_trips_through_an_entry():
         assert getattr(back, name) is getattr(batch, name)
     assert back.finish_reasons == batch.finish_reasons and back.pad_token_id == 3
     assert back.extras.keys() == {"scores"} and back.extras["scores"] is batch.extras["scores"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.partial=true"], "means nothing at max_staleness 0"),
+    (["rollout.partial=true", "rollout.max_staleness=1", "rollout.engine=vllm", IS], "engine=vllm cannot stop a row"),
+    (["rollout.partial=true", "rollout.engine=vllm"], "engine=vllm cannot stop a row"),
+])
+def test_partial_is_refused_where_no_engine_can_resume_a_row_or_it_means_nothing(overrides, message):
+    from hpa.config import load_config
+
+    assert load_config(None, []).rollout.partial is False
+    assert load_config(None, ["rollout.partial=true", "rollout.max_staleness=1", IS]).rollout.partial is True
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, overrides)
+    assert err.value.key == "rollout.partial", str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_per_token_versions_of_a_partial_rollout_are_the_entrys_and_the_lag_counts_the_oldest():
+    from hpa.rollout.base import RolloutBatch
+    from hpa.rollout.queue import TOKEN_VERSIONS
+
+    ids = torch.ones((2, 3), dtype=torch.int64)
+    batch = RolloutBatch(prompt_ids=ids, prompt_mask=ids, response_ids=ids,
+                         response_mask=torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0]]), log_probs=torch.zeros(2, 3),
+                         finish_reasons=["length"] * 2, group_ids=torch.arange(2),
+                         extras={TOKEN_VERSIONS: torch.tensor([[3, 4, 4], [3, 4, 4]])})
+    entry = rollout_entry(batch, 4)
+    assert entry.versions.tolist() == [[3, 4, 4], [3, 4, 4]] and entry.oldest_version() == 3
+    assert TOKEN_VERSIONS not in rollout_batch(entry).extras
+    queue = RolloutQueue(1, version=4)
+    queue.put(entry)
+    assert len(queue.get()) == 1 and queue.metrics()["async/lag_max"] == 1.0
+    queue = RolloutQueue(0, version=4)  # the version-3 tokens are too old at k = 0
+    queue.put(rollout_entry(batch, 4))
+    assert queue.get() == [] and queue.num_dropped_rows == 2
+    without = RolloutBatch(**{**{k: getattr(batch, k) for k in ("prompt_ids", "prompt_mask", "response_ids",
+                                                                 "response_mask", "log_probs", "finish_reasons",
+                                                                 "group_ids")}, "extras": {}})
+    assert rollout_entry(without, 4).versions.eq(4).all()  # one version for the whole batch, as before

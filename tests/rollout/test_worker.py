@@ -1,12 +1,16 @@
 """The rollout worker: jobs sample with the weights of the version they were submitted at, while the trainer's
-own copy changes; a weight push that does not arrive is an error naming the tensors, never silent staleness."""
+own copy changes; a weight push that does not arrive is an error naming the tensors, never silent staleness.
+With partial rollouts a push stops the job in flight between two decode steps and its tokens span two versions."""
 
+import dataclasses
 import threading
+import time
 
 import pytest
 import torch
 
-from hpa.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+from hpa.rollout.base import PartialRollout, RolloutBatch, RolloutEngine, SamplingParams
+from hpa.rollout.queue import TOKEN_VERSIONS, RolloutQueue, rollout_batch, rollout_entry
 from hpa.rollout.worker import RolloutWorker, WeightPushError, check_delivery, checksum, watched_names
 
 
@@ -181,3 +185,124 @@ def test_the_native_engine_detached_copy_samples_its_own_weights_in_the_worker()
         assert got.batch.response_ids.equal(want.response_ids)
         assert got.batch.log_probs.equal(want.log_probs)
     assert (stale.version, fresh.version) == (0, 1)
+
+
+class Steps(RolloutEngine):
+    """Resumable: one token per decode step, its log-prob the head's [0, 0] weight when the step ran; ``hold_at``
+    holds the job before that step (``at_hold`` set) until ``go``."""
+
+    name = "steps"
+    can_resume = True
+
+    def __init__(self, module):
+        self.module, self.hold_at = module, None
+        self.at_hold, self.go = threading.Event(), threading.Event()
+        self.calls = []  # the first step of each resume call
+
+    def generate(self, prompts, params):
+        return self.resume(PartialRollout.start(prompts, params))
+
+    def resume(self, partial, *, stop=None):
+        b, ids, logp = partial.response_ids.shape[0], [partial.response_ids], [partial.log_probs]
+        self.calls.append(partial.steps)
+        for step in range(partial.steps, partial.params.max_new_tokens):
+            if step == self.hold_at:
+                self.at_hold.set()
+                self.go.wait()
+            if stop is not None and stop():
+                ids, logp = torch.cat(ids, 1), torch.cat(logp, 1)
+                return dataclasses.replace(partial, response_ids=ids, response_mask=torch.ones_like(ids, dtype=bool),
+                                           log_probs=logp)
+            ids.append(torch.full((b, 1), step + 2))
+            logp.append(torch.full((b, 1), float(self.module.head[0, 0])))
+        ids, logp = torch.cat(ids, 1), torch.cat(logp, 1)
+        b_prompts = torch.ones((b, 1), dtype=torch.int64)
+        return RolloutBatch(prompt_ids=b_prompts, prompt_mask=b_prompts, response_ids=ids,
+                            response_mask=torch.ones(ids.shape), log_probs=logp, finish_reasons=["length"] * b,
+                            group_ids=partial.group_ids)
+
+
+def _partial_worker():
+    module = Policy()
+    return RolloutWorker(Steps(module), module, version=0, partial=True)
+
+
+def _wait_for(predicate):
+    for _ in range(1000):
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+def test_a_partial_push_stops_the_job_in_flight_and_its_tokens_span_two_versions():
+    worker = _partial_worker()
+    trainer = Policy()
+    with torch.no_grad():
+        trainer.head.fill_(3.0)
+    engine = worker.engine
+    engine.hold_at = 2  # steps 0 and 1 decoded by version 0
+    worker.submit([[1]], SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=0), tag="s1")
+    assert engine.at_hold.wait(10)
+    pushed = threading.Thread(target=worker.push_weights, args=(1, dict(trainer.named_parameters())))
+    pushed.start()
+    _wait_for(worker._jobs.stop.is_set)  # the push asked the job to stop; it does before step 2
+    engine.go.set()
+    pushed.join(timeout=10)
+    assert not pushed.is_alive() and worker.version == 1
+    result = worker.wait("s1")
+    assert engine.calls == [0, 2]  # stopped after two steps, continued from there
+    versions = result.batch.get(TOKEN_VERSIONS)
+    assert versions.dtype == torch.int64 and versions.tolist() == [[0, 0, 1, 1, 1]] * 2
+    assert result.batch.log_probs.tolist() == [[0.0, 0.0, 3.0, 3.0, 3.0]] * 2  # each step by its version's weights
+    assert result.batch.response_ids.tolist() == [[2, 3, 4, 5, 6]] * 2
+    assert result.version == 0  # the oldest token's
+    entry = rollout_entry(result.batch, result.version)
+    assert entry.versions.equal(versions) and TOKEN_VERSIONS not in rollout_batch(entry).extras
+    queue = RolloutQueue(1, version=1)
+    queue.put(entry)
+    (taken,) = queue.get()
+    assert queue.metrics()["async/lag_max"] == 1.0  # the oldest token counts
+
+
+def test_a_partial_push_with_no_job_in_flight_copies_at_once_and_the_next_job_is_all_new():
+    worker = _partial_worker()
+    trainer = Policy()
+    with torch.no_grad():
+        trainer.head.fill_(2.0)
+    worker.push_weights(4, dict(trainer.named_parameters()))
+    worker.submit([[1]], SamplingParams(n=1, temperature=1.0, max_new_tokens=3, seed=0), tag=0)
+    result = worker.wait(0)
+    assert result.version == 4 and result.batch.get(TOKEN_VERSIONS).tolist() == [[4, 4, 4]]
+    assert result.batch.log_probs.tolist() == [[2.0, 2.0, 2.0]]
+
+
+def test_a_queued_job_that_starts_during_a_push_samples_every_token_with_the_new_weights():
+    worker = _partial_worker()
+    trainer = Policy()
+    with torch.no_grad():
+        trainer.head.fill_(6.0)
+    engine = worker.engine
+    engine.hold_at = 1
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=3, seed=0)
+    worker.submit([[1]], params, tag="a")
+    worker.submit([[1]], params, tag="b")  # queued behind "a"
+    assert engine.at_hold.wait(10)
+    pushed = threading.Thread(target=worker.push_weights, args=(1, dict(trainer.named_parameters())))
+    pushed.start()
+    _wait_for(worker._jobs.stop.is_set)
+    engine.go.set()
+    pushed.join(timeout=10)
+    a, b = worker.wait("a"), worker.wait("b")
+    assert a.batch.get(TOKEN_VERSIONS).tolist() == [[0, 1, 1]] and a.version == 0
+    assert b.batch.get(TOKEN_VERSIONS).tolist() == [[1, 1, 1]] and b.version == 1
+    assert b.batch.log_probs.tolist() == [[6.0, 6.0, 6.0]]
+
+
+def test_partial_with_an_engine_that_cannot_resume_a_row_names_the_key():
+    from hpa.config.errors import ConfigError
+
+    module = Policy()
+    with pytest.raises(ConfigError, match="cannot stop a row") as err:
+        RolloutWorker(ReadsWeights(module), module, partial=True)
+    assert err.value.key == "rollout.partial"

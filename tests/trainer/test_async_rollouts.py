@@ -1,6 +1,7 @@
 """``rollout.max_staleness`` k >= 1: the rollout worker samples ahead of the update; no row trained lags more
 than k versions, ``async/lag_max`` <= k every step, stale rows are dropped and counted; a failed weight push is
-an error naming what did not arrive."""
+an error naming what did not arrive; with ``rollout.partial`` a push stops the job in flight and its rows continue
+with the new weights (tokens of two versions, the lag of the oldest)."""
 
 import pytest
 
@@ -146,3 +147,69 @@ def test_a_rollback_discards_what_was_sampled_ahead_by_the_lost_policies(demo, t
     assert all(0 <= version - v <= 1 for _, version, vs in trained for v in vs)
     assert all(r["async/lag_max"] <= 1.0 for r in metrics)
     assert discarded == 4 * 2 and metrics[-1]["async/discarded_rows"] == 8.0
+
+
+CUT = 2  # the forward of decode step 1: a cut job has tokens of steps 0 and 1 by the old version
+
+
+def _run_partial(groups, root, run_dir, steps):
+    from hpa.config import load_config
+    from hpa.trainer import rollout_step
+    from hpa.trainer.loop import HPATrainer
+
+    class HeldWorker(rollout_step.RolloutWorker):
+        """Each job waits in its CUT-th forward for the next push (3 s at most: step 0's job gets none), so every
+        push lands mid-job, at the same step."""
+
+        def __init__(self, engine, module, **kwargs):
+            super().__init__(engine, module, **kwargs)
+            forward, resume, stop, count = engine._forward, engine.resume, self._jobs.stop, [0]
+
+            def held_resume(partial, *, stop=None):
+                if partial.steps == 0:
+                    count[0] = 0
+                return resume(partial, stop=stop)
+
+            def held_forward(*args, **kwargs):
+                count[0] += 1
+                if count[0] == CUT:
+                    stop.wait(timeout=3.0)
+                return forward(*args, **kwargs)
+
+            engine._forward, engine.resume = held_forward, held_resume
+
+    cfg = load_config(None, overrides(root, run_dir, [*ASYNC, "rollout.max_staleness=1", "rollout.partial=true",
+                                                      f"trainer.total_steps={steps}"]))
+    trained, original_take, original_worker = [], rollout_step.RolloutStep.take, rollout_step.RolloutWorker
+
+    def take(self, step):
+        taken = original_take(self, step)
+        for entry in taken:
+            versions = entry.versions
+            trained.append((step, versions[entry.mask.bool()].tolist(), versions[:, :CUT].unique().tolist(),
+                            versions[:, CUT:].unique().tolist()))
+        return taken
+
+    rollout_step.RolloutStep.take, rollout_step.RolloutWorker = take, HeldWorker
+    try:
+        HPATrainer(cfg, groups).train()
+    finally:
+        rollout_step.RolloutStep.take, rollout_step.RolloutWorker = original_take, original_worker
+    return trained
+
+
+@pytest.mark.multirank
+def test_k1_with_partial_rollouts_trains_rows_whose_tokens_span_two_versions(demo, tmp_path):
+    steps = 4
+    [trained] = run_ranks(_run_partial, args=(demo, tmp_path, steps))
+    metrics = read_metrics(tmp_path)
+    assert [r["step"] for r in metrics] == list(range(1, steps + 1))
+    assert [step for step, _, _, _ in trained] == list(range(steps))
+    assert set(trained[0][1]) == {0}  # sampled by version 0 before any update
+    for step, versions, before, after in trained[1:]:
+        # the push of version `step` stopped the job (sampled ahead by step - 1) after CUT steps
+        assert before == [step - 1] and after == [step], (step, before, after)
+        assert set(versions) == {step - 1, step}, (step, versions)
+    assert [r["async/lag_max"] for r in metrics] == [0.0] + [1.0] * (steps - 1)
+    assert all(r["async/dropped_rows"] == 0.0 for r in metrics)
+    assert all("rollout/is_weight_mean" in r for r in metrics)
