@@ -173,8 +173,8 @@ def apply_row_factors(batch: RolloutBatch, factors: StepFactors, *, kl_boost_sha
     trust = factors.learned_trust(batch)  # [b]
     batch.set("learned_trust", trust)
     if factors.far_kl_boost > 0:
-        batch.set("kl_weights", abstention_kl_weights(trust, factors.far_kl_boost, judged=batch.extras.get("rule_judged"),
-                                                      shape=kl_boost_shape))
+        judged = batch.extras.get("rule_judged")
+        batch.set("kl_weights", abstention_kl_weights(trust, factors.far_kl_boost, judged=judged, shape=kl_boost_shape))
 
 
 def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: float,

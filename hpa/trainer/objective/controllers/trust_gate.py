@@ -65,7 +65,8 @@ class TrustGateController(Controller):
         if was_open != (self.gate.lam == 0):
             numbers = ", ".join(f"{k[len('gate/'):]} {v:.4g}" for k, v in metrics.items()
                                 if k not in ("gate/gate", "gate/lambda"))
-            logger.warning("trust gate: %s (gate %.4g, lambda %.4g): %s", "closing" if was_open else "open again", self.gate.gate, self.gate.lam, numbers)
+            logger.warning("trust gate: %s (gate %.4g, lambda %.4g): %s", "closing" if was_open else "open again",
+                           self.gate.gate, self.gate.lam, numbers)
         return metrics
 
     def act(self, factors: StepFactors) -> StepFactors:
