@@ -4,7 +4,8 @@
 One step: the rollout stream (``rollout_step``: roll out, score, filter, critic values, the controllers
 that observe rollouts, advantages) → the step's preference pairs → the update of the loss computed from
 the objective's table of terms (``objective``; ppo_epochs × mini-batches) → critic update → metrics; then evaluation, the guard, the stop decision and the checkpoint. Everything per row of the
-step travels on the ``RolloutBatch``. What a run builds is ``setup``, its state (save / restore /
+step travels on the ``RolloutBatch``. What a run builds is ``setup``, what it measures of its start once (for
+the controllers; read back from the checkpoint on resume) is ``startup_probes``, its state (save / restore /
 rollback) is ``state``, evaluation is ``evaluate``, when it stops is ``run_control``.
 """
 
