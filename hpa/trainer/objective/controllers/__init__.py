@@ -1,8 +1,8 @@
 """The controllers of the objective: state that each step updates from what the step measured and that
-acts on the step's factors (``StepFactors``) and nothing else, saved with the run state. They run no model:
-what they need of the start is the start-up probes' record (``hpa.trainer.startup_probes.StartMeasures``), what
-they need each step the trainer measures (``StepSignals``; a controller's ``reads`` names what beyond the step's
-own numbers).
+acts on the step's factors (``StepFactors``) and nothing else, saved with the run state. They sample nothing
+and run no policy forward: what they need of the start is the start-up probes' record
+(``hpa.trainer.startup_probes.StartMeasures``), what they need each step the trainer measures (``StepSignals``;
+a controller's ``reads`` names what beyond the step's own numbers).
 
 Every controller extends ``base.Controller`` (``name``, ``observes``, ``update(signals) -> metrics``,
 ``act(factors) -> factors``; the rest has defaults). ``Controllers`` holds a run's controllers: the trainer

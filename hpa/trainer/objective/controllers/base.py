@@ -38,7 +38,7 @@ class StepSignals:
 class ControllerInputs:
     """What a controller is built from besides its own config section: the run's start as measured once
     (``StartMeasures``, from the start-up probes or a checkpoint) and the coverage estimator. A controller runs
-    no model: what it reads each step comes in ``StepSignals``.
+    no policy forward and samples nothing: what it reads each step comes in ``StepSignals``.
 
     Args:
         groups: the run's parallel groups (a controller reduces its measurements over DP).
