@@ -4,7 +4,8 @@
 One step: the rollout stream (``rollout_step``: roll out, score, filter, critic values, the controllers
 that observe rollouts, advantages) → the step's preference pairs → the update of the loss computed from
 the objective's table of terms (``objective``; ppo_epochs × mini-batches) → critic update → metrics; then evaluation, the guard, the stop decision and the checkpoint. Everything per row of the
-step travels on the ``RolloutBatch``. What a run builds is ``setup``, its state (save / restore /
+step travels on the ``RolloutBatch``. What a run builds is ``setup``, what it measures of its start once (for
+the controllers; read back from the checkpoint on resume) is ``startup_probes``, its state (save / restore /
 rollback) is ``state``, evaluation is ``evaluate``, when it stops is ``run_control``.
 """
 
@@ -13,16 +14,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from hpa.algorithms.schedules import progress
 from hpa.config import write_resolved
-from hpa.config.schema import Config, to_dict
+from hpa.config.schema import Config, coverage_enabled, to_dict, trust_gate_enabled
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
+from hpa.reward.coverage import CoverageEstimator
 from hpa.trainer import faults, phases, reference_cache
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter, device_name, device_timer, peak_memory_gb, peak_tflops, update_perf
@@ -31,6 +33,8 @@ from hpa.trainer.objective import ControllerInputs, Controllers, WeightSchedules
 from hpa.trainer.rollout_step import NoRollouts, RolloutStep, generate
 from hpa.trainer.run_control import RunControl, write_exit_status
 from hpa.trainer.setup import build_run
+from hpa.trainer.startup_probes import (START_MEASURES, ProbeInputs, SavedStartMeasures, measure_start,
+                                        saved_start_measures)
 from hpa.trainer.state import RunState
 
 logger = logging.getLogger("hpa")
@@ -66,28 +70,26 @@ class HPATrainer:
         self.ctx = phases.StepContext.from_config(cfg, groups, vocab_size=p.tokenizer.vocab_size,
                                                   pad_id=p.tokenizer.pad_id, timer=self.timer)
         self.weights = WeightSchedules(cfg.algorithm)
-        self.controllers = Controllers(cfg, ControllerInputs(
-            groups=groups, pad_id=p.tokenizer.pad_id, timer=self.timer, tokenizer=p.tokenizer, prompts=p.prompts,
-            pairs=p.pairs, heldout_pairs=p.heldout_pairs, model_reward=p.model_reward, generate=self.generate,
-            policy_nll=lambda examples: heldout_nll(p.policy.model, examples, self.ctx),
-            demonstrations=p.demonstrations))
+        self.guard = Guard(cfg.guard)
+        trainables = {"policy": p.policy, **({"critic": p.critic} if p.critic is not None else {})}
+        parts = {"guard": self.guard, "prompt_sampler": p.prompt_sampler, "pair_sampler": p.pair_sampler,
+                 **({"replay_sampler": p.replay_sampler} if p.replay_sampler is not None else {}),
+                 "reward": p.reward, "policy_sched": p.policy.scheduler, "monitor": p.evaluator,
+                 **({"critic_sched": p.critic.scheduler} if p.critic is not None else {})}
+        self.state = RunState(cfg, groups, trainables, parts, self.guard)
+        resume_from = self.state.resumable()
+        self.controllers = self._controllers(p, RunState.saved_state(resume_from))
+        self.state.add_parts(self.controllers.state_parts())
         # w_ppo = 0 for the whole run: plain DPO, which spends no rollouts (the KL and entropy terms,
         # which live on rollouts, go with them)
         pairs_only = not any(v > 0 for v in cfg.algorithm.hpa.w_ppo.used_values())
         if pairs_only:
             logger.info("algorithm.hpa.w_ppo is 0 for the whole run: DPO on the preference pairs only, no rollouts")
         self.rollouts = (NoRollouts if pairs_only else RolloutStep)(self)
-        self.guard = Guard(cfg.guard)
+        self.state.add_parts(self.rollouts.state_parts())
         self.control = RunControl(cfg.trainer, cfg.guard, self.guard, run_dir, is_main=groups.is_main)
-        trainables = {"policy": p.policy, **({"critic": p.critic} if p.critic is not None else {})}
-        parts = {"guard": self.guard, "prompt_sampler": p.prompt_sampler, "pair_sampler": p.pair_sampler,
-                 **({"replay_sampler": p.replay_sampler} if p.replay_sampler is not None else {}),
-                 "reward": p.reward, "policy_sched": p.policy.scheduler, "monitor": p.evaluator,
-                 **({"critic_sched": p.critic.scheduler} if p.critic is not None else {}), **self.controllers.state_parts(),
-                 **self.rollouts.state_parts()}
-        self.state = RunState(cfg, groups, trainables, parts, self.guard)
         self.exit_reason = "done"
-        resumed = self.state.resume()
+        resumed = self.state.resume(resume_from)
         if groups.is_main:
             start = self.weights.at(progress(self.state.step, cfg.trainer.total_steps), self.controllers.factors())
             logger.info("the objective at step %d:\n%s", self.state.step,
@@ -99,6 +101,30 @@ class HPATrainer:
         self.num_params = sum(x.numel() for x in p.policy.model.parameters()) * groups.tensor_model_parallel_size \
             * groups.pipeline_model_parallel_size  # approximate: replicated norms are counted TP times
         self.peak_tflops = peak_tflops(cfg.trainer.peak_tflops_per_device, device_name(groups.device))
+
+    def _controllers(self, p, saved: Optional[Dict]) -> Controllers:
+        """The run's controllers, from the coverage estimator and the start-up probes' record: the checkpoint's
+        (``saved``, the run state being resumed), else measured now on the start weights (and saved with the
+        run state from here on)."""
+        cfg, t = self.cfg, self.cfg.algorithm.hpa.trust
+        coverage = CoverageEstimator(p.model_reward, p.pairs, p.heldout_pairs, pad_id=p.tokenizer.pad_id,
+                                     margin=t.margin) if coverage_enabled(cfg) else None
+        start = saved_start_measures(saved)
+        if start is None:
+            if saved is not None:
+                logger.info("the checkpoint holds no start measures (saved before they were kept): measuring the start")
+            start = measure_start(t, cfg.rollout, ProbeInputs(
+                groups=self.groups, generate=self.generate, tokenizer=p.tokenizer, pad_id=p.tokenizer.pad_id,
+                model_reward=p.model_reward, prompts=p.prompts, heldout_pairs=p.heldout_pairs,
+                demonstrations=p.demonstrations, coverage=coverage, timer=self.timer), gate=trust_gate_enabled(cfg))
+        controllers = Controllers(cfg, ControllerInputs(groups=self.groups, timer=self.timer, start=start,
+                                                        coverage=coverage))
+        self.state.add_parts({START_MEASURES: SavedStartMeasures(start)})
+        return controllers
+
+    def heldout_nll(self) -> float:
+        """The policy's NLL per token of the held-out chosen responses (the ``heldout_nll`` gate's signal)."""
+        return heldout_nll(self.parts.policy.model, self.parts.heldout_pairs, self.ctx)
 
     def _reference_cache(self, p) -> torch.Tensor:
         """The reference's log-probs of every preference pair ``[N, 2]``, from the run's cache (built now when

@@ -13,6 +13,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from hpa.algorithms import advantages as adv_lib
+from hpa.algorithms.coverage import KL_BOOST_SHAPE, abstention_kl_weights
 from hpa.algorithms.kl import apply_kl_penalty
 from hpa.algorithms import rollout_correction as correction_lib
 from hpa.config.algorithm import AlgorithmConfig
@@ -28,7 +29,7 @@ from hpa.engine.step import (add_grads, forward_backward, gradient_norm, guarded
 from hpa.reward import RewardInputs
 from hpa.rollout.base import RolloutBatch, logprob_consistency
 from hpa.trainer import micro_batches, objective
-from hpa.trainer.objective import Controllers, StepSignals, StepWeights
+from hpa.trainer.objective import Controllers, StepFactors, StepSignals, StepWeights
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,6 +189,20 @@ def critic_values(batch: RolloutBatch, critic, ctx: StepContext) -> None:
     """The critic's values ``[b, r]`` of the rollout (``values``)."""
     batch.set("values", forward.sequence_values(critic, batch.sequences, ctx.groups, batching=ctx.batching,
                                                 lengths=batch.sequence_lengths))
+
+
+def apply_row_factors(batch: RolloutBatch, factors: StepFactors, *, kl_boost_shape: str = KL_BOOST_SHAPE) -> None:
+    """The step's per-row factors on its rollouts: each row's ``learned_trust`` ``[b]`` (the factor's function of
+    the batch; the advantages read it) and, where the far rows are held (``far_kl_boost`` > 0), each row's
+    ``kl_weights`` ``[b]`` (``abstention_kl_weights``; a row a rule judges, ``rule_judged``, keeps 1). Nothing
+    without a ``learned_trust``. ``kl_boost_shape``: ``KL_BOOST_SHAPE``, an argument for the tests."""
+    if factors.learned_trust is None:
+        return
+    trust = factors.learned_trust(batch)  # [b]
+    batch.set("learned_trust", trust)
+    if factors.far_kl_boost > 0:
+        judged = batch.extras.get("rule_judged")
+        batch.set("kl_weights", abstention_kl_weights(trust, factors.far_kl_boost, judged=judged, shape=kl_boost_shape))
 
 
 def compute_advantages(batch: RolloutBatch, ctx: StepContext, reward_kl_coef: float,

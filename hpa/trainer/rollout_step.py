@@ -78,8 +78,14 @@ class RolloutStep:
                 phases.critic_values(batch, p.critic.model, ctx)
         controllers = self.trainer.controllers
         self.observed_weights = weights  # what the controllers that observe after the update read
-        observed = controllers.update("rollouts", StepSignals(batch=batch, metrics=metrics, weights=weights))
+        heldout = None
+        if controllers.reads("rollouts", "heldout_nll"):  # the heldout_nll gate's signal, on the policy as it is
+            with ctx.timer("gate"):
+                heldout = self.trainer.heldout_nll()
+        observed = controllers.update("rollouts", StepSignals(batch=batch, metrics=metrics, weights=weights,
+                                                              heldout_nll=heldout))
         weights = weights.with_factors(controllers.factors())
+        phases.apply_row_factors(batch, weights.factors)  # the coverage trust's per-row weights
         metrics.update(phases.compute_advantages(batch, ctx, weights.reward_kl_coef,
                                                  weights.factors.learned_advantage))
         # after the advantages' metrics: the KL controller's actor/reward_kl (the DP mean) is the one logged

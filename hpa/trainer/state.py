@@ -12,6 +12,8 @@ import logging
 from pathlib import Path
 from typing import Dict, Optional
 
+import torch
+
 from hpa.config.schema import Config
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine.optimizer import Trainable, scale_lr
@@ -77,9 +79,22 @@ class RunState:
                 continue
             part.load_state_dict(state[name])
 
-    def resume(self) -> bool:
-        """Restore the checkpoint ``checkpoint.resume`` names, if any; True when one was restored."""
-        path = self.ckpt.find_resumable(self.cfg.checkpoint.resume)
+    def add_parts(self, parts: Dict[str, object]) -> None:
+        """More stateful parts (those built from what a checkpoint holds: ``saved_state``)."""
+        self.parts.update(parts)
+
+    def resumable(self) -> Optional[Path]:
+        """The checkpoint ``checkpoint.resume`` names, if any (the same on every rank)."""
+        return self.ckpt.find_resumable(self.cfg.checkpoint.resume)
+
+    @staticmethod
+    def saved_state(path: Optional[Path]) -> Optional[Dict]:
+        """The run state checkpoint ``path`` holds (its ``trainer_state.pt``: no model is loaded), None without
+        one: what a part built before the restore reads (the start-up record)."""
+        return torch.load(path / "trainer_state.pt", weights_only=True) if path is not None else None
+
+    def resume(self, path: Optional[Path]) -> bool:
+        """Restore checkpoint ``path`` (``resumable``), if any; True when one was restored."""
         if path is not None:
             self.restore(path)
             logger.info("resumed from %s at step %d", path, self.step)

@@ -2,6 +2,7 @@
 back to it, against hand-computed values. One process, except the coverage step's DP reduction
 (``test_the_coverage_metrics_over_dp_ranks_are_one_ranks_over_the_whole_batch``, two gloo ranks, multirank)."""
 
+import logging
 import types
 
 import pytest
@@ -17,12 +18,43 @@ GROUPS = types.SimpleNamespace(dp_group=None, data_parallel_size=1)
 ROLLOUT = RolloutConfig()  # the coverage trust's sampling for the start's skill (greedy)
 
 
-def _coverage(trust, run, rollout, **constants):
-    """The coverage controller on the scripted six-pair bank with k = 2 neighbours (``COVERAGE_K``'s 5 would
-    average over most of it); ``constants``: the other ``hpa.algorithms.coverage`` constants to override."""
-    from hpa.trainer.objective.controllers import CoverageTrust
+def _run_inputs(**fields):
+    """What a run builds the coverage trust from (its parts): the reward model, the pairs, and for the start's
+    skill the tokenizer, the policy's ``generate`` and the demonstrations."""
+    return types.SimpleNamespace(**{"tokenizer": None, "generate": None, "demonstrations": None, **fields})
 
-    return CoverageTrust(trust, run, rollout, k=2, **constants)
+
+def _coverage(trust, run, rollout, *, space="prompt", kl_boost_shape=None, kl_boost_target=None):
+    """The coverage controller on the scripted six-pair bank with k = 2 neighbours (``COVERAGE_K``'s 5 would
+    average over most of it), built as a run builds it: the estimator, the start-up probes (the start's skill,
+    where ``run`` has a ``generate``), the controller; ``space``, ``kl_boost_shape`` (kept on the controller for
+    ``_update``) and ``kl_boost_target``: the ``hpa.algorithms.coverage`` constants to override."""
+    from hpa.algorithms.coverage import KL_BOOST_SHAPE
+    from hpa.reward.coverage import CoverageEstimator
+    from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust
+    from hpa.trainer.startup_probes import ProbeInputs, StartMeasures, measure_start
+
+    estimator = CoverageEstimator(run.model_reward, run.pairs, run.heldout_pairs, pad_id=run.pad_id,
+                                  margin=trust.margin, space=space, k=2)
+    start = StartMeasures()
+    if run.generate is not None:
+        start = measure_start(trust, rollout, ProbeInputs(
+            groups=run.groups, generate=run.generate, tokenizer=run.tokenizer, pad_id=run.pad_id,
+            model_reward=run.model_reward, demonstrations=run.demonstrations, coverage=estimator), gate=False)
+    coverage = CoverageTrust(trust, ControllerInputs(groups=run.groups, start=start, coverage=estimator),
+                             kl_boost_target=kl_boost_target)
+    coverage.kl_boost_shape = kl_boost_shape or KL_BOOST_SHAPE
+    return coverage
+
+
+def _update(coverage, batch):
+    """The coverage controller's update on a step's rollouts, then its factors on their rows as the trainer
+    applies them (``phases.apply_row_factors``): the update's metrics."""
+    from hpa.trainer.objective import StepFactors, StepSignals
+
+    metrics = coverage.update(StepSignals(batch=batch))
+    phases.apply_row_factors(batch, coverage.act(StepFactors()), kl_boost_shape=coverage.kl_boost_shape)
+    return metrics
 
 
 def _ctx(*overrides):
@@ -182,7 +214,6 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     (orthogonal: no pair covers it) get none of it, and the rule part of every row is the same as without
     the option."""
     from hpa.data.preferences import PreferenceExample
-    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
 
     overrides = ("algorithm.advantage.estimator=grpo", "algorithm.advantage.per_component=true",
                  "algorithm.kl.use_kl_in_reward=false", "reward.rule_weight=1.0", "reward.model_paths=[rm]",
@@ -192,7 +223,7 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
     heldout_pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
                      for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
-    run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
+    run = _run_inputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
                            heldout_pairs=heldout_pairs)
     coverage = _coverage(ctx.algorithm.hpa.trust, run, ROLLOUT, space=space)
     assert 0 <= coverage.low < coverage.high
@@ -200,7 +231,7 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     batch = _component_batch(rule, learned, [0, 0, 1, 1])
     batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])
     batch.set("raw_rewards", torch.tensor(rule) + torch.tensor(learned))
-    metrics = coverage.update(StepSignals(batch=batch))
+    metrics = _update(coverage, batch)
     trust = batch.get("learned_trust")
     assert trust[2:].tolist() == [0.0, 0.0] and bool((trust[:2] > 0.5).all()) and trust[0] == trust[1]
     # the covered rows' learned reward (what the gate then reads): the two rows on prompt 1, equal trust
@@ -219,7 +250,7 @@ def test_coverage_trust_weights_the_learned_part_of_far_rows_to_zero_and_never_t
     assert (plain.get("advantages")[2:] - rule_only.get("advantages")[2:]).abs().max() > 0
     # the calibration constants are the controller's state; a restore keeps the saved ones
     state = coverage.state_dict()
-    fresh = _coverage(ctx.algorithm.hpa.trust, ControllerInputs(
+    fresh = _coverage(ctx.algorithm.hpa.trust, _run_inputs(
         groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout_pairs[:2]),
         ROLLOUT, space=space)
     assert (fresh.low, fresh.high) != (state["low"], state["high"])
@@ -243,7 +274,7 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
     learned rewards are (they move nothing), and its rows' KL to the reference weighs ``1 + kl_boost``
     (101 by default); a prompt seen before is not embedded again."""
     from hpa.data.preferences import PreferenceExample
-    from hpa.trainer.objective.controllers import CONTROLLERS, ControllerInputs, StepSignals
+    from hpa.trainer.objective.controllers import CONTROLLERS
 
     base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
             "data.heldout_preference_path=h.jsonl", "algorithm.kl.use_kl_in_reward=false")
@@ -259,12 +290,12 @@ def test_the_default_abstains_on_a_far_prompt_and_holds_it_to_the_reference():
         batch = _component_batch([0.0] * 4, learned, [0, 0, 1, 1])
         batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])  # prompt 1 covered, prompt 3 far
         batch.set("raw_rewards", torch.tensor(learned))
-        coverage.update(StepSignals(batch=batch))
+        _update(coverage, batch)
         phases.compute_advantages(batch, boost_ctx, reward_kl_coef=0.0)
         return batch
 
     embedder = _CountingEmbedder()
-    run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=embedder, pairs=pairs, heldout_pairs=heldout_pairs)
+    run = _run_inputs(groups=GROUPS, pad_id=0, model_reward=embedder, pairs=pairs, heldout_pairs=heldout_pairs)
     coverage = _coverage(ctx.algorithm.hpa.trust, run, ROLLOUT)
     start = embedder.prompts_embedded
     a = advantages([0.2, 0.9, 1.3, 0.1], ctx, coverage)
@@ -302,7 +333,6 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
     import math
 
     from hpa.data.preferences import PreferenceExample
-    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
     from hpa.trainer.objective.weights import StepFactors
 
     base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
@@ -311,7 +341,7 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
     heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
                for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
-    run = ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout)
+    run = _run_inputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout)
 
     def observe(coverage, far_drift, judged=False):
         batch = _component_batch([0.0] * 4, [0.2, 0.9, 1.3, 0.1], [0, 0, 1, 1])
@@ -321,7 +351,7 @@ def test_the_adaptive_boost_follows_the_far_rows_kl_and_resumes():
             batch.set("rule_judged", torch.ones(4, dtype=torch.bool))
         old = torch.full((4, 2), -1.0)
         batch.set("old_log_probs", old).set("ref_log_probs", old + torch.tensor([[3.0], [3.0], [far_drift], [far_drift]]))
-        return batch, coverage.update(StepSignals(batch=batch))
+        return batch, _update(coverage, batch)
 
     adaptive = _ctx(*base).algorithm.hpa.trust
     cov = _coverage(adaptive, run, ROLLOUT, kl_boost_target=0.02)
@@ -384,7 +414,7 @@ def test_greedy_match_share_counts_answers_as_demonstrated():
     token; a final EOS on either side does not count, a longer or shorter answer misses, a response cut at
     ``max_new_tokens`` (no EOS) matches nothing. Sampled greedily (temperature 0, one each)."""
     from hpa.data.preferences import SFTExample
-    from hpa.trainer.objective.controllers.coverage import greedy_match_share
+    from hpa.trainer.startup_probes import greedy_match_share
 
     groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
     rollout = load_config(None, []).rollout
@@ -414,7 +444,6 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     saved one (the start as measured when the run began); a checkpoint from before keeps what start-up
     measured. Without demonstrations nothing is measured and the far rows are held."""
     from hpa.data.preferences import PreferenceExample, SFTExample
-    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
     from hpa.trainer.objective.weights import StepFactors
 
     base = ("algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
@@ -433,7 +462,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
 
     def controller(answers, demonstrations=demos, config=cfg):
         generate = _greedy_generate(answers)
-        run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
+        run = _run_inputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
                                heldout_pairs=heldout, tokenizer=tokenizer, generate=generate,
                                demonstrations=demonstrations)
         return _coverage(config.algorithm.hpa.trust, run, config.rollout), generate
@@ -442,7 +471,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
         batch = _component_batch([0.0] * 4, [0.2, 0.9, 1.3, 0.1], [0, 0, 1, 1])
         batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])  # prompt 1 covered, prompt 3 far
         batch.set("raw_rewards", torch.tensor([0.2, 0.9, 1.3, 0.1]))
-        return batch, coverage.update(StepSignals(batch=batch))
+        return batch, _update(coverage, batch)
 
     skilled, generate = controller({3: [6], 1: [8]})  # every far demonstration answered as shown
     assert [p for p, _ in generate.calls] == [[[3]] * 40]  # only the far ones asked
@@ -476,18 +505,20 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
     # fewer than SKILL_MIN_EXAMPLES far demonstrations decide nothing: held, whatever the start answers
     few, generate = controller({3: [8]}, demos[:31])
     assert few.kl_boost == 100.0 and generate.calls == [] and "start_skill" not in few.state_dict()
-    # saved, restored from the saved skill; a checkpoint from before keeps what start-up measured
+    # the skill is the start-up record's (saved apart), not the controller's state; a checkpoint from before the
+    # record kept it in the controller's state, and a restore decides from that one (the start as measured when
+    # the run began); without it the record's decision stands
     state = unskilled.state_dict()
-    assert state["start_skill"] == 0.0 and "kl_boost" not in state
+    assert "start_skill" not in state and "kl_boost" not in state
     restored, _ = controller({3: [6]})
     assert restored.kl_boost == 100.0
-    restored.load_state_dict(state)
+    restored.load_state_dict({**state, "start_skill": 0.0})
     batch, m = observe(restored)
     assert restored.kl_boost == 0.0 and m["coverage/start_skill"] == 0.0
     assert "kl_weights" not in batch.extras  # the saved skill releases the restored run too
     assert restored.act(StepFactors()).pairs == pytest.approx(released_pairs) and restored.act(StepFactors()).kl == 0.25
     back, _ = controller({3: [8]})
-    back.load_state_dict(skilled.state_dict())
+    back.load_state_dict({**skilled.state_dict(), "start_skill": 1.0})
     assert back.kl_boost == 100.0 and back.act(StepFactors()).kl == 1.0
     old, _ = controller({3: [8]})
     old.load_state_dict({"low": state["low"], "high": state["high"]})
@@ -500,7 +531,7 @@ def test_the_far_rows_are_held_only_where_the_start_did_well():
         assert generate.calls == [] and "coverage/start_skill" not in m and "start_skill" not in plain.state_dict()
         assert batch.get("kl_weights").tolist() == [1.0, 1.0, 101.0, 101.0]
     # a large SFT set: at most SKILL_EXAMPLES far demonstrations are asked, in one call, evenly spaced
-    from hpa.trainer.objective.controllers.coverage import SKILL_EXAMPLES
+    from hpa.trainer.startup_probes import SKILL_EXAMPLES
     many = [SFTExample(prompt_ids=[3], response_ids=[6 if i % 2 else 9, 2]) for i in range(SKILL_EXAMPLES + 300)]
     large, generate = controller({3: [6]}, many)
     assert [len(p) for p, _ in generate.calls] == [SKILL_EXAMPLES] and large.far_demonstrations == SKILL_EXAMPLES
@@ -513,7 +544,6 @@ def _hold_controllers():
     """The coverage trust of ``test_the_far_rows_are_held_only_where_the_start_did_well`` at the defaults, held
     (the start answers every far demonstration) and released (none): ``(cfg, held, released)``."""
     from hpa.data.preferences import PreferenceExample, SFTExample
-    from hpa.trainer.objective.controllers import ControllerInputs
 
     cfg = load_config(None, ["algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
                              "data.heldout_preference_path=h.jsonl",
@@ -526,7 +556,7 @@ def _hold_controllers():
     groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
 
     def controller(answer):
-        run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
+        run = _run_inputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
                                heldout_pairs=heldout, tokenizer=types.SimpleNamespace(eos_id=2),
                                generate=_greedy_generate({3: answer}), demonstrations=demos)
         return _coverage(cfg.algorithm.hpa.trust, run, cfg.rollout)
@@ -534,14 +564,28 @@ def _hold_controllers():
     return cfg, controller([6]), controller([8])
 
 
+def test_releasing_the_hold_is_a_warning_with_the_numbers_that_decided_it(caplog):
+    """The start below ``hold_min_skill`` releases the far rows (a change of regime for the run): a WARNING with
+    the skill, the demonstrations it was measured on, the threshold, the boost dropped and the released factors;
+    a start that keeps the hold logs no warning."""
+    with caplog.at_level(logging.INFO, logger="hpa"):
+        _hold_controllers()
+    (released,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    message = released.getMessage()
+    assert "the hold is released" in message and "0.000 of the 40 demonstrations" in message
+    assert "below 0.6 (trust.hold_min_skill)" in message and "boost 100 -> 0" in message
+    assert "weighs 0.25 (trust.released_kl)" in message and "2 times as much (trust.released_pairs)" in message
+    assert any("1.000 of the 40" in r.getMessage() and "held" in r.getMessage() for r in caplog.records
+               if r.levelno == logging.INFO)
+
+
 def _observed(coverage):
     """A step's rollouts (prompt 1 covered, prompt 3 far) after the coverage trust's update."""
-    from hpa.trainer.objective.controllers import StepSignals
 
     batch = _component_batch([0.0] * 4, [0.2, 0.9, 1.3, 0.1], [0, 0, 1, 1])
     batch.prompt_ids = torch.tensor([[1, 1], [1, 1], [3, 3], [3, 3]])
     batch.set("raw_rewards", torch.tensor([0.2, 0.9, 1.3, 0.1]))
-    coverage.update(StepSignals(batch=batch))
+    _update(coverage, batch)
     return batch
 
 
@@ -622,7 +666,6 @@ def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     from hpa.data.preferences import PreferenceExample
     from hpa.reward.rules import RuleReward
     from hpa.reward.shaping import BaseRewardOutput, CombinedReward, UncertaintyAwareReward
-    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
 
     overrides = ("algorithm.advantage.estimator=grpo", "reward.rules=[exact_match]", "reward.model_paths=[rm]",
                  "data.heldout_preference_path=h.jsonl",
@@ -652,9 +695,9 @@ def test_the_kl_boost_leaves_far_rows_a_rule_judges_alone():
     batch.set("old_log_probs", torch.zeros(4, 2)).set("ref_log_probs", torch.zeros(4, 2))
     phases.score(batch, ["1 1", "2 2", None, None], reward, Tok(), ctx)
     assert batch.get("rule_judged").tolist() == [True, True, False, False]
-    coverage = _coverage(ctx.algorithm.hpa.trust, ControllerInputs(
+    coverage = _coverage(ctx.algorithm.hpa.trust, _run_inputs(
         groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs, heldout_pairs=heldout), ROLLOUT)
-    metrics = coverage.update(StepSignals(batch=batch))
+    metrics = _update(coverage, batch)
     assert batch.get("learned_trust").tolist() == [0.0] * 4
     assert batch.get("kl_weights").tolist() == [1.0, 1.0, 5.0, 5.0]
     # the far share counts the rows the boost holds, as the far rows' KL does: not the two a rule judges
@@ -682,7 +725,7 @@ def test_the_coverage_update_reads_the_device_once_for_its_metrics(target):
     from hpa.data.preferences import PreferenceExample
     from hpa.distributed.device_mode import StrictDeviceMode, on_device
     from hpa.distributed.sync_ops import SyncOps
-    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
+    from hpa.trainer.objective.controllers import StepSignals
 
     base = ["algorithm.advantage.estimator=grpo", "reward.rules=[]", "reward.model_paths=[rm]",
             "data.heldout_preference_path=h.jsonl", "algorithm.kl.use_kl_in_reward=false"]
@@ -707,16 +750,16 @@ def test_the_coverage_update_reads_the_device_once_for_its_metrics(target):
                 b.set(name, on_device(b.get(name)))
         return b
 
-    host = _coverage(config, ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(),
+    host = _coverage(config, _run_inputs(groups=GROUPS, pad_id=0, model_reward=_ScriptedEmbedder(),
                                               pairs=pairs, heldout_pairs=heldout), ROLLOUT, kl_boost_target=target)
     expected = host.update(StepSignals(batch=batch(False)))
     with StrictDeviceMode(device):
-        coverage = _coverage(config, ControllerInputs(groups=GROUPS, pad_id=0, model_reward=_DeviceEmbedder(),
+        coverage = _coverage(config, _run_inputs(groups=GROUPS, pad_id=0, model_reward=_DeviceEmbedder(),
                                                       pairs=pairs, heldout_pairs=heldout), ROLLOUT,
                              kl_boost_target=target)
         on_dev = batch(True)
         with SyncOps() as syncs:
-            metrics = coverage.update(StepSignals(batch=on_dev))
+            metrics = _update(coverage, on_dev)
         assert on_dev.get("kl_weights").device == device and on_dev.get("learned_trust").device == device
     assert syncs.count == 2, syncs.by_site
     assert metrics.keys() == expected.keys() and metrics["coverage/far_kl"] == pytest.approx(1 - math.log(2.0))
@@ -732,7 +775,6 @@ def _dp_coverage_worker(groups):
     import math
 
     from hpa.data.preferences import PreferenceExample
-    from hpa.trainer.objective.controllers import ControllerInputs, StepSignals
 
     prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
     pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
@@ -751,9 +793,9 @@ def _dp_coverage_worker(groups):
                                          [1.0, 1.0]])[rows]  # row 4 dropped by the filter
     drift = torch.tensor([0.0, math.log(2.0), math.log(3.0), 0.5, 9.0, 0.0])[rows]  # ref - old, per row
     batch.set("ref_log_probs", batch.get("old_log_probs") + drift[:, None])
-    coverage = _coverage(config, ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(),
+    coverage = _coverage(config, _run_inputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(),
                                                       pairs=pairs, heldout_pairs=heldout), ROLLOUT)
-    return coverage.update(StepSignals(batch=batch)), batch.get("learned_trust").tolist()
+    return _update(coverage, batch), batch.get("learned_trust").tolist()
 
 
 @pytest.mark.multirank

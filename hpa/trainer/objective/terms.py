@@ -193,13 +193,16 @@ def hpa_objective(values: Mapping[str, Optional[torch.Tensor]], weights: Mapping
 def describe(weights: Mapping[str, float], factors: Optional[Mapping[str, float]] = None,
              terms: Sequence[Term] = TERMS) -> str:
     """The table of ``terms`` with this step's weights and factors (a Markdown table, logged when a run starts);
-    the trust gate's ``learned_advantage`` is shown on the term its advantages feed (``ppo``)."""
+    the trust gate's ``learned_advantage`` is shown on the term its advantages feed (``ppo``), the coverage
+    hold's ``far_kl_boost`` on the KL term (the far rows' weight)."""
     scale = dict(factors or {})
     lines = ["| term | group | weight | normaliser | scaled by | source |", "| --- | --- | --- | --- | --- | --- |"]
     for t in terms:
         w = weights[t.weight] * scale.get(t.factor, 1.0)
         gate = scale.get("learned_advantage") if t.name == "ppo" else None
         extra = f" (gate {gate:.3g})" if gate is not None else ""
+        if t.name == "hier_kl" and scale.get("far_kl_boost", 0.0) > 0:  # the hold: far rows' KL weighs 1 + boost
+            extra += f" (far rows x{1 + scale['far_kl_boost']:.4g})"
         lines.append(f"| {t.name} | {t.group} | {t.weight} = {w:.4g} | {t.normaliser} | {t.scaled_by}{extra} | "
                      f"{t.source} |")
     return "\n".join(lines)

@@ -26,6 +26,10 @@ class StepFactors:
             weight multiplied by it.
         kl: the factor on the hierarchical KL's weight (the coverage trust's ``released_kl`` where it releases
             the hold), so the objective table and ``hpa/kl_factor`` show the KL weight the loss applies.
+        far_kl_boost: the hold of the rows no reward supports (the coverage trust's ``kl_boost``, 0 where it
+            releases the hold): each such row's hierarchical KL weighs ``1 + far_kl_boost``
+            (``hpa.algorithms.coverage.abstention_kl_weights``, written to the step's rollouts as ``kl_weights``
+            by ``phases.apply_row_factors``); 0: every row weighs 1.
         learned_trust: the per-row weight of the learned advantage component as a function of a
             ``RolloutBatch`` (``[b]``; the coverage trust), evaluated on the held-out prompts too.
     """
@@ -34,6 +38,7 @@ class StepFactors:
     learned_advantage: float = 1.0
     pairs: float = 1.0
     kl: float = 1.0
+    far_kl_boost: float = 0.0
     learned_trust: Optional[Callable[[object], torch.Tensor]] = None
 
     def scales(self) -> Dict[str, float]:

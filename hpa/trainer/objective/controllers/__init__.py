@@ -1,5 +1,8 @@
 """The controllers of the objective: state that each step updates from what the step measured and that
-acts on the step's factors (``StepFactors``), saved with the run state.
+acts on the step's factors (``StepFactors``) and nothing else, saved with the run state. They sample nothing
+and run no policy forward: what they need of the start is the start-up probes' record
+(``hpa.trainer.startup_probes.StartMeasures``), what they need each step the trainer measures (``StepSignals``;
+a controller's ``reads`` names what beyond the step's own numbers).
 
 Every controller extends ``base.Controller`` (``name``, ``observes``, ``update(signals) -> metrics``,
 ``act(factors) -> factors``; the rest has defaults). ``Controllers`` holds a run's controllers: the trainer
@@ -19,7 +22,7 @@ from hpa.trainer.objective.controllers.balance import GradientBalance
 from hpa.trainer.objective.controllers.base import Controller, ControllerInputs, StepSignals
 from hpa.trainer.objective.controllers.coverage import CoverageTrust
 from hpa.trainer.objective.controllers.kl_coefficient import KLCoefficient
-from hpa.trainer.objective.controllers.trust_gate import GATE_SIGNAL_INPUTS, TrustGateController
+from hpa.trainer.objective.controllers.trust_gate import TrustGateController
 from hpa.trainer.objective.weights import StepFactors
 
 
@@ -36,12 +39,11 @@ CONTROLLERS: Dict[str, ControllerEntry] = {
     "kl_ctrl": ControllerEntry(lambda cfg, run: KLCoefficient(cfg.algorithm.kl, run.groups,
                                                               after_update=old_log_probs_from_update(cfg)),
                                lambda cfg: True),
-    "trust_gate": ControllerEntry(lambda cfg, run: TrustGateController(cfg.algorithm.hpa.trust, cfg.rollout, run),
+    "trust_gate": ControllerEntry(lambda cfg, run: TrustGateController(cfg.algorithm.hpa.trust, run),
                                   trust_gate_enabled),
     "balance": ControllerEntry(lambda cfg, run: GradientBalance(cfg.algorithm.hpa.balance.measure_steps),
                                lambda cfg: cfg.algorithm.hpa.balance.enabled),
-    "coverage": ControllerEntry(lambda cfg, run: CoverageTrust(cfg.algorithm.hpa.trust, run, cfg.rollout),
-                                coverage_enabled),
+    "coverage": ControllerEntry(lambda cfg, run: CoverageTrust(cfg.algorithm.hpa.trust, run), coverage_enabled),
 }
 
 
@@ -61,6 +63,11 @@ class Controllers:
             if c.observes == point:
                 metrics.update(c.update(signals))
         return metrics
+
+    def reads(self, point: str, signal: str) -> bool:
+        """Whether a controller that observes ``point`` reads ``signal`` (a ``StepSignals`` field the trainer
+        measures for it: ``heldout_nll``)."""
+        return any(signal in c.reads for c in self.items if c.observes == point)
 
     def measuring(self, point: str) -> bool:
         """Whether a controller that observes ``point`` reads its signal this step."""
@@ -82,4 +89,4 @@ class Controllers:
 
 
 __all__ = ["CONTROLLERS", "Controller", "ControllerEntry", "ControllerInputs", "Controllers", "CoverageTrust",
-           "GATE_SIGNAL_INPUTS", "GradientBalance", "KLCoefficient", "StepSignals", "TrustGateController"]
+           "GradientBalance", "KLCoefficient", "StepSignals", "TrustGateController"]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Dict, Mapping, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, Mapping, Optional
 
 from hpa.distributed.groups import ParallelGroups
+from hpa.reward.coverage import CoverageEstimator
 from hpa.rollout.base import RolloutBatch
 from hpa.trainer.objective.weights import StepFactors, StepWeights
+from hpa.trainer.startup_probes import StartMeasures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,45 +23,34 @@ class StepSignals:
         metrics: the step's metrics so far (``reward/learned_mean``, ...).
         weights: the step's ``StepWeights``.
         grad_norms: ``rollout`` and ``pairs`` gradient norms of a measured update (``gradients``).
+        heldout_nll: the policy's NLL per token of the held-out chosen responses, measured by the trainer for a
+            controller that ``reads`` it (``rollouts``), else None.
     """
 
     batch: Optional[RolloutBatch] = None
     metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
     weights: Optional[StepWeights] = None
     grad_norms: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    heldout_nll: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
 class ControllerInputs:
-    """What a controller may read of the run (its own config section comes apart): at start-up, and for what
-    it measures on the run's models later (the held-out NLL each step, the gate's baseline at the first update).
+    """What a controller is built from besides its own config section: the run's start as measured once
+    (``StartMeasures``, from the start-up probes or a checkpoint) and the coverage estimator. A controller runs
+    no policy forward and samples nothing: what it reads each step comes in ``StepSignals``.
 
     Args:
         groups: the run's parallel groups (a controller reduces its measurements over DP).
-        pad_id: the tokenizer's pad id.
         timer: ``timer(name)`` adds a block's wall time to ``timing_s/<name>``.
-        tokenizer: the run's tokenizer.
-        prompts: the training prompts (``data.prompt_path``).
-        pairs: the training preference pairs (``data.preference_path``).
-        heldout_pairs: the held-out pairs (``data.heldout_preference_path``), None when the run reads none.
-        model_reward: the reward-model ensemble, None without reward models.
-        generate: ``(prompt_ids, SamplingParams) -> RolloutBatch`` on the policy's current weights.
-        policy_nll: the policy's NLL per token of a pair set's chosen responses (the same on every rank).
-        demonstrations: the SFT examples of ``data.sft_path`` (what the start was trained on), None when the
-            run reads none.
+        start: the start-up probes' record (``hpa.trainer.startup_probes``).
+        coverage: the coverage estimator (``hpa.reward.coverage``), None when the coverage trust is off.
     """
 
     groups: ParallelGroups
-    pad_id: int
     timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
-    tokenizer: object = None
-    prompts: Sequence = ()
-    pairs: Sequence = ()
-    heldout_pairs: Optional[Sequence] = None
-    model_reward: Optional[object] = None
-    generate: Optional[Callable] = None
-    policy_nll: Optional[Callable[[Sequence], float]] = None
-    demonstrations: Optional[Sequence] = None
+    start: StartMeasures = StartMeasures()
+    coverage: Optional[CoverageEstimator] = None
 
 
 class Controller:
@@ -69,11 +60,14 @@ class Controller:
     signals it reads: ``rollouts``, once the step's rollouts are scored, ``updated_rollouts``, once the policy
     update has given an on-policy step's old log-probs, or ``gradients``, between the two backward passes of
     a measured update), and overrides ``update``; the rest has defaults: it sets no
-    factor, logs nothing beyond its updates' metrics, has no state and always measures.
+    factor, logs nothing beyond its updates' metrics, has no state, reads nothing the trainer must measure for
+    it and always measures. It acts on the step only through ``act`` (the step's typed factors).
     """
 
     name: str = ""
     observes: str = "rollouts"
+    # what the trainer measures for it at its point (``StepSignals`` fields: ``heldout_nll``)
+    reads: FrozenSet[str] = frozenset()
 
     def update(self, signals: StepSignals) -> Dict[str, float]:
         """State in (the step's signals), metrics out."""
