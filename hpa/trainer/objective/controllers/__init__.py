@@ -15,6 +15,7 @@ import dataclasses
 from typing import Callable, Dict, Iterator, List
 
 from hpa.config.schema import Config, coverage_enabled, old_log_probs_from_update, trust_gate_enabled
+from hpa.reward.rules import graded_rule
 from hpa.trainer.objective.controllers.balance import GradientBalance
 from hpa.trainer.objective.controllers.base import Controller, ControllerInputs, StepSignals
 from hpa.trainer.objective.controllers.coverage import CoverageTrust
@@ -40,7 +41,8 @@ CONTROLLERS: Dict[str, ControllerEntry] = {
                                   trust_gate_enabled),
     "balance": ControllerEntry(lambda cfg, run: GradientBalance(cfg.algorithm.hpa.balance.measure_steps),
                                lambda cfg: cfg.algorithm.hpa.balance.enabled),
-    "coverage": ControllerEntry(lambda cfg, run: CoverageTrust(cfg.algorithm.hpa.trust, run, cfg.rollout),
+    "coverage": ControllerEntry(lambda cfg, run: CoverageTrust(cfg.algorithm.hpa.trust, run, cfg.rollout,
+                                                               skill_rule=graded_rule(cfg.reward.rules)),
                                 coverage_enabled),
 }
 

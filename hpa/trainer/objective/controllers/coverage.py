@@ -49,24 +49,36 @@ def demonstrated_answers(batch, eos_id: int) -> List[Optional[Tuple[int, ...]]]:
 
 
 def greedy_match_share(examples: Sequence, generate: Callable, rollout: RolloutConfig, groups, *,
-                       eos_id: int) -> Tuple[float, int]:
+                       eos_id: int, score: Optional[Callable[[Tuple[int, ...], Tuple[int, ...]], float]] = None
+                       ) -> Tuple[float, int]:
     """The share of ``examples`` (SFT examples: ``prompt_ids``, ``response_ids``) whose response the policy
     decodes greedily, token for token (a final EOS on either side ignored; a response cut at
     ``rollout.max_new_tokens`` matches nothing), and how many were measured. The examples are sharded over DP
     (the same work on every rank) and the counts reduced, so every rank returns the same two numbers.
-    ``generate``: ``(prompt_ids, SamplingParams) -> RolloutBatch`` on the policy's current weights."""
+    ``generate``: ``(prompt_ids, SamplingParams) -> RolloutBatch`` on the policy's current weights.
+    ``score``: ``(answer, demonstration) -> [0, 1]`` (token ids, final EOS dropped), a graded match in place of
+    the exact one (``graded_skill_score``); the share is then the mean score (a cut response still scores 0)."""
     n = len(examples)
     if n == 0:
         return float("nan"), 0
     mine, counted = dp_share(examples, groups.dp_rank, groups.data_parallel_size)
     batch = generate([e.prompt_ids for e in mine], SamplingParams.from_config(rollout, n=1, temperature=0.0))
     answers = demonstrated_answers(batch, eos_id)
-    hits = 0
+    hits = 0.0
     for row, answer in zip(batch.group_ids.tolist(), answers):
         if row < counted:
-            hits += int(answer == without_final_eos(mine[row].response_ids, eos_id))
-    sums = comm.all_reduce_sum(torch.tensor([float(hits), float(counted)], dtype=torch.float64), groups.dp_group)
+            shown = without_final_eos(mine[row].response_ids, eos_id)
+            hits += (float(answer == shown) if score is None else
+                     float(score(answer, shown)) if answer is not None else 0.0)
+    sums = comm.all_reduce_sum(torch.tensor([hits, float(counted)], dtype=torch.float64), groups.dp_group)
     return float(sums[0] / sums[1]), int(sums[1])
+
+
+def graded_skill_score(rule: Callable[[str, str], float], tokenizer) -> Callable:
+    """The graded match of ``greedy_match_share``: ``rule`` (a graded rule reward, ``token_f1``) of the decoded
+    answer against the decoded demonstration, so an answer worded otherwise than its demonstration still
+    counts (on free text the exact match is ~0 whatever the policy can do)."""
+    return lambda answer, shown: rule(tokenizer.decode(list(answer)), tokenizer.decode(list(shown)))
 
 
 def covered_reward_sums(batch, trust: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -101,22 +113,24 @@ class CoverageTrust(Controller):
     ``kl_boost_target`` the boost adapts to that KL each step before the weights are written
     (``adapt_kl_boost``); it is then run state (saved; a checkpoint without it resumes at ``kl_boost``).
     With ``hold_min_skill`` and demonstrations (``data.sft_path``), the start's skill where no pair covers a
-    prompt is measured once at start-up (``greedy_match_share`` over the examples whose prompts have trust 0)
-    and the boost is 0 for the run where it falls below; the KL's weight is then ``w_kl`` times ``released_kl``
+    prompt is measured once at start-up (``greedy_match_share`` over the examples whose prompts have trust 0:
+    the exact greedy match, or with ``skill_rule``, the run's graded rule reward, the mean graded match
+    ``graded_skill_score``) and the boost is 0 for the run where it falls below; the KL's weight is then ``w_kl`` times ``released_kl``
     (the step factor ``kl``, which the objective table and ``hpa/kl_factor`` show) and the pair stream's times
     ``released_pairs`` (``act``); both are run state (saved; a checkpoint without
     them keeps what start-up measured, which is the same start).
 
     ``margin``, ``kl_boost``, ``hold_min_skill``, ``released_kl`` and ``released_pairs`` are
     ``algorithm.hpa.trust``'s; ``space``, ``k``, ``kl_boost_shape`` and ``kl_boost_target`` are
-    ``hpa.algorithms.coverage``'s constants, arguments here for the tests and probes.
+    ``hpa.algorithms.coverage``'s constants, arguments here for the tests and probes; ``skill_rule`` is the
+    graded rule of ``reward.rules`` (``hpa.reward.rules.graded_rule``), None for exact-answer rules.
     """
 
     name, observes = "coverage", "rollouts"
 
     def __init__(self, c: TrustConfig, run: ControllerInputs, rollout: RolloutConfig, *, space: str = COVERAGE_SPACE,
                  k: int = COVERAGE_K, kl_boost_shape: str = KL_BOOST_SHAPE,
-                 kl_boost_target: Optional[float] = KL_BOOST_TARGET):
+                 kl_boost_target: Optional[float] = KL_BOOST_TARGET, skill_rule: Optional[Callable] = None):
         self.k, self.space, self.model_reward, self.pad_id = k, space, run.model_reward, run.pad_id
         self.dp_group, self.timer = run.groups.dp_group, run.timer
         self.kl_boost, self.kl_boost_shape, self.cache = c.kl_boost, kl_boost_shape, EmbeddingCache()
@@ -130,6 +144,7 @@ class CoverageTrust(Controller):
                                       "%.4g, 0 from %.4g", self.space, self.bank.shape[0], self.low, self.high)
         self.start_skill, self.far_demonstrations, self.min_skill = float("nan"), 0, c.hold_min_skill
         self.config_boost, self.released_kl, self.released_pairs = c.kl_boost, c.released_kl, c.released_pairs
+        self.skill_rule = skill_rule
         if self.kl_boost > 0 and c.hold_min_skill is not None and run.demonstrations:
             self._measure_start_skill(run, rollout)
 
@@ -144,16 +159,21 @@ class CoverageTrust(Controller):
             log.info("coverage trust: %d demonstrations (data.sft_path) lie where no pair covers, fewer than %d; "
                      "the far rows are held with boost %g", len(far), SKILL_MIN_EXAMPLES, self.kl_boost)
             return
+        score = graded_skill_score(self.skill_rule, run.tokenizer) if self.skill_rule is not None else None
         with self.timer("coverage"):
             self.start_skill, self.far_demonstrations = greedy_match_share(far, run.generate, rollout, run.groups,
-                                                                           eos_id=run.tokenizer.eos_id)
+                                                                           eos_id=run.tokenizer.eos_id, score=score)
         held, min_skill = self.holds(), self.min_skill
-        log.info("coverage trust: the start answers %.3f of the %d demonstrations no pair covers as demonstrated "
-                 "(greedy); %s", self.start_skill, self.far_demonstrations,
-                 f"at least {min_skill:g}: the far rows are held (boost {self.kl_boost:g})" if held else
-                 f"below {min_skill:g}: the far rows are not held (boost 0), and every row's KL to the reference "
-                 f"weighs {self.released_kl:g} (trust.released_kl), the pairs' terms {self.released_pairs:g} "
-                 f"times as much (trust.released_pairs)")
+        measure = ("scores %.3f on average (the graded rule, greedy) on" if score is not None else
+                   "answers %.3f as demonstrated (greedy) of")
+        # a release changes the run's regime (a lighter KL, heavier pairs): a warning, with its numbers
+        (log.info if held else log.warning)(
+            "coverage trust: the start " + measure + " the %d demonstrations no pair covers; %s",
+            self.start_skill, self.far_demonstrations,
+            f"at least {min_skill:g}: the far rows are held (boost {self.kl_boost:g})" if held else
+            f"below {min_skill:g}: the far rows are not held (boost 0), and every row's KL to the reference "
+            f"weighs {self.released_kl:g} (trust.released_kl), the pairs' terms {self.released_pairs:g} "
+            f"times as much (trust.released_pairs)")
         if not held:
             self.kl_boost = 0.0
 
