@@ -406,6 +406,79 @@ def test_greedy_match_share_counts_answers_as_demonstrated():
     assert greedy_match_share([], generate, rollout, groups, eos_id=2)[1] == 0
 
 
+def test_greedy_match_share_graded_scores_answers_worded_otherwise():
+    """With a graded rule (``token_f1``) the start's skill is the mean score of its greedy answers against the
+    demonstrations, decoded: an answer worded otherwise than its demonstration (another order, an article)
+    scores 1, where the exact match gives 0; half an answer scores its F1; a cut answer 0. Without a score the
+    exact match is unchanged (the same examples: 0 of 4)."""
+    from hpa.data.preferences import SFTExample
+    from hpa.reward.rules import token_f1_reward
+    from hpa.trainer.objective.controllers.coverage import graded_skill_score, greedy_match_share
+
+    words = {6: "cat", 7: "owl", 8: "the", 9: "dog"}
+    tokenizer = types.SimpleNamespace(decode=lambda ids: " ".join(words[i] for i in ids), eos_id=2)
+    groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
+    rollout = load_config(None, []).rollout
+    demos = [SFTExample(prompt_ids=[1], response_ids=[6, 7, 2]),  # "cat owl"; answered "the owl cat": 1
+             SFTExample(prompt_ids=[3], response_ids=[6, 7, 2]),  # answered "cat": P 1, R 1/2, F1 2/3
+             SFTExample(prompt_ids=[4], response_ids=[6, 2]),  # answered "dog": 0
+             SFTExample(prompt_ids=[5], response_ids=[6, 2])]  # cut at the length: 0
+    answers = {1: [8, 7, 6], 3: [6], 4: [9], 5: None}
+    score = graded_skill_score(token_f1_reward, tokenizer)
+    share, n = greedy_match_share(demos, _greedy_generate(answers), rollout, groups, eos_id=2, score=score)
+    assert (share, n) == (pytest.approx((1 + 2 / 3 + 0 + 0) / 4), 4)
+    assert greedy_match_share(demos, _greedy_generate(answers), rollout, groups, eos_id=2) == (0.0, 4)
+
+
+def test_the_start_s_skill_is_graded_where_the_gold_rule_is(monkeypatch, caplog):
+    """``reward.rules`` with a graded rule (``token_f1``): the far demonstrations answered in other words hold
+    the far rows (skill 1); the same answers under the exact match (``exact_match``, the exact families, whose
+    numbers stay as they were) release them (skill 0), and the release is a WARNING naming the numbers."""
+    import logging
+
+    from hpa.data.preferences import PreferenceExample, SFTExample
+    from hpa.trainer.objective.controllers import CONTROLLERS, ControllerInputs
+
+    prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
+    pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
+    heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
+               for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
+    demos = [SFTExample(prompt_ids=[3], response_ids=[6, 7, 2]) for _ in range(40)]  # far: prompt 3, no pair
+    words = {6: "cat", 7: "owl", 8: "the"}
+    tokenizer = types.SimpleNamespace(decode=lambda ids: " ".join(words[i] for i in ids), eos_id=2)
+    groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
+    base = ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]", "data.heldout_preference_path=h.jsonl",
+            "algorithm.kl.use_kl_in_reward=false"]
+
+    def controller(rules):
+        from hpa.reward.rules import graded_rule
+
+        cfg = load_config(None, [*base, f"reward.rules=[{rules}]"])
+        run = ControllerInputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
+                               heldout_pairs=heldout, tokenizer=tokenizer, generate=_greedy_generate({3: [8, 7, 6]}),
+                               demonstrations=demos)
+        return _coverage(cfg.algorithm.hpa.trust, run, cfg.rollout, skill_rule=graded_rule(cfg.reward.rules))
+
+    caplog.set_level(logging.INFO, logger="hpa")
+    graded, exact = controller("token_f1"), controller("exact_match")
+    assert graded.start_skill == 1.0 and graded.kl_boost == 100.0 and graded.holds()
+    assert exact.start_skill == 0.0 and exact.kl_boost == 0.0 and not exact.holds()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "0.000" in warnings[0] and "40 demonstrations" in warnings[0]
+    assert "below 0.6" in warnings[0] and "0.25" in warnings[0]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "start scores" in r.getMessage()]
+    assert len(infos) == 1 and "1.000" in infos[0]
+    # the registry's entry hands the controller the graded rule of reward.rules (None for the exact rules)
+    from hpa.reward.rules import token_f1_reward
+
+    seen = []
+    monkeypatch.setattr("hpa.trainer.objective.controllers.CoverageTrust",
+                        lambda *args, **kwargs: seen.append(kwargs.get("skill_rule")))
+    for rules in ("token_f1", "exact_match"):
+        CONTROLLERS["coverage"].build(load_config(None, [*base, f"reward.rules=[{rules}]"]), None)
+    assert seen == [token_f1_reward, None]
+
+
 def test_the_far_rows_are_held_only_where_the_start_did_well():
     """``coverage.hold_min_skill`` (default 0.6): at start-up the start answers the demonstrations whose prompts
     no pair covers (trust 0; a covered prompt's demonstration is not asked); below the share the boost is 0
