@@ -158,3 +158,12 @@ def test_graded_rule_picks_the_graded_one_of_the_run_s_rules():
     assert graded_rule(()) is None and graded_rule(("exact_match", "gsm8k")) is None
     assert graded_rule(("exact_match", "token_f1")) is token_f1_reward
     assert set(GRADED_RULES) <= set(RULE_REWARDS.names())
+
+
+def test_graded_rule_refuses_two_graded_rules(monkeypatch):
+    """Which of two graded rules is the start's skill would be a guess: refused, both named."""
+    from hpa.reward import rules
+
+    monkeypatch.setattr(rules, "GRADED_RULES", ("exact_match", "token_f1"))
+    with pytest.raises(ValueError, match=r"several graded rules \['exact_match', 'token_f1'\]"):
+        rules.graded_rule(("exact_match", "token_f1"))

@@ -115,10 +115,10 @@ class CoverageTrust(Controller):
     With ``hold_min_skill`` and demonstrations (``data.sft_path``), the start's skill where no pair covers a
     prompt is measured once at start-up (``greedy_match_share`` over the examples whose prompts have trust 0:
     the exact greedy match, or with ``skill_rule``, the run's graded rule reward, the mean graded match
-    ``graded_skill_score``) and the boost is 0 for the run where it falls below; the KL's weight is then ``w_kl`` times ``released_kl``
-    (the step factor ``kl``, which the objective table and ``hpa/kl_factor`` show) and the pair stream's times
-    ``released_pairs`` (``act``); both are run state (saved; a checkpoint without
-    them keeps what start-up measured, which is the same start).
+    ``graded_skill_score``) and the boost is 0 for the run where it falls below (a WARNING with the numbers);
+    the KL's weight is then ``w_kl`` times ``released_kl`` (the step factor ``kl``, which the objective table
+    and ``hpa/kl_factor`` show) and the pair stream's times ``released_pairs`` (``act``); both are run state
+    (saved; a checkpoint without them keeps what start-up measured, which is the same start).
 
     ``margin``, ``kl_boost``, ``hold_min_skill``, ``released_kl`` and ``released_pairs`` are
     ``algorithm.hpa.trust``'s; ``space``, ``k``, ``kl_boost_shape`` and ``kl_boost_target`` are
