@@ -62,6 +62,7 @@ Usage::
 
     python -m data_tools.make_demo_task --out-dir demo --num-prompts 2000 --seed 0
     python -m data_tools.make_demo_task --out-dir demo_hackable --family hackable
+    python -m data_tools.make_demo_task --out-dir demo_freetext --family freetext
 """
 
 from __future__ import annotations
