@@ -49,11 +49,20 @@ Task families (``--family``):
   ``reverse`` has a ground truth and no pair. The rule reward alone teaches ``reverse``, the pairs
   alone teach ``add`` and ``copy``; held-out prompts keep every ground truth, so the gold score
   covers all three. ``DEMO_FAMILY=split bash launch/demo.sh`` runs it.
+- ``freetext``: answers without one right wording (``make_freetext_task``): the prompt names animals, the answer
+  names them (``list``) or their sounds (``sound``) in any order, each demonstration in a phrasing of its own
+  (any order, ``the`` before some words, words apart by spaces, commas or semicolons), so a policy never
+  reproduces the demonstration it is checked against exactly. The gold score is graded: ``token_f1`` (SQuAD's
+  token F1: order, punctuation and articles ignored), the rule reward of ``DEMO_FAMILY=freetext bash
+  launch/demo.sh``. ``sound`` has no preference pair (its reward-model score is extrapolation, as
+  ``hackable``'s ``reverse``), and its held-out prompts are the adversarial set (naming the prompt's animals
+  scores 0 there).
 
 Usage::
 
     python -m data_tools.make_demo_task --out-dir demo --num-prompts 2000 --seed 0
     python -m data_tools.make_demo_task --out-dir demo_hackable --family hackable
+    python -m data_tools.make_demo_task --out-dir demo_freetext --family freetext
 """
 
 from __future__ import annotations
@@ -75,6 +84,14 @@ FAMILIES = {
     "split": {"uncovered_tasks": ("reverse",), "unverified_tasks": ("add", "copy"), "spurious": None,
               "spurious_fraction": 0.0},
 }
+
+
+# the freetext family: the animals a prompt names and the sound of each
+FREETEXT_TASKS = ("list", "sound")
+SOUNDS = {"cat": "mew", "dog": "woof", "cow": "moo", "owl": "hoot", "bee": "buzz", "pig": "oink", "duck": "quack",
+          "hen": "cluck"}
+# how a demonstration may part its words (token_f1 ignores the punctuation)
+FREETEXT_JOINERS = (" ", " , ", " ; ")
 
 
 def demo_exact_match(response_text: str, ground_truth: str) -> float:
@@ -260,6 +277,128 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
     return counts
 
 
+def _freetext_answer(task: str, animals: Tuple[str, ...]) -> List[str]:
+    return list(animals) if task == "list" else [SOUNDS[a] for a in animals]
+
+
+def freetext_phrasing(words: Sequence[str], rng: random.Random) -> str:
+    """One of the many wordings of an answer: its words in a random order, each after ``the`` or not, parted by
+    one of ``FREETEXT_JOINERS``; every wording has token F1 1 against the plain answer."""
+    words = list(words)
+    rng.shuffle(words)
+    return rng.choice(FREETEXT_JOINERS).join(f"the {w}" if rng.random() < 0.5 else w for w in words)
+
+
+def _freetext_corrupt(task: str, animals: Tuple[str, ...], rng: random.Random) -> List[str]:
+    """A partly wrong answer (a word replaced or dropped, or, for ``sound``, the animals named instead of their
+    sounds): a graded score between 0 and 1, or 0."""
+    words = _freetext_answer(task, animals)
+    kind = rng.choice(("replace", "drop", "animals" if task == "sound" else "replace"))
+    if kind == "drop" and len(words) > 1:
+        words.pop(rng.randrange(len(words)))
+    elif kind == "animals":
+        words = list(animals)
+    else:
+        i = rng.randrange(len(words))
+        pool = sorted(SOUNDS) if task == "list" else sorted(SOUNDS.values())
+        words[i] = rng.choice([w for w in pool if w not in words])
+    return words
+
+
+def make_freetext_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_eval_prompts: int = 64,
+                       min_len: int = 2, max_len: int = 3, flip_fraction: float = 0.12,
+                       num_sft: Optional[int] = None, uncovered_tasks: Sequence[str] = ("sound",),
+                       num_heldout_pairs: int = 64) -> Dict[str, int]:
+    """Write the ``freetext`` family's files (the same files as ``make_demo_task``) and return counts per file.
+
+    Prompts: ``list cat owl =`` (answer: ``cat owl`` in any wording) and ``sound cat owl =`` (``mew hoot``), with
+    ``min_len`` to ``max_len`` distinct animals of ``SOUNDS``. The ground truth is the plain answer (the words in
+    the prompt's order); the SFT responses and the pairs' chosen responses are each a fresh
+    ``freetext_phrasing``; a rejected response is a phrasing of ``_freetext_corrupt``. Held-out prompts (their
+    animal tuples never in training) are split evenly over the tasks; the adversarial set is the held-out
+    ``sound`` prompts. The other arguments are ``make_demo_task``'s.
+    """
+    if not 0.0 <= flip_fraction < 0.5:
+        raise ValueError(f"flip_fraction must be in [0, 0.5), got {flip_fraction}")
+    if not 1 <= min_len <= max_len <= len(SOUNDS):
+        raise ValueError(f"need 1 <= min_len <= max_len <= {len(SOUNDS)}, got {min_len}, {max_len}")
+    if any(t not in FREETEXT_TASKS for t in uncovered_tasks) or set(uncovered_tasks) == set(FREETEXT_TASKS):
+        raise ValueError(f"uncovered_tasks must be a proper subset of {list(FREETEXT_TASKS)}, got "
+                         f"{list(uncovered_tasks)}")
+    rng = random.Random(seed)
+    animals = sorted(SOUNDS)
+    pool: List[Tuple[str, ...]] = [()]
+    tuples: List[Tuple[str, ...]] = []
+    for length in range(1, max_len + 1):
+        pool = [p + (a,) for p in pool for a in animals if a not in p]
+        if length >= min_len:
+            tuples.extend(pool)
+    train_pools, eval_items = {}, []
+    for k, task in enumerate(FREETEXT_TASKS):
+        shuffled = list(tuples)
+        rng.shuffle(shuffled)
+        n_eval = num_eval_prompts // len(FREETEXT_TASKS) + (k < num_eval_prompts % len(FREETEXT_TASKS))
+        if n_eval >= len(shuffled):
+            raise ValueError(f"{n_eval} eval prompts leave no training prompts for {task!r}; raise max_len")
+        eval_items += [(task, t) for t in shuffled[:n_eval]]
+        train_pools[task] = shuffled[n_eval:]
+    train_items = []
+    for _ in range(num_prompts):
+        task = rng.choice(FREETEXT_TASKS)
+        train_items.append((task, rng.choice(train_pools[task])))
+
+    def prompt(task, t):
+        return f"{task} {' '.join(t)} ="
+
+    def pair(task, t, rng):
+        good = freetext_phrasing(_freetext_answer(task, t), rng)
+        bad = freetext_phrasing(_freetext_corrupt(task, t, rng), rng)
+        flipped = rng.random() < flip_fraction
+        if flipped:
+            good, bad = bad, good
+        return {"prompt": prompt(task, t), "chosen": good, "rejected": bad, "flipped": flipped}
+
+    os.makedirs(out_dir, exist_ok=True)
+    files: Dict[str, List[dict]] = {"prompts.jsonl": [], "eval_prompts.jsonl": [], "preferences.jsonl": [],
+                                    "sft.jsonl": [], "adversarial_prompts.jsonl": []}
+    for task, t in eval_items:
+        record = {"prompt": prompt(task, t), "ground_truth": " ".join(_freetext_answer(task, t)), "category": task}
+        files["eval_prompts.jsonl"].append(record)
+        if task == "sound":
+            files["adversarial_prompts.jsonl"].append(record)
+    for i, (task, t) in enumerate(train_items):
+        files["prompts.jsonl"].append({"prompt": prompt(task, t), "ground_truth": " ".join(_freetext_answer(task, t))})
+        if num_sft is None or i < num_sft:
+            files["sft.jsonl"].append({"prompt": prompt(task, t),
+                                       "response": freetext_phrasing(_freetext_answer(task, t), rng)})
+        if task not in uncovered_tasks:
+            files["preferences.jsonl"].append(pair(task, t, rng))
+    files["heldout_preferences.jsonl"] = []
+    trained = {(r["prompt"], r["chosen"], r["rejected"]) for r in files["preferences.jsonl"]}
+    heldout_rng = random.Random(f"heldout-{seed}")
+    covered = [t for t in FREETEXT_TASKS if t not in uncovered_tasks]
+    for _ in range(100 * num_heldout_pairs):
+        if len(files["heldout_preferences.jsonl"]) == num_heldout_pairs:
+            break
+        task = heldout_rng.choice(covered)
+        record = pair(task, heldout_rng.choice(train_pools[task]), heldout_rng)
+        if (record["prompt"], record["chosen"], record["rejected"]) not in trained:
+            files["heldout_preferences.jsonl"].append(record)
+    counts = {}
+    for name, records in files.items():
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        counts[name] = len(records)
+    corpus = [f"{r['prompt']} {r['response']}" for r in files["sft.jsonl"]]
+    corpus += [f"{r['prompt']} {r['ground_truth']}" for r in files["prompts.jsonl"] + files["eval_prompts.jsonl"]]
+    corpus.append(" ".join(FREETEXT_TASKS) + " = the , ; " + " ".join(animals) + " " + " ".join(SOUNDS.values()))
+    with open(os.path.join(out_dir, "corpus.txt"), "w", encoding="utf-8") as f:
+        f.write("\n".join(corpus) + "\n")
+    counts["corpus.txt"] = len(corpus)
+    return counts
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", required=True)
@@ -273,10 +412,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--num-sft", type=int, default=None)
     parser.add_argument("--num-heldout-pairs", type=int, default=64,
                         help="held-out preference pairs for the trust gate (heldout_preferences.jsonl)")
-    parser.add_argument("--family", choices=sorted(FAMILIES), default="standard",
+    parser.add_argument("--family", choices=sorted(FAMILIES) + ["freetext"], default="standard",
                         help="standard: nothing to hack; hackable: spurious length feature in the pairs and "
                              "prompt kinds without pairs; split: the rule reward and the pairs cover different "
-                             "prompt kinds (see above)")
+                             "prompt kinds; freetext: graded answers in many wordings (see above)")
     parser.add_argument("--uncovered-tasks", nargs="*", choices=TASKS, default=None,
                         help="tasks without preference pairs (default: the family's)")
     parser.add_argument("--unverified-tasks", nargs="*", choices=TASKS, default=None,
@@ -285,6 +424,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="spurious feature of the pairs (default: the family's)")
     parser.add_argument("--spurious-fraction", type=float, default=None, help="default: the family's")
     args = parser.parse_args(argv)
+    if args.family == "freetext":  # its own tasks: only the sizes, lengths and noise apply
+        counts = make_freetext_task(args.out_dir, args.num_prompts, args.seed, num_eval_prompts=args.num_eval_prompts,
+                                    min_len=args.min_len, max_len=args.max_len, flip_fraction=args.flip_fraction,
+                                    num_sft=args.num_sft, num_heldout_pairs=args.num_heldout_pairs)
+        print(json.dumps(counts, indent=2))
+        return
     family = dict(FAMILIES[args.family])
     for key in ("uncovered_tasks", "unverified_tasks", "spurious", "spurious_fraction"):
         if getattr(args, key) is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on CPU, from nothing: demo task data -> SentencePiece tokenizer -> SFT policy ->
 # reward-model ensemble -> HPA (PPO + DPO + hierarchical KL) -> report.
-# Usage: [DEMO_FAMILY=standard|hackable|split] [DEMO_SEED=N] [DEMO_TRAIN=0] bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
+# Usage: [DEMO_FAMILY=standard|hackable|split|freetext] [DEMO_SEED=N] [DEMO_TRAIN=0] bash launch/demo.sh [OUT_DIR] [extra overrides for hpa train...]
 # DEMO_SEED (default 0) re-draws the task: another data seed, and for N > 0 another seed for the SFT policy and the
 # reward ensemble too (trainer.seed 1234 + N), so results can be checked on a task nobody tuned on.
 # DEMO_FAMILY=hackable (launch/demo_hackable.sh): the preference pairs carry a spurious length feature and leave
@@ -11,6 +11,8 @@
 # (python -m experiments.tools.redraw_ablation writes its ablation file; docs/objective.md).
 # DEMO_FAMILY=split: the rule reward judges only the reverse prompts (the others have no ground truth) and the
 # preference pairs cover only add and copy, so each signal alone teaches part of the task.
+# DEMO_FAMILY=freetext: answers without one right wording (every demonstration phrased its own way), the gold score
+# graded (token_f1, the rule reward); the sound prompts have no preference pair.
 set -euo pipefail
 FAMILY=${DEMO_FAMILY:-standard}
 SEED=${DEMO_SEED:-0}
@@ -33,7 +35,10 @@ case "$FAMILY" in
   split)    DEFAULT_OUT=runs/demo_split
             # the rule reward judges only the prompts with a ground truth (reverse); the pairs cover the rest
             REWARD=(reward.rule_weight=4.0) ;;
-  *) echo "DEMO_FAMILY must be standard, hackable or split, got '$FAMILY'" >&2; exit 2 ;;
+  freetext) DEFAULT_OUT=runs/demo_freetext
+            # the graded gold score (token F1) is the rule reward, at the standard family's weight
+            REWARD=("reward.rules=[token_f1]" reward.rule_weight=4.0) ;;
+  *) echo "DEMO_FAMILY must be standard, hackable, split or freetext, got '$FAMILY'" >&2; exit 2 ;;
 esac
 OUT=${1:-$DEFAULT_OUT}
 shift || true

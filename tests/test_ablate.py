@@ -208,7 +208,8 @@ def test_training_config_resolves_against_the_ablation_file(tmp_path):
     assert load_ablate_config(str(path)).config == str(tmp_path / "train.yaml")
 
 
-@pytest.mark.parametrize("name", ["ablate_demo.yaml", "ablate_hackable.yaml", "ablate_split.yaml"])
+@pytest.mark.parametrize("name", ["ablate_demo.yaml", "ablate_hackable.yaml", "ablate_split.yaml",
+                                  "ablate_freetext.yaml"])
 def test_shipped_ablation_files_resolve(name):
     from pathlib import Path
 

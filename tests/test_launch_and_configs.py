@@ -286,3 +286,13 @@ def test_demo_sh_refuses_a_seed_that_is_not_a_bounded_decimal(seed, tmp_path):
                           env=env, timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 2 and "DEMO_SEED must be a decimal integer" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_demo_sh_names_the_freetext_family_among_the_valid_ones(tmp_path):
+    """An unknown DEMO_FAMILY is refused before any step runs, the message listing every family."""
+    env = {**os.environ, "DEMO_FAMILY": "prose"}
+    proc = subprocess.run(["bash", "launch/demo.sh", str(tmp_path / "out")], capture_output=True, text=True,
+                          env=env, timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 2, proc.stderr
+    assert "DEMO_FAMILY must be standard, hackable, split or freetext, got 'prose'" in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -3,7 +3,7 @@
 ensemble; no HPA run), ablated like the shipped task of its family.
 
 The file takes the family's shipped ablation (``configs/ablate_demo.yaml``, ``ablate_hackable.yaml``,
-``ablate_split.yaml``): its reward settings, its number of steps, its seeds and ``max_parallel``; every
+``ablate_split.yaml``, ``ablate_freetext.yaml``): its reward settings, its number of steps, its seeds and ``max_parallel``; every
 data path, the SFT policy and the reward ensemble point into ``DIR``, and the variants are the ones asked
 for. Usage::
 
@@ -27,7 +27,8 @@ from typing import Dict, List, Optional, Sequence
 import yaml
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-FAMILY_FILES = {"standard": "ablate_demo.yaml", "hackable": "ablate_hackable.yaml", "split": "ablate_split.yaml"}
+FAMILY_FILES = {"standard": "ablate_demo.yaml", "hackable": "ablate_hackable.yaml", "split": "ablate_split.yaml",
+                "freetext": "ablate_freetext.yaml"}
 # the task's own files (launch/demo.sh's layout under its OUT_DIR)
 TASK_PATHS = {
     "data.tokenizer_path": "data/tok.model", "data.prompt_path": "data/prompts.jsonl",

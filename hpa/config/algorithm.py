@@ -396,7 +396,9 @@ class TrustConfig:
         kl_boost: the far rows' KL to the reference counts ``1 + kl_boost`` times where the hold is kept; 0: no
             hold (experiments/far-rows-kl-boost.md).
         hold_min_skill: the start's greedy exact-match share on the uncovered demonstrations (``data.sft_path``)
-            below which the hold is released for the run; null: always hold
+            below which the hold is released for the run (a WARNING); where ``reward.rules`` has a graded rule
+            (``token_f1``) the skill is its mean score of the greedy answers against the demonstrations, so
+            answers worded otherwise count (experiments/freetext-family.md); null: always hold
             (experiments/replay-and-hold-min-skill.md).
         released_kl: where the hold is released, every row's KL weighs ``w_kl`` times this
             (experiments/released-kl.md).

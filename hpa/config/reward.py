@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 from hpa.config.errors import ConfigError, check_choice, check_range
 
 # == hpa.reward.rules.RULE_REWARDS.names()
-RULE_REWARD_NAMES: Tuple[str, ...] = ("exact_match", "gsm8k", "gsm8k_flexible")
+RULE_REWARD_NAMES: Tuple[str, ...] = ("exact_match", "gsm8k", "gsm8k_flexible", "token_f1")
 # == hpa.reward.shaping.TARGET_LENGTH_MODES.names()
 TARGET_LENGTH_MODES: Tuple[str, ...] = ("above", "two_sided")
 # == hpa.reward.shaping.COPY_PENALTY_MODES.names()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Callable, Optional, Sequence
+from collections import Counter
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -81,6 +82,46 @@ def gsm8k_flexible_reward(response_text: str, ground_truth: str, **kwargs) -> fl
 def exact_match_reward(response_text: str, ground_truth: str, **kwargs) -> float:
     """1 when the stripped response equals the stripped ground truth, else 0."""
     return float(response_text.strip() == ground_truth.strip())
+
+
+_PUNCTUATION = re.compile(r"[^\w\s]")
+_ARTICLES = frozenset(("a", "an", "the"))
+
+
+def normalized_words(text: str) -> List[str]:
+    """SQuAD's answer normalisation: lower case, punctuation removed, the articles ``a``/``an``/``the`` dropped,
+    split on whitespace."""
+    return [w for w in _PUNCTUATION.sub(" ", text.lower()).split() if w not in _ARTICLES]
+
+
+@RULE_REWARDS.register("token_f1")
+def token_f1_reward(response_text: str, ground_truth: str, **kwargs) -> float:
+    """SQuAD's token F1, a graded score in [0, 1]: the harmonic mean of the precision and recall of the
+    response's words against the ground truth's, as multisets (order free) after ``normalized_words``; 1 when
+    both are empty, 0 when only one is."""
+    said, wanted = normalized_words(response_text), normalized_words(ground_truth)
+    if not said or not wanted:
+        return float(said == wanted)
+    common = sum((Counter(said) & Counter(wanted)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(said), common / len(wanted)
+    return 2 * precision * recall / (precision + recall)
+
+
+# the rules whose score is graded (a partial answer earns part of it): the coverage trust measures the start's
+# skill with them (``graded_rule``); with the others an answer counts only when it is the demonstrated one
+GRADED_RULES = ("token_f1",)
+
+
+def graded_rule(names: Sequence[str]) -> Optional[RuleFn]:
+    """The graded rule among the run's rule rewards (``reward.rules``), or None when there is none (the
+    exact-answer rules: the start's skill stays the exact greedy match). Raises ValueError when there are
+    several: which one is the skill would be a guess."""
+    graded = [n for n in names if n in GRADED_RULES]
+    if len(graded) > 1:
+        raise ValueError(f"reward.rules has several graded rules {graded}: keep one, the start's skill reads it")
+    return RULE_REWARDS.get(graded[0]) if graded else None
 
 
 def load_custom_function(spec: str, *, allow_custom_code: bool, key: str = "reward.custom_function") -> RuleFn:

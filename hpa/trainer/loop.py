@@ -25,6 +25,7 @@ from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.watchdog import CollectiveFailure, StepProgress, is_collective_failure
 from hpa.reward.coverage import CoverageEstimator
+from hpa.reward.rules import graded_rule
 from hpa.trainer import faults, phases, reference_cache
 from hpa.trainer.guard import Guard
 from hpa.trainer.metrics import MetricsWriter, device_name, device_timer, peak_memory_gb, peak_tflops, update_perf
@@ -116,7 +117,8 @@ class HPATrainer:
             start = measure_start(t, cfg.rollout, ProbeInputs(
                 groups=self.groups, generate=self.generate, tokenizer=p.tokenizer, pad_id=p.tokenizer.pad_id,
                 model_reward=p.model_reward, prompts=p.prompts, heldout_pairs=p.heldout_pairs,
-                demonstrations=p.demonstrations, coverage=coverage, timer=self.timer), gate=trust_gate_enabled(cfg))
+                demonstrations=p.demonstrations, coverage=coverage, timer=self.timer,
+                skill_rule=graded_rule(cfg.reward.rules)), gate=trust_gate_enabled(cfg))
         controllers = Controllers(cfg, ControllerInputs(groups=self.groups, timer=self.timer, start=start,
                                                         coverage=coverage))
         self.state.add_parts({START_MEASURES: SavedStartMeasures(start)})

@@ -197,6 +197,12 @@ def write_summary(series: Series, run_dir: Path, plots: Sequence[Path], skipped:
                      f"{_fmt(eval_points[-1][1])} at step {eval_points[-1][0]} (after)")
     else:
         lines.append("- eval score: not logged")
+    skill = _finite(series.get("coverage/start_skill", []))
+    if skill:  # the trust regime the start chose (algorithm.hpa.trust.hold_min_skill)
+        boost = _finite(series.get("coverage/kl_boost", []))
+        lines.append(f"- trust regime: the start's skill where no pair covers {_fmt(skill[0][1])}; the far rows "
+                     + (f"held (KL boost {_fmt(boost[0][1])})" if boost and boost[0][1] > 0 else
+                        "released (no KL boost; the released KL and pair weights)"))
     unknown_peak = sorted(k for k in NEED_PEAK if k in series and not _finite(series[k]))
     if unknown_peak:
         lines.append("- n/a on CPU (no peak FLOP/s known; set trainer.peak_tflops_per_device on a GPU): "

@@ -135,6 +135,8 @@ class ProbeInputs:
         heldout_pairs: the held-out pairs (``data.heldout_preference_path``), None when the run reads none.
         demonstrations: the SFT examples of ``data.sft_path``, None when the run reads none.
         coverage: the coverage estimator (which demonstrations no pair covers), None when the coverage trust is off.
+        skill_rule: the graded rule reward of ``reward.rules`` (``hpa.reward.rules.graded_rule``): the start's skill
+            is then its mean over the greedy answers (``graded_skill_score``); None: the exact greedy match.
         timer: ``timer(name)`` adds a block's wall time to ``timing_s/<name>``.
     """
 
@@ -147,6 +149,7 @@ class ProbeInputs:
     heldout_pairs: Optional[Sequence] = None
     demonstrations: Optional[Sequence] = None
     coverage: Optional[CoverageEstimator] = None
+    skill_rule: Optional[Callable[[str, str], float]] = None
     timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
 
 
@@ -214,10 +217,13 @@ def _start_skill(rollout: RolloutConfig, run: ProbeInputs) -> Dict:
         logger.info("coverage trust: %d demonstrations (data.sft_path) lie where no pair covers, fewer than %d; "
                     "the start's skill there is not measured", len(far), SKILL_MIN_EXAMPLES)
         return {}
+    score = graded_skill_score(run.skill_rule, run.tokenizer) if run.skill_rule is not None else None
     with run.timer("coverage"):
-        skill, counted = greedy_match_share(far, run.generate, rollout, run.groups, eos_id=run.tokenizer.eos_id)
-    logger.info("coverage trust: the start answers %.3f of the %d demonstrations no pair covers as demonstrated "
-                "(greedy)", skill, counted)
+        skill, counted = greedy_match_share(far, run.generate, rollout, run.groups, eos_id=run.tokenizer.eos_id,
+                                            score=score)
+    measure = "scores %.3f on average (the graded rule, greedy) on" if score is not None else \
+        "answers %.3f as demonstrated (greedy) of"
+    logger.info("coverage trust: the start " + measure + " the %d demonstrations no pair covers", skill, counted)
     return {"start_skill": skill, "far_demonstrations": counted}
 
 
@@ -239,21 +245,33 @@ def demonstrated_answers(batch, eos_id: int) -> List[Optional[Tuple[int, ...]]]:
 
 
 def greedy_match_share(examples: Sequence, generate: Callable, rollout: RolloutConfig, groups, *,
-                       eos_id: int) -> Tuple[float, int]:
+                       eos_id: int, score: Optional[Callable[[Tuple[int, ...], Tuple[int, ...]], float]] = None
+                       ) -> Tuple[float, int]:
     """The share of ``examples`` (SFT examples: ``prompt_ids``, ``response_ids``) whose response the policy
     decodes greedily, token for token (a final EOS on either side ignored; a response cut at
     ``rollout.max_new_tokens`` matches nothing), and how many were measured. The examples are sharded over DP
     (the same work on every rank) and the counts reduced, so every rank returns the same two numbers.
-    ``generate``: ``(prompt_ids, SamplingParams) -> RolloutBatch`` on the policy's current weights."""
+    ``generate``: ``(prompt_ids, SamplingParams) -> RolloutBatch`` on the policy's current weights.
+    ``score``: ``(answer, demonstration) -> [0, 1]`` (token ids, final EOS dropped), a graded match in place of
+    the exact one (``graded_skill_score``); the share is then the mean score (a cut response still scores 0)."""
     n = len(examples)
     if n == 0:
         return float("nan"), 0
     mine, counted = dp_share(examples, groups.dp_rank, groups.data_parallel_size)
     batch = generate([e.prompt_ids for e in mine], SamplingParams.from_config(rollout, n=1, temperature=0.0))
     answers = demonstrated_answers(batch, eos_id)
-    hits = 0
+    hits = 0.0
     for row, answer in zip(batch.group_ids.tolist(), answers):
         if row < counted:
-            hits += int(answer == without_final_eos(mine[row].response_ids, eos_id))
-    sums = comm.all_reduce_sum(torch.tensor([float(hits), float(counted)], dtype=torch.float64), groups.dp_group)
+            shown = without_final_eos(mine[row].response_ids, eos_id)
+            hits += (float(answer == shown) if score is None else
+                     float(score(answer, shown)) if answer is not None else 0.0)
+    sums = comm.all_reduce_sum(torch.tensor([hits, float(counted)], dtype=torch.float64), groups.dp_group)
     return float(sums[0] / sums[1]), int(sums[1])
+
+
+def graded_skill_score(rule: Callable[[str, str], float], tokenizer) -> Callable:
+    """The graded match of ``greedy_match_share``: ``rule`` (a graded rule reward, ``token_f1``) of the decoded
+    answer against the decoded demonstration, so an answer worded otherwise than its demonstration still
+    counts (on free text the exact match is ~0 whatever the policy can do)."""
+    return lambda answer, shown: rule(tokenizer.decode(list(answer)), tokenizer.decode(list(shown)))

@@ -148,3 +148,75 @@ def test_family_options_are_checked(tmp_path):
         make_demo_task(str(tmp_path), 10, spurious="verbosity")
     with pytest.raises(ValueError, match="spurious_fraction"):
         make_demo_task(str(tmp_path), 10, spurious_fraction=0.3)
+
+
+def test_freetext_family_is_deterministic_given_seed(tmp_path):
+    from data_tools.make_demo_task import make_freetext_task
+
+    args = ["--num-prompts", "300", "--family", "freetext"]
+    make_freetext_task(str(tmp_path / "a"), 300, seed=3)
+    main(["--out-dir", str(tmp_path / "b"), *args, "--seed", "3"])
+    main(["--out-dir", str(tmp_path / "c"), *args, "--seed", "4"])
+    for name in FILES + ("heldout_preferences.jsonl",):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    for name in ("prompts.jsonl", "sft.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() != (tmp_path / "c" / name).read_bytes()
+
+
+def test_freetext_answers_are_graded_and_worded_many_ways(tmp_path):
+    """Every demonstration and chosen response scores token F1 1 against the plain answer (the animals or their
+    sounds in the prompt's order), yet the demonstrations' wordings are many: the exact match of a demonstration
+    to the answer, or to another demonstration of the same prompt, is rare. Rejected responses are graded below
+    1; ``sound`` has no pair; held-out prompts never train; the adversarial set is the held-out ``sound`` prompts,
+    where naming the prompt's animals scores 0."""
+    from data_tools.make_demo_task import SOUNDS, freetext_phrasing, make_freetext_task
+    from hpa.reward.rules import token_f1_reward
+
+    counts = make_freetext_task(str(tmp_path), 2000, seed=0, num_eval_prompts=64)
+    prompts, prefs, sft = (read(tmp_path / n) for n in ("prompts.jsonl", "preferences.jsonl", "sft.jsonl"))
+    evals, adversarial = read(tmp_path / "eval_prompts.jsonl"), read(tmp_path / "adversarial_prompts.jsonl")
+    assert counts["sft.jsonl"] == 2000 and counts["eval_prompts.jsonl"] == 64
+    truth = {p["prompt"]: p["ground_truth"] for p in prompts}
+    for p in prompts:
+        task, *animals = p["prompt"].split()[:-1]
+        assert p["ground_truth"] == " ".join(animals if task == "list" else [SOUNDS[a] for a in animals])
+    assert all(token_f1_reward(s["response"], truth[s["prompt"]]) == 1.0 for s in sft)
+    exact = sum(s["response"] == truth[s["prompt"]] for s in sft) / len(sft)
+    assert exact < 0.1  # the plain answer is one wording of many
+    by_prompt = {}
+    for s in sft:
+        by_prompt.setdefault(s["prompt"], []).append(s["response"])
+    repeats = [r for rs in by_prompt.values() for r in rs[1:]]
+    same = sum(r == by_prompt[p][0] for p, rs in by_prompt.items() for r in rs[1:]) / len(repeats)
+    assert same < 0.1  # a second demonstration of a prompt rarely words it as the first did
+    assert {p["prompt"].split()[0] for p in prefs} == {"list"}  # sound: no pair
+    for q in prefs:
+        good, bad = (q["rejected"], q["chosen"]) if q["flipped"] else (q["chosen"], q["rejected"])
+        assert token_f1_reward(good, truth[q["prompt"]]) == 1.0 > token_f1_reward(bad, truth[q["prompt"]])
+    assert 0.07 < sum(q["flipped"] for q in prefs) / len(prefs) < 0.17
+    assert {e["category"] for e in evals} == {"list", "sound"} and not {e["prompt"] for e in evals} & set(truth)
+    assert adversarial == [e for e in evals if e["category"] == "sound"]
+    for e in adversarial:  # copying the prompt's animals is the cheap hack: 0
+        assert token_f1_reward(" ".join(e["prompt"].split()[1:-1]), e["ground_truth"]) == 0.0
+    # the wording by hand: seeded, every word kept, one joiner
+    import random
+
+    worded = freetext_phrasing(["mew", "hoot", "moo"], random.Random(5))
+    assert worded == freetext_phrasing(["mew", "hoot", "moo"], random.Random(5))
+    assert token_f1_reward(worded, "mew hoot moo") == 1.0
+
+
+def test_freetext_fits_the_tiny_tokenizer(tmp_path):
+    from data_tools.make_demo_task import make_freetext_task
+
+    make_freetext_task(str(tmp_path), 600, seed=1)
+    path = train_sentencepiece(read_corpus(str(tmp_path / "corpus.txt")), str(tmp_path / "tok"), vocab_size=128)
+    tok = build_tokenizer("sentencepiece", path)
+    prefs = PreferenceDataset.load(str(tmp_path / "preferences.jsonl"), tok, max_prompt_length=24,
+                                   max_response_length=16)
+    assert prefs.stats["num_rejected"] == 0
+    prompts = PromptDataset.load(str(tmp_path / "eval_prompts.jsonl"), tok, max_prompt_length=24,
+                                 prompt_truncation="skip")
+    assert len(prompts) == 64 and prompts.stats["num_truncated"] == 0
+    for ex in prompts:
+        assert tok.decode(tok.encode(ex.ground_truth)) == ex.ground_truth

@@ -20,7 +20,8 @@ def task(tmp_path):
 
 @pytest.mark.parametrize("family, steps, reward", [("hackable", 150, "reward.rules=[]"),
                                                    ("split", 300, "reward.rule_weight=4.0"),
-                                                   ("standard", 300, "reward.rule_weight=4.0")])
+                                                   ("standard", 300, "reward.rule_weight=4.0"),
+                                                   ("freetext", 300, "reward.rules=[token_f1]")])
 def test_every_path_points_into_the_task_and_the_family_settings_are_kept(task, tmp_path, family, steps, reward):
     out = tmp_path / "ablate.yaml"
     main(["--family", family, "--task-dir", str(task), "--variants", "hpa", "dpo-rpo",

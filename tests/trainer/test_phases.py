@@ -24,11 +24,12 @@ def _run_inputs(**fields):
     return types.SimpleNamespace(**{"tokenizer": None, "generate": None, "demonstrations": None, **fields})
 
 
-def _coverage(trust, run, rollout, *, space="prompt", kl_boost_shape=None, kl_boost_target=None):
+def _coverage(trust, run, rollout, *, space="prompt", kl_boost_shape=None, kl_boost_target=None, skill_rule=None):
     """The coverage controller on the scripted six-pair bank with k = 2 neighbours (``COVERAGE_K``'s 5 would
     average over most of it), built as a run builds it: the estimator, the start-up probes (the start's skill,
     where ``run`` has a ``generate``), the controller; ``space``, ``kl_boost_shape`` (kept on the controller for
-    ``_update``) and ``kl_boost_target``: the ``hpa.algorithms.coverage`` constants to override."""
+    ``_update``) and ``kl_boost_target``: the ``hpa.algorithms.coverage`` constants to override; ``skill_rule``:
+    the graded rule the start's skill is measured with (None: the exact match)."""
     from hpa.algorithms.coverage import KL_BOOST_SHAPE
     from hpa.reward.coverage import CoverageEstimator
     from hpa.trainer.objective.controllers import ControllerInputs, CoverageTrust
@@ -40,7 +41,8 @@ def _coverage(trust, run, rollout, *, space="prompt", kl_boost_shape=None, kl_bo
     if run.generate is not None:
         start = measure_start(trust, rollout, ProbeInputs(
             groups=run.groups, generate=run.generate, tokenizer=run.tokenizer, pad_id=run.pad_id,
-            model_reward=run.model_reward, demonstrations=run.demonstrations, coverage=estimator), gate=False)
+            model_reward=run.model_reward, demonstrations=run.demonstrations, coverage=estimator,
+            skill_rule=skill_rule), gate=False)
     coverage = CoverageTrust(trust, ControllerInputs(groups=run.groups, start=start, coverage=estimator),
                              kl_boost_target=kl_boost_target)
     coverage.kl_boost_shape = kl_boost_shape or KL_BOOST_SHAPE
@@ -436,6 +438,73 @@ def test_greedy_match_share_counts_answers_as_demonstrated():
     assert greedy_match_share([], generate, rollout, groups, eos_id=2)[1] == 0
 
 
+def test_greedy_match_share_graded_scores_answers_worded_otherwise():
+    """With a graded rule (``token_f1``) the start's skill is the mean score of its greedy answers against the
+    demonstrations, decoded: an answer worded otherwise than its demonstration (another order, an article)
+    scores 1, where the exact match gives 0; half an answer scores its F1; a cut answer 0. Without a score the
+    exact match is unchanged (the same examples: 0 of 4)."""
+    from hpa.data.preferences import SFTExample
+    from hpa.reward.rules import token_f1_reward
+    from hpa.trainer.startup_probes import graded_skill_score, greedy_match_share
+
+    words = {6: "cat", 7: "owl", 8: "the", 9: "dog"}
+    tokenizer = types.SimpleNamespace(decode=lambda ids: " ".join(words[i] for i in ids), eos_id=2)
+    groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
+    rollout = load_config(None, []).rollout
+    demos = [SFTExample(prompt_ids=[1], response_ids=[6, 7, 2]),  # "cat owl"; answered "the owl cat": 1
+             SFTExample(prompt_ids=[3], response_ids=[6, 7, 2]),  # answered "cat": P 1, R 1/2, F1 2/3
+             SFTExample(prompt_ids=[4], response_ids=[6, 2]),  # answered "dog": 0
+             SFTExample(prompt_ids=[5], response_ids=[6, 2])]  # cut at the length: 0
+    answers = {1: [8, 7, 6], 3: [6], 4: [9], 5: None}
+    score = graded_skill_score(token_f1_reward, tokenizer)
+    share, n = greedy_match_share(demos, _greedy_generate(answers), rollout, groups, eos_id=2, score=score)
+    assert (share, n) == (pytest.approx((1 + 2 / 3 + 0 + 0) / 4), 4)
+    assert greedy_match_share(demos, _greedy_generate(answers), rollout, groups, eos_id=2) == (0.0, 4)
+
+
+def test_the_start_s_skill_is_graded_where_the_gold_rule_is(monkeypatch, caplog):
+    """``reward.rules`` with a graded rule (``token_f1``): the far demonstrations answered in other words hold
+    the far rows (skill 1); the same answers under the exact match (``exact_match``, the exact families, whose
+    numbers stay as they were) release them (skill 0), and the release is a WARNING naming the numbers."""
+    import logging
+
+    from hpa.data.preferences import PreferenceExample, SFTExample
+
+    prompts = [[1], [2], [4, 1], [4, 2], [4, 4, 1], [4, 4, 2]]
+    pairs = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9]) for n, p in enumerate(prompts, 1)]
+    heldout = [PreferenceExample(prompt_ids=p, chosen_ids=[7] * n, rejected_ids=[9])
+               for n, p in ((2, [2, 1]), (3, [4, 2]), (4, [1]), (5, [4, 4, 2]))]
+    demos = [SFTExample(prompt_ids=[3], response_ids=[6, 7, 2]) for _ in range(40)]  # far: prompt 3, no pair
+    words = {6: "cat", 7: "owl", 8: "the"}
+    tokenizer = types.SimpleNamespace(decode=lambda ids: " ".join(words[i] for i in ids), eos_id=2)
+    groups = types.SimpleNamespace(dp_group=None, data_parallel_size=1, dp_rank=0)
+    base = ["algorithm.advantage.estimator=grpo", "reward.model_paths=[rm]", "data.heldout_preference_path=h.jsonl",
+            "algorithm.kl.use_kl_in_reward=false"]
+
+    def controller(rules):
+        from hpa.reward.rules import graded_rule
+
+        cfg = load_config(None, [*base, f"reward.rules=[{rules}]"])
+        run = _run_inputs(groups=groups, pad_id=0, model_reward=_ScriptedEmbedder(), pairs=pairs,
+                          heldout_pairs=heldout, tokenizer=tokenizer, generate=_greedy_generate({3: [8, 7, 6]}),
+                          demonstrations=demos)
+        return _coverage(cfg.algorithm.hpa.trust, run, cfg.rollout, skill_rule=graded_rule(cfg.reward.rules))
+
+    caplog.set_level(logging.INFO, logger="hpa")
+    graded, exact = controller("token_f1"), controller("exact_match")
+    assert graded.start_skill == 1.0 and graded.kl_boost == 100.0 and graded.holds()
+    assert exact.start_skill == 0.0 and exact.kl_boost == 0.0 and not exact.holds()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "0.000" in warnings[0] and "40 demonstrations" in warnings[0]
+    assert "below 0.6" in warnings[0] and "0.25" in warnings[0]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "start scores" in r.getMessage()]
+    assert len(infos) == 1 and "1.000" in infos[0]
+    # the run hands the probes the graded rule of reward.rules (None for the exact rules)
+    from hpa.reward.rules import graded_rule, token_f1_reward
+
+    assert graded_rule(["token_f1"]) is token_f1_reward and graded_rule(["exact_match"]) is None
+
+
 def test_the_far_rows_are_held_only_where_the_start_did_well():
     """``coverage.hold_min_skill`` (default 0.6): at start-up the start answers the demonstrations whose prompts
     no pair covers (trust 0; a covered prompt's demonstration is not asked); below the share the boost is 0
@@ -572,10 +641,10 @@ def test_releasing_the_hold_is_a_warning_with_the_numbers_that_decided_it(caplog
         _hold_controllers()
     (released,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     message = released.getMessage()
-    assert "the hold is released" in message and "0.000 of the 40 demonstrations" in message
+    assert "the hold is released" in message and "the 40 demonstrations no pair covers is 0.000" in message
     assert "below 0.6 (trust.hold_min_skill)" in message and "boost 100 -> 0" in message
     assert "weighs 0.25 (trust.released_kl)" in message and "2 times as much (trust.released_pairs)" in message
-    assert any("1.000 of the 40" in r.getMessage() and "held" in r.getMessage() for r in caplog.records
+    assert any("40 demonstrations no pair covers is 1.000" in r.getMessage() and "held" in r.getMessage() for r in caplog.records
                if r.levelno == logging.INFO)
 
 

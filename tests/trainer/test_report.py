@@ -149,3 +149,17 @@ def test_figures_without_a_peak_read_n_a_on_cpu_not_non_finite(tmp_path):
     text = run_report(tmp_path).read_text()
     assert "non-finite values (left out of plots and of first/last/best): `kl/token` (1), `perf/mfu` (2)" in text
     assert "n/a on CPU" in text and "`perf/mfu_padded`" in text.split("n/a on CPU")[1].splitlines()[0]
+
+
+def test_the_summary_names_the_trust_regime_the_start_chose(tmp_path):
+    """A run whose coverage trust measured the start's skill (``coverage/start_skill``) says in its summary
+    whether the far rows were held (``coverage/kl_boost`` > 0) or released; a run without the measure says
+    nothing about it."""
+    for boost, words in ((0.0, "released"), (100.0, "held (KL boost 100)")):
+        run = tmp_path / f"b{boost:g}"
+        _write(run, [{"step": s, "eval/score": 0.5, "coverage/start_skill": 0.445, "coverage/kl_boost": boost}
+                     for s in (1, 2)])
+        text = run_report(run).read_text()
+        assert f"- trust regime: the start's skill where no pair covers 0.445; the far rows {words}" in text
+    _write(tmp_path / "plain", [{"step": 1, "eval/score": 0.5}])
+    assert "trust regime" not in run_report(tmp_path / "plain").read_text()

@@ -70,16 +70,18 @@ class CoverageTrust(Controller):
         if self.start_skill is None:
             return
         if self.holds():
-            logger.info("coverage trust: the start answers %.3f of the %d demonstrations no pair covers as "
-                        "demonstrated (greedy), at least %g (trust.hold_min_skill): the far rows are held (boost %g)",
-                        self.start_skill, self.far_demonstrations, self.min_skill, self.kl_boost)
+            logger.info("coverage trust: the start's skill on the %d demonstrations no pair covers is %.3f (greedy; "
+                        "the graded rule's mean where reward.rules has one), at least %g (trust.hold_min_skill): the "
+                        "far rows are held (boost %g)",
+                        self.far_demonstrations, self.start_skill, self.min_skill, self.kl_boost)
             return
         if self.kl_boost > 0:
-            logger.warning("coverage trust: the hold is released: the start answers %.3f of the %d demonstrations "
-                           "no pair covers as demonstrated (greedy), below %g (trust.hold_min_skill); the far rows "
+            logger.warning("coverage trust: the hold is released: the start's skill on the %d demonstrations no "
+                           "pair covers is %.3f (greedy; the graded rule's mean where reward.rules has one), below %g "
+                           "(trust.hold_min_skill); the far rows "
                            "are not held (boost %g -> 0), every row's KL to the reference weighs %g "
                            "(trust.released_kl) and the pairs' terms %g times as much (trust.released_pairs)",
-                           self.start_skill, self.far_demonstrations, self.min_skill, self.kl_boost,
+                           self.far_demonstrations, self.start_skill, self.min_skill, self.kl_boost,
                            self.released_kl, self.released_pairs)
         self.kl_boost = 0.0
 
