@@ -19,11 +19,11 @@ Layout: prompts are DP-sharded round-robin (prompt ``i`` on DP rank ``i % dp``);
 TP×PP model-parallel group generates and scores the same rows. The records are gathered over DP and
 written by the main rank in prompt order.
 
-The guard is ``hpa.trainer.inference.KLGuard`` (one implementation: ``hpa serve`` samples through it
-too), the loading of the checkpoints and the engine ``hpa.trainer.inference.load_policy``.
+The guard is ``hpa.inference.KLGuard`` (one implementation: ``hpa serve`` samples through it
+too), the loading of the checkpoints and the engine ``hpa.inference.load_policy``.
 
 Layering note: this entry point sits at the trainer/cli level (it loads checkpoints and runs the
-training forward); its guard and loading live in ``hpa.trainer.inference``.
+training forward); its guard and loading live in ``hpa.inference``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional
 
 from hpa.engine.batching import Batching
 from hpa.rollout.base import SamplingParams, decode_responses
-from hpa.trainer.inference import KLGuard, check_guard_args, load_policy
+from hpa.inference import KLGuard, check_guard_args, load_policy
 
 
 def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_threshold: float = 0.1,

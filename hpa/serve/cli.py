@@ -59,7 +59,7 @@ def load_into(state: ServeState, cfg, groups) -> None:
     import tempfile
 
     from hpa.engine.batching import Batching
-    from hpa.trainer.inference import KLGuard, load_policy
+    from hpa.inference import KLGuard, load_policy
 
     state.workdir = tempfile.TemporaryDirectory(prefix="hpa-serve-")  # converted HF checkpoints, if any
     cfg = _import_hf(cfg, groups, state.workdir.name)
