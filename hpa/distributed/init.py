@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from hpa.config.errors import UserError
-from hpa.config.schema import ParallelConfig, data_parallel_size
+from hpa.config.schema import ParallelConfig, data_parallel_size, validate
 
+from . import device_mode
 from .console import configure_logging
 from .groups import ParallelGroups
 
@@ -102,8 +103,6 @@ def launched(cfg):
     """
     import logging
 
-    from hpa.config.schema import validate
-
     launch = read_launch_env()
     validate(cfg, launch.world_size)
     configure_logging(cfg.logging.level)
@@ -149,9 +148,7 @@ def test_model_device() -> Optional[torch.device]:
         return None
     if name != "lazy":
         raise ValueError(f"{TEST_MODEL_DEVICE_ENV}={name!r}: the only test model device is 'lazy'")
-    from .device_mode import enter
-
-    return enter(torch.device("lazy", 0))
+    return device_mode.enter(torch.device("lazy", 0))
 
 
 def choose_backend(requested: str) -> str:
