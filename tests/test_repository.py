@@ -13,6 +13,7 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*```")
 # an import of an hpa module inside a function hides the module's dependencies from its header; it is kept only
 # where it breaks an import cycle or defers a heavy or optional dependency, and its comment says which
+# (docs/design.md, rule 17)
 MAX_FUNCTION_LEVEL_IMPORTS = 40
 IMPORT_REASON = re.compile(r"#.*\b(cycle|defers?|optional)\b")
 
