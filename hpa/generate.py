@@ -41,8 +41,8 @@ from hpa.data.prompts import PromptDataset
 from hpa.distributed import comm
 from hpa.distributed.init import read_launch_env
 from hpa.engine.batching import Batching
-from hpa.rollout.base import SamplingParams, decode_responses
 from hpa.inference import KLGuard, check_guard_args, load_policy
+from hpa.rollout.base import SamplingParams, decode_responses
 
 
 def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_threshold: float = 0.1,
