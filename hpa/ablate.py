@@ -42,7 +42,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from hpa.config import load_config
 from hpa.config.errors import ConfigError, check_choice, check_range, check_seed, closest
+from hpa.config.load import _build_dataclass, _set_dotted, _yaml_with_lines, parse_overrides
 from hpa.config.presets import PRESETS
 
 logger = logging.getLogger("hpa.ablate")
@@ -191,8 +193,6 @@ def check_metric(metric: str) -> None:
 
 def load_ablate_config(path: Optional[str], overrides: Sequence[str] = ()) -> AblateConfig:
     """The ``ablate`` section of the file at ``path`` with dotted ``ablate.*`` overrides."""
-    from hpa.config.load import _build_dataclass, _set_dotted, _yaml_with_lines, parse_overrides
-
     if path is not None and not Path(path).is_file():
         what = "is a directory" if Path(path).is_dir() else "is not a file" if Path(path).exists() else "does not exist"
         raise ConfigError("--config", f"the ablation file {path} {what}; give an ablation YAML file (one "
@@ -686,8 +686,6 @@ def precheck(cfg: AblateConfig, runs: Sequence[Run]) -> None:
     Raises:
         ConfigError: naming the variant, the seed, the key and its source.
     """
-    from hpa.config import load_config
-
     world_size = cfg.nproc_per_node if cfg.launcher == "torchrun" else 1
     warned, unevaluated = set(), []
     for run in runs:

@@ -21,6 +21,7 @@ import hpa
 from hpa.config import ConfigError, UserError, load_config
 from hpa.config.presets import PRESETS, with_preset
 from hpa.config.schema import to_dict
+from hpa.config.startup import config_warnings
 
 
 EXIT_ALL_SKIPPED = 65  # EX_DATAERR: hpa train ran to its end without applying one update
@@ -69,8 +70,6 @@ def check_config(argv: List[str]) -> int:
                              "runs without it)")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, with_preset(args.preset, args.overrides), world_size=args.world_size)
-    from hpa.config.startup import config_warnings
-
     for key, message in config_warnings(cfg):
         print(f"hpa check-config: warning: config key '{key}': {message}", file=sys.stderr)
     print(json.dumps(to_dict(cfg), indent=2))
@@ -86,7 +85,7 @@ def _positive_int(text: str) -> int:
 
 def _load(args, command: str):
     """The config of a launched command, checked at this launch's world size, with its paths."""
-    from hpa.distributed.init import read_launch_env  # no torch import: the launch environment alone
+    from hpa.distributed.init import read_launch_env  # defers torch (hpa.distributed imports it) to a launch
 
     overrides = with_preset(getattr(args, "preset", None), args.overrides)
     return load_config(args.config, overrides, world_size=read_launch_env().world_size, command=command)
@@ -95,14 +94,15 @@ def _load(args, command: str):
 def train(argv: List[str]) -> int:
     args = config_parser("train").parse_args(argv)
     cfg = _load(args, "train")  # before megatron's import: a bad config is told in a moment
+    # defers torch and megatron to the command's run (hpa --help, a bad config: in a moment)
     from hpa.distributed import launched
     from hpa.distributed.watchdog import EXIT_COLLECTIVE_FAILURE, CollectiveFailure
+    from hpa.trainer.checkpoint import EXIT_SAVE_FAILED
     from hpa.trainer.loop import HPATrainer
+    from hpa.trainer.rollout_server import serve_rollouts
 
     with launched(cfg, disaggregate=True) as (cfg, groups):
         if groups.placement is not None and groups.placement.role == "rollout":
-            from hpa.trainer.rollout_server import serve_rollouts
-
             serve_rollouts(cfg, groups)  # until the trainer ranks stop
             return 0
         try:
@@ -114,8 +114,6 @@ def train(argv: List[str]) -> int:
     if trainer.exit_reason == "collective_failure":  # logged with the phase and the ranks waited for
         return EXIT_COLLECTIVE_FAILURE
     if trainer.exit_reason == "save_failed":
-        from hpa.trainer.checkpoint import EXIT_SAVE_FAILED
-
         print(f"hpa train: stopped at step {trainer.state.step}: its checkpoint could not be saved "
               f"(checkpoint.on_save_failure=stop); the previous checkpoint and 'latest' are intact, "
               f"free space or fix the disk and run the same command again to resume", file=sys.stderr)
@@ -137,6 +135,7 @@ def train(argv: List[str]) -> int:
 def sft(argv: List[str]) -> int:
     args = config_parser("sft").parse_args(argv)
     cfg = _load(args, "sft")
+    # defers torch and megatron, as train
     from hpa.distributed import launched
     from hpa.trainer.sft import run_sft
 
@@ -147,9 +146,9 @@ def sft(argv: List[str]) -> int:
 
 def ablate(argv: List[str]) -> int:
     args = config_parser("ablate").parse_args(argv)
-    import logging
     import signal
 
+    # defers the command's module to its run, as COMMANDS does for every command
     from hpa.ablate import AblationStopped, load_ablate_config, run_ablation
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -130,6 +130,7 @@ def installed() -> Installed:
                 nccl_req, nccl_pkg = str(req), _version(req.name)
     te_error = None
     if _version("transformer_engine") is not None and cuda_available:
+        # defers torch to here: hpa doctor reports an environment whose torch is missing or broken
         from hpa.models.specs import transformer_engine_import_error
 
         te_error = transformer_engine_import_error()

@@ -19,11 +19,11 @@ Layout: prompts are DP-sharded round-robin (prompt ``i`` on DP rank ``i % dp``);
 TP×PP model-parallel group generates and scores the same rows. The records are gathered over DP and
 written by the main rank in prompt order.
 
-The guard is ``hpa.trainer.inference.KLGuard`` (one implementation: ``hpa serve`` samples through it
-too), the loading of the checkpoints and the engine ``hpa.trainer.inference.load_policy``.
+The guard is ``hpa.inference.KLGuard`` (one implementation: ``hpa serve`` samples through it
+too), the loading of the checkpoints and the engine ``hpa.inference.load_policy``.
 
 Layering note: this entry point sits at the trainer/cli level (it loads checkpoints and runs the
-training forward); its guard and loading live in ``hpa.trainer.inference``.
+training forward); its guard and loading live in ``hpa.inference``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
+from hpa import distributed
+from hpa.config import ConfigError, load_config
+from hpa.data.prompts import PromptDataset
+from hpa.distributed import comm
+from hpa.distributed.init import read_launch_env
 from hpa.engine.batching import Batching
+from hpa.inference import KLGuard, check_guard_args, load_policy
 from hpa.rollout.base import SamplingParams, decode_responses
-from hpa.trainer.inference import KLGuard, check_guard_args, load_policy
 
 
 def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_threshold: float = 0.1,
@@ -63,9 +68,6 @@ def run_generate(cfg, groups, *, prompts_path: str, output_path: str, kl_thresho
         Summary (identical on every rank): ``num_prompts``, ``num_regenerated``, ``kl_mean_before``,
         ``kl_mean_after``, ``kl_max_after``, ``reference_is_policy``, ``output_path``.
     """
-    from hpa.data.prompts import PromptDataset
-    from hpa.distributed import comm
-
     check_guard_args(guard_temperature=guard_temperature, max_retries=max_retries)
     g = groups
     loaded = load_policy(cfg, g, command="hpa generate")
@@ -154,17 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """``hpa generate --config X --prompts P --output O [--kl-threshold 0.1] [--guard-temperature 0.5]
     [overrides...]``; initialises distributed like ``hpa train`` (torchrun or a single process)."""
-    from hpa.config import ConfigError, load_config
-    from hpa.distributed import launched
-    from hpa.distributed.init import read_launch_env
-
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         if not os.path.isfile(args.prompts):
             raise ConfigError("--prompts", f"{args.prompts!r} is not a file; give a JSONL or Parquet file of "
                                            "prompts", source="command line")
         cfg = load_config(args.config, args.overrides, world_size=read_launch_env().world_size, command="generate")
-        with launched(cfg) as (cfg, groups):
+        with distributed.launched(cfg) as (cfg, groups):
             summary = run_generate(cfg, groups, prompts_path=args.prompts, output_path=args.output,
                                    kl_threshold=args.kl_threshold, guard_temperature=args.guard_temperature,
                                    max_retries=args.max_retries)

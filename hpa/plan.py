@@ -113,6 +113,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from hpa.config import load_config
 from hpa.config.errors import ConfigError
 from hpa.config.linears import BY_NAME as LINEARS
 from hpa.config.schema import Config, LoRAConfig, ModelConfig, data_parallel_size, trainer_world_size, validate
@@ -123,7 +124,7 @@ _MAX_TP = 8  # tensor parallelism stays within one node (NVLink)
 
 
 def _padded_vocab(model: ModelConfig, tp: int) -> int:
-    from hpa.models.builders import padded_vocab_size
+    from hpa.models.builders import padded_vocab_size  # defers torch: a config error or --help answers without it
 
     return padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, tp)
 
@@ -275,7 +276,7 @@ def _layer_activations(model: ModelConfig, *, tp: int, sequence_parallel: bool, 
 
 def _chunk_rows(model: ModelConfig, tp: int, positions: int) -> int:
     """Rows the fused head upcasts at a time: ``min(positions, CHUNK_ELEMENTS // (V_pad/t))``."""
-    from hpa.ops import fused_head
+    from hpa.ops import fused_head  # defers torch, as _padded_vocab
 
     return max(1, min(positions, fused_head.CHUNK_ELEMENTS // (_padded_vocab(model, tp) // tp)))
 
@@ -486,6 +487,7 @@ def reward_architectures(cfg: Config, reward_config: Optional[Config] = None) ->
     ``hpa train-rm --config``, whose architecture ``train-rm`` records); otherwise the policy's architecture
     (what the loader assumes for a record without one), said in a note.
     """
+    # defers torch, as _padded_vocab
     from hpa.reward.model import ARCHITECTURE_FIELDS, read_reward_model_info, reward_model_config
 
     out, notes = [], []
@@ -815,8 +817,6 @@ def format_plan(result: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``hpa plan --config X --world-size N --gpu-memory-gb M [--json] [section.key=value ...]``."""
-    from hpa.config import load_config
-
     parser = argparse.ArgumentParser(prog="hpa plan", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu.yaml)")
     parser.add_argument("--world-size", type=int, required=True, help="number of GPUs")
@@ -842,8 +842,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _reward_config(path: str):
     """``--reward-config``'s config; a missing file or a directory is said of that flag, not of ``--config``."""
-    from hpa.config import load_config
-
     try:
         return load_config(path)
     except ConfigError as exc:

@@ -22,14 +22,11 @@ eager count was ~1,070 before the mask and RoPE were built once a step (docs/gpu
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 24, 56, 14, 2, 152, 256
+from _common import main, measure_in_child, qwen2_shaped_policy
+
+LAYERS = 24
 ROWS, SLOTS = 256, 384  # the perf config's rows; slots for 256 new tokens after short prompts
 _NO_KERNEL = {"detach", "alias", "lift_fresh", "empty", "empty_like", "empty_strided", "_local_scalar_dense"}
 # one launch per line of the generated ``call``: a C++ or Triton kernel, an extern kernel, an aten fallback
@@ -66,21 +63,9 @@ def _measure_here() -> dict:
     import torch
     from torch._inductor.utils import run_and_get_code
 
-    from hpa.config.schema import ModelConfig, ParallelConfig
-    from hpa.distributed import LaunchEnv, destroy, initialize
-    from hpa.models import build_policy
     from hpa.rollout.kv_cache import StaticDecodeStep
 
-    torch.set_num_threads(1)
-    groups = initialize(ParallelConfig(backend="gloo"),
-                        launch=LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                                         master_port=0, launcher="single"))
-    try:
-        torch.manual_seed(0)
-        cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=KV_HEADS,
-                          ffn_hidden_size=FFN, vocab_size=VOCAB, max_sequence_length=SLOTS,
-                          make_vocab_size_divisible_by=64, add_qkv_bias=True, untie_embeddings_and_output_weights=False)
-        model = build_policy(cfg, ParallelConfig(), groups)
+    with qwen2_shaped_policy(LAYERS, SLOTS) as model:
         model.eval()
         result = {}
         for rows, key in ((ROWS, "decode.eager_kernels_per_step"), (64, "decode.rows64.eager_kernels_per_step")):
@@ -98,25 +83,13 @@ def _measure_here() -> dict:
                                f"compiled={step.compiled})")
         result["decode.kernels_per_step"] = launches(codes[0])
         result["decode.compiled_graphs"] = len(codes)
-    finally:
-        destroy()
     return result
 
 
 def measure() -> dict:
-    """The counts, from a child process: a clean inductor and process group state, and no test device mode."""
-    env = {k: v for k, v in os.environ.items() if k != "HPA_TEST_MODEL_DEVICE"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--here"], env=env, cwd=ROOT,
-                         capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"bench/proxies/decode.py failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """The counts, from a child process (``_common.measure_in_child``)."""
+    return measure_in_child(__file__)
 
 
 if __name__ == "__main__":
-    if "--here" in sys.argv:
-        sys.path.insert(0, ROOT)
-        print(json.dumps(_measure_here()))
-    else:
-        print(json.dumps(measure()))
+    main(measure, _measure_here)

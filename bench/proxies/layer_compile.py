@@ -19,13 +19,9 @@ to 300 tokens, packed into chunks as long packs are) and three padded ones of di
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from _common import VOCAB, main, measure_in_child, qwen2_shaped_policy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 2, 56, 14, 2, 152, 256
+LAYERS = 2
 PACKED_LENGTHS = ([120, 300, 45, 210, 80, 260], [30, 190, 240, 150, 95], [280, 60, 175, 225, 130, 40, 300])
 PADDED_LENGTHS = ([48, 20, 33, 48], [90, 64, 12, 75], [130, 100, 27, 66])
 
@@ -50,21 +46,7 @@ def _measure_here() -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    from hpa.config.schema import ModelConfig, ParallelConfig
-    from hpa.distributed import LaunchEnv, destroy, initialize
-    from hpa.models import build_policy
-
-    torch.set_num_threads(1)
-    groups = initialize(ParallelConfig(backend="gloo"),
-                        launch=LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                                         master_port=0, launcher="single"))
-    try:
-        torch.manual_seed(0)
-        cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=KV_HEADS,
-                          ffn_hidden_size=FFN, vocab_size=VOCAB, max_sequence_length=512,
-                          make_vocab_size_divisible_by=64, add_qkv_bias=True, untie_embeddings_and_output_weights=False,
-                          compile=True)
-        model = build_policy(cfg, ParallelConfig(), groups)
+    with qwen2_shaped_policy(LAYERS, 512, compile=True) as model:
         torch._dynamo.reset()
         counters.clear()
         recompiles, graphs = 0, 0
@@ -77,24 +59,12 @@ def _measure_here() -> dict:
         return {"layer_compile.graph_breaks": sum(counters["graph_break"].values()),
                 "layer_compile.recompiles": recompiles,
                 "layer_compile.graphs": graphs}
-    finally:
-        destroy()
 
 
 def measure() -> dict:
-    """The counts, from a child process: a clean dynamo and process group state, and no test device mode."""
-    env = {k: v for k, v in os.environ.items() if k != "HPA_TEST_MODEL_DEVICE"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--here"], env=env, cwd=ROOT,
-                         capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"bench/proxies/layer_compile.py failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """The counts, from a child process (``_common.measure_in_child``)."""
+    return measure_in_child(__file__)
 
 
 if __name__ == "__main__":
-    if "--here" in sys.argv:
-        sys.path.insert(0, ROOT)
-        print(json.dumps(_measure_here()))
-    else:
-        print(json.dumps(measure()))
+    main(measure, _measure_here)

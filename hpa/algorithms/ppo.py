@@ -41,13 +41,25 @@ class PolicyLossSettings:
     importance_weights: Optional[torch.Tensor] = None
 
 
+def _aggregated(pg_losses: torch.Tensor, mask: torch.Tensor, settings: PolicyLossSettings, *, clipfrac: torch.Tensor,
+                ppo_kl: torch.Tensor, clipfrac_lower: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Metrics]:
+    """The end of a token-level policy loss: the per-token losses ``[b, r]`` times ``settings.importance_weights``
+    (when given), aggregated by ``settings.aggregation``, and the metrics every policy loss reports
+    (``clipfrac_lower`` None: 0)."""
+    if settings.importance_weights is not None:
+        pg_losses = pg_losses * settings.importance_weights
+    loss = settings.aggregation(pg_losses, mask)
+    lower = torch.zeros((), dtype=loss.dtype) if clipfrac_lower is None else clipfrac_lower.detach()
+    return loss, {"pg_loss": loss.detach(), "pg_clipfrac": clipfrac.detach(), "pg_clipfrac_lower": lower,
+                  "ppo_kl": ppo_kl.detach()}
+
+
 @POLICY_LOSSES.register("vanilla")
 def vanilla_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                         mask: torch.Tensor, settings: PolicyLossSettings) -> Tuple[torch.Tensor, Metrics]:
     """Clipped PPO surrogate with dual-clip for negative advantages; see ``policy_loss``."""
     clip_ratio_low, clip_ratio_high = settings.clip_ratio_low, settings.clip_ratio_high
     clip_ratio_c = settings.clip_ratio_c
-    aggregation, importance_weights = settings.aggregation, settings.importance_weights
     if not clip_ratio_c > 1.0:
         raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
     neg_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # [b, r]
@@ -65,16 +77,8 @@ def vanilla_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     pg_clipfrac_lower = masked_mean(torch.gt(clip_losses, losses_dual) * (advantages < 0).float(), mask)
 
     pg_losses = torch.where(advantages < 0, dual_clip_losses, clip_losses)  # [b, r]
-    if importance_weights is not None:
-        pg_losses = pg_losses * importance_weights
-    loss = aggregation(pg_losses, mask)
-    metrics = {
-        "pg_loss": loss.detach(),
-        "pg_clipfrac": pg_clipfrac.detach(),
-        "pg_clipfrac_lower": pg_clipfrac_lower.detach(),
-        "ppo_kl": ppo_kl.detach(),
-    }
-    return loss, metrics
+    return _aggregated(pg_losses, mask, settings, clipfrac=pg_clipfrac, clipfrac_lower=pg_clipfrac_lower,
+                       ppo_kl=ppo_kl)
 
 
 @POLICY_LOSSES.register("gspo")
@@ -98,7 +102,6 @@ def gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advanta
     ``ppo_kl`` (mean of ``old_log_prob − log_prob``, unclamped), ``pg_loss``.
     """
     clip_ratio_low, clip_ratio_high = settings.clip_ratio_low, settings.clip_ratio_high
-    aggregation, importance_weights = settings.aggregation, settings.importance_weights
     mask = mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob  # [b, r]
     seq_lengths = mask.sum(dim=-1).clamp(min=1)  # [b]
@@ -109,16 +112,8 @@ def gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advanta
     losses_unclipped = -advantages * ratio
     losses_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = torch.maximum(losses_unclipped, losses_clipped)  # [b, r]
-    if importance_weights is not None:
-        pg_losses = pg_losses * importance_weights
-    loss = aggregation(pg_losses, mask)
-    metrics = {
-        "pg_loss": loss.detach(),
-        "pg_clipfrac": masked_mean(torch.gt(losses_clipped, losses_unclipped).float(), mask).detach(),
-        "pg_clipfrac_lower": torch.zeros((), dtype=loss.dtype),
-        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
-    }
-    return loss, metrics
+    clipfrac = masked_mean(torch.gt(losses_clipped, losses_unclipped).float(), mask)
+    return _aggregated(pg_losses, mask, settings, clipfrac=clipfrac, ppo_kl=masked_mean(-log_ratio, mask))
 
 
 @POLICY_LOSSES.register("cispo")
@@ -139,21 +134,12 @@ def cispo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advant
     0), ``ppo_kl``, ``pg_loss``.
     """
     clip_ratio_low, clip_ratio_high = settings.clip_ratio_low, settings.clip_ratio_high
-    aggregation, importance_weights = settings.aggregation, settings.importance_weights
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # [b, r]
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = -clipped_ratio.detach() * advantages * log_prob  # [b, r]
-    if importance_weights is not None:
-        pg_losses = pg_losses * importance_weights
-    loss = aggregation(pg_losses, mask)
-    metrics = {
-        "pg_loss": loss.detach(),
-        "pg_clipfrac": masked_mean(torch.ne(ratio, clipped_ratio).float(), mask).detach(),
-        "pg_clipfrac_lower": torch.zeros((), dtype=loss.dtype),
-        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
-    }
-    return loss, metrics
+    clipfrac = masked_mean(torch.ne(ratio, clipped_ratio).float(), mask)
+    return _aggregated(pg_losses, mask, settings, clipfrac=clipfrac, ppo_kl=masked_mean(-log_ratio, mask))
 
 
 @POLICY_LOSSES.register("geo_mean")

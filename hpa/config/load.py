@@ -17,8 +17,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import yaml
 
+import hpa
+
 from .errors import ConfigError, closest
 from .schema import Config, to_dict, validate
+from .startup import check_paths, config_warnings
 from .values import check_field
 
 __all__ = ["load_config", "build", "parse_overrides", "write_resolved", "default_config_path"]
@@ -44,8 +47,6 @@ def default_config_path() -> Path:
     source checkout) reads it next to the ``hpa`` package.
     """
     import importlib.util
-
-    import hpa
 
     source_tree = Path(hpa.__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
     if source_tree.is_file():
@@ -337,8 +338,6 @@ def load_config(path: Optional[os.PathLike] = None, overrides: Iterable[str] = (
 
 
 def _startup(cfg: Config, command: str, sources: _Sources, origin: str, warn: bool) -> None:
-    from .startup import check_paths, config_warnings
-
     try:
         check_paths(cfg, command)
     except ConfigError as exc:

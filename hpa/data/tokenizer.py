@@ -14,7 +14,7 @@ import hashlib
 import os
 from typing import Dict, List, Optional, Sequence
 
-from hpa.config.errors import UserError
+from hpa.config.errors import ConfigError, UserError
 from hpa.registry import Registry
 
 TOKENIZERS = Registry("tokenizer")
@@ -159,8 +159,6 @@ def check_model_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
     Raises:
         ConfigError: naming ``model.vocab_size`` and the value to set.
     """
-    from hpa.config.errors import ConfigError
-
     if tokenizer.vocab_size > model_vocab_size:
         raise ConfigError("model.vocab_size", f"{model_vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer.vocab_size} ids (data.tokenizer_path); set model.vocab_size: "

@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 
 from hpa.config.errors import UserError
-from hpa.config.schema import ParallelConfig, data_parallel_size
+from hpa.config.schema import ParallelConfig, data_parallel_size, validate
 
+from . import device_mode
 from .console import configure_logging
 from .groups import ParallelGroups
+from .rollout_groups import ROLLOUT, TRAINER, build_placement, split_world, stop_serving
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +108,6 @@ def launched(cfg, *, disaggregate: bool = False):
     """
     import logging
 
-    from hpa.config.schema import validate
-
     launch = read_launch_env()
     if cfg.rollout.placement == "disaggregated" and not disaggregate:
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, placement="colocated", num_ranks=0))
@@ -156,9 +156,7 @@ def test_model_device() -> Optional[torch.device]:
         return None
     if name != "lazy":
         raise ValueError(f"{TEST_MODEL_DEVICE_ENV}={name!r}: the only test model device is 'lazy'")
-    from .device_mode import enter
-
-    return enter(torch.device("lazy", 0))
+    return device_mode.enter(torch.device("lazy", 0))
 
 
 def choose_backend(requested: str) -> str:
@@ -238,8 +236,6 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234, launch: Optional[L
 def _side_of_split(launch: LaunchEnv, parallel: ParallelConfig, rollout_ranks: int):
     """``(launch, parallel)`` of this process's side of a disaggregated launch: its rank and size within the
     trainer or the rollout ranks; a rollout rank's layout is TP = PP = CP = 1 (a whole copy of the policy)."""
-    from .rollout_groups import ROLLOUT, split_world
-
     role, rank, size, _ = split_world(rank=launch.rank, world_size=launch.world_size,
                                       num_rollout_ranks=rollout_ranks)
     if role == ROLLOUT:
@@ -255,8 +251,6 @@ def _init_world(full_launch: LaunchEnv, launch: LaunchEnv, parallel: ParallelCon
     of the whole launch when it is split for rollout ranks (the groups between the sides are made on it)."""
     timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
     if rollout_ranks:
-        from .rollout_groups import split_world
-
         store = _restart_safe_store(full_launch, timeout) or dist.TCPStore(
             full_launch.master_addr, full_launch.master_port, full_launch.world_size,
             is_master=full_launch.rank == 0, timeout=timeout)
@@ -278,8 +272,6 @@ def _with_placement(groups: ParallelGroups, store, full_launch: LaunchEnv, rollo
                     timeout_minutes: float) -> ParallelGroups:
     """``groups`` with the groups between the trainer and the rollout ranks (``groups.placement``); a trainer rank
     tells its rollout rank that it is done at ``destroy``."""
-    from .rollout_groups import TRAINER, build_placement, stop_serving
-
     if store is None:
         raise RuntimeError("disaggregated rollouts initialise torch.distributed themselves (it was initialised "
                            "before hpa.distributed.initialize)")

@@ -12,6 +12,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from hpa.algorithms.kl import kl_penalty
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 from hpa.engine.head import HeadInput, label_log_probs, response_log_probs
@@ -21,6 +22,7 @@ from hpa.algorithms.masked import mean_pool
 from hpa.engine.batching import Batching
 from hpa.engine.collate import TokenRows, collate, row_groups
 from hpa.engine.sequences import TrainingSequences
+from hpa.models import unwrap
 
 
 def response_token_mask(ts: TrainingSequences, response_mask: torch.Tensor) -> torch.Tensor:
@@ -37,8 +39,6 @@ def no_dropout(model) -> Iterator[None]:
     runs so, as the sampler does: verl and OpenRLHF compute log-probs in eval mode too. Reaches the policy's
     GPTModel under a ``BaseView`` (whose ``train()`` leaves the policy alone) and under a ``CriticView`` (which
     holds the base outside its module tree)."""
-    from hpa.models import unwrap
-
     inner = unwrap(model)
     roots = [model, inner] + [m for m in (getattr(inner, "base", None),) if isinstance(m, torch.nn.Module)]
     modules = {id(m): m for root in roots for m in root.modules()}
@@ -176,8 +176,6 @@ def response_kl(policy, reference, batch, groups: ParallelGroups, *, batching: B
     ``batch`` is a ``RolloutBatch``; with ``reference is policy`` the KL is 0 without a second forward.
     Each micro-batch is cut to its longest row, or packed (``batching``).
     """
-    from hpa.algorithms.kl import kl_penalty
-
     kw = dict(batching=batching, vocab_size=vocab_size, temperature=1.0, lengths=batch.sequence_lengths)
     ts = batch.sequences
     logp = sequence_log_probs(policy, ts, batch.response_mask, groups, **kw)["log_probs"].cpu()  # [b, r]

@@ -26,6 +26,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from hpa.engine.sequences import gather_positions
+from hpa.models.specs import ChunkLayout
 
 
 @dataclasses.dataclass
@@ -172,8 +173,6 @@ class MicroBatch:
         if not self.packed:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
-
-        from hpa.models.specs import ChunkLayout
 
         cache = self.__dict__.setdefault("_model_cache", {})
         if ("packed", pad) not in cache:

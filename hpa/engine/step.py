@@ -19,7 +19,7 @@ from hpa.distributed.groups import ParallelGroups
 from hpa.engine.head import HeadInput, deferrable, defer_output_layer
 from hpa.engine.micro_batch import MicroBatch, host_to_device
 from hpa.models.builders import compute_device
-from hpa.models.heads import capture_final_hidden
+from hpa.models.heads import capture_final_hidden, unwrap
 
 # loss_fn(batch, output [b, s, v/tp | K] or HeadInput, hidden [b, s, h] | None) -> (loss [], metrics)
 LossFn = Callable[[dict, Union[torch.Tensor, HeadInput], Optional[torch.Tensor]], Tuple[torch.Tensor, Dict]]
@@ -150,8 +150,6 @@ def pad_sequence(input_ids: torch.Tensor, position_ids: torch.Tensor, multiple: 
 
 
 def _config(model):
-    from hpa.models.heads import unwrap
-
     return unwrap(model).config
 
 

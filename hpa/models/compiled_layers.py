@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from hpa.models.specs import uses_varlen_attention
+
 _COMPILED = {}  # fullgraph -> the compiled layer call
 # graphs of the one compiled layer function: a run's regimes multiply (padded or packed, gradients on or off,
 # training or eval mode, frozen or trainable parameters, LoRA adapters on or off, packed chunks in one piece or
@@ -120,8 +122,6 @@ def _canonical_strides(hidden: torch.Tensor) -> torch.Tensor:
 
 def _prepare(hidden: torch.Tensor, rotary: Optional[torch.Tensor], packed, dropout: float) -> None:
     """Mark the token dimensions dynamic and lay out the packed attention's chunks, eagerly."""
-    from hpa.models.specs import uses_varlen_attention
-
     _dynamic(hidden, 0, 1)  # [s, b, h] or [t, 1, h]
     if torch.is_tensor(rotary):
         _dynamic(rotary, 0)  # [s, 1, 1, d]

@@ -46,14 +46,20 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from hpa.config import ConfigError, build_section, load_config
 from hpa.config.linears import LINEARS
 from hpa.config.schema import ModelConfig, ParallelConfig
+from hpa.distributed import destroy, initialize
 from hpa.distributed.comm import all_gather_objects, barrier
 from hpa.distributed.groups import ParallelGroups
+from hpa.models.weights import load_model_weights, save_model_weights
 
-from .builders import padded_vocab_size
+from . import lora
+from .builders import build_policy, build_reference, padded_vocab_size
 from .heads import unwrap
 from .layouts import gather, global_layer_of, hf_to_megatron_full, megatron_full_to_hf, shard
+from .lora_io import (PEFT_BASE, base_model, export_peft_adapter, import_peft_checkpoint, is_adapter_checkpoint,
+                      load_lora_checkpoint, merged_model, run_config_of)
 
 logger = logging.getLogger(__name__)
 
@@ -460,10 +466,6 @@ def import_hf_checkpoint(hf: Any, out_dir: Union[str, os.PathLike], parallel_cfg
     Returns:
         The derived ``ModelConfig`` (put it in the ``model`` section of a training config).
     """
-    from hpa.models.weights import save_model_weights
-
-    from .builders import build_policy
-
     source, hf_config = _hf_source_and_config(hf)
     model_cfg = model_config_from_hf(hf_config, params_dtype=params_dtype, transformer_impl=transformer_impl,
                                      make_vocab_size_divisible_by=make_vocab_size_divisible_by,
@@ -513,8 +515,6 @@ def converted_from(base_dir: Union[str, os.PathLike]) -> Tuple[Optional[Path], O
 def _layer_suffixes(gpt) -> List[str]:
     """Parameter names below ``decoder.layers.<i>.``: the same on every stage (one spec); LoRA adapters
     are not HF weights (they are merged into the weights they adapt, ``_local_weight``)."""
-    from . import lora
-
     return [n for n, _ in gpt.decoder.layers[0].named_parameters() if not lora.is_adapter_key(n)]
 
 
@@ -522,8 +522,6 @@ def _local_weight(params: Dict[str, torch.Tensor], adapted: Dict[str, Any], name
     """This rank's shard of parameter ``name``, with its LoRA update merged in when an enabled adapter has
     one (``W + scaling · B A``, in fp32, rounded once: ``lora.merged_weight``): an export or a vLLM sync of a LoRA
     model carries the policy, not the base."""
-    from . import lora
-
     tensor = params[name].detach()
     adapter = adapted.get(name)
     if adapter is not None and adapter.enabled:
@@ -548,8 +546,6 @@ def hf_tensors_from_megatron(model, model_cfg: ModelConfig, groups: ParallelGrou
     gpt = unwrap(model)
     tp, pp = groups.tensor_model_parallel_size, groups.pipeline_model_parallel_size
     tied = not model_cfg.untie_embeddings_and_output_weights
-    from . import lora
-
     params = dict(gpt.named_parameters())
     adapted = {name[:-len(lora.SUFFIX)] + ".weight": a for name, a in lora.adapters(gpt)}
     dtype = next(iter(params.values())).dtype
@@ -737,8 +733,6 @@ def _export_config(args) -> Tuple[Optional[Path], Optional[dict]]:
     """``(the YAML whose model section describes --megatron-dir, or None, its hpa_convert.json or None)``:
     ``--config``, else the checkpoint's own ``hpa_convert.json`` (an imported checkpoint), else the ``config.yaml``
     of the run that wrote it (``<run_dir>/checkpoints/step_N/policy``, as for a LoRA checkpoint)."""
-    from .lora_io import run_config_of
-
     meta_file = Path(args.megatron_dir) / META_FILE
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
     if args.config is not None or meta is not None:
@@ -749,15 +743,11 @@ def _export_config(args) -> Tuple[Optional[Path], Optional[dict]]:
 def _model_cfg_for_export(args) -> Tuple[ModelConfig, str, Optional[dict]]:
     config, meta = _export_config(args)
     if config is not None:
-        from hpa.config import load_config
-
         model_cfg = load_config(str(config)).model
         base_meta = Path(model_cfg.policy_path or "", META_FILE)  # the HF config a run started from
         if meta is None and model_cfg.policy_path and base_meta.is_file():
             meta = json.loads(base_meta.read_text())
     else:
-        from hpa.config import build_section
-
         model_cfg = build_section(ModelConfig, meta["model"], "model.")  # its lora section a dataclass too
     model_cfg = dataclasses.replace(model_cfg, transformer_impl=args.transformer_impl,
                                     lora=dataclasses.replace(model_cfg.lora, rank=0, adapter_path=None))
@@ -779,19 +769,11 @@ def _convert(args, groups: ParallelGroups, parallel_cfg: ParallelConfig) -> None
                   + json.dumps({k: v for k, v in dataclasses.asdict(model_cfg).items() if v is not None}, indent=2))
         return
     if args.direction == "peft-to-megatron":
-        from .lora_io import import_peft_checkpoint
-
         out = import_peft_checkpoint(args.peft_dir, args.config, args.out, parallel_cfg, groups,
                                      transformer_impl=args.transformer_impl)
         if groups.is_main:
             print(f"wrote the adapter checkpoint {out}; train on it with model.lora.adapter_path={out}")
         return
-    from hpa.models.weights import load_model_weights
-
-    from .builders import build_reference
-    from .lora_io import (PEFT_BASE, base_model, export_peft_adapter, is_adapter_checkpoint,
-                          load_lora_checkpoint, merged_model)
-
     if is_adapter_checkpoint(args.megatron_dir):
         lora_model, model_cfg, family, base = load_lora_checkpoint(args, parallel_cfg, groups)
         base_dir = args.base_dir or model_cfg.policy_path
@@ -831,8 +813,6 @@ def _convert(args, groups: ParallelGroups, parallel_cfg: ParallelConfig) -> None
 
 def _check_arguments(args) -> None:
     """The directories named on the command line, before any process group starts (a ConfigError: one line)."""
-    from hpa.config import ConfigError
-
     flag = {"hf-to-megatron": "--hf-dir", "megatron-to-hf": "--megatron-dir", "peft-to-megatron": "--peft-dir"}[
         args.direction]
     source = getattr(args, flag[2:].replace("-", "_"))
@@ -867,8 +847,6 @@ def run_convert(argv_or_args: Union[Sequence[str], argparse.Namespace, None] = N
             default the process groups are initialised here from the torchrun / Slurm environment
             (world size = TP·PP·DP) and destroyed at the end.
     """
-    from hpa.distributed import destroy, initialize
-
     args = argv_or_args if isinstance(argv_or_args, argparse.Namespace) else \
         build_convert_parser().parse_args(list(argv_or_args) if argv_or_args is not None else None)
     _check_arguments(args)

@@ -30,6 +30,7 @@ from hpa.config.errors import UserError
 from hpa.config.linears import BY_NAME as LINEARS
 from hpa.config.schema import LoRAConfig, ModelConfig
 from hpa.config.startup import LORA_RECORD, lora_record_mismatch
+from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
 
 from .heads import unwrap
@@ -435,8 +436,6 @@ def base_fingerprint(model: nn.Module, groups: ParallelGroups) -> Dict:
     one pass over the weights, no hashing. Elements replicated over TP count on TP rank 0 only, the tied output
     layer of the last pipeline stage (a copy of the embedding) not at all. A permutation of the same values
     would give the same checksum; another base of the same shape does not."""
-    from hpa.distributed import comm
-
     gpt = unwrap(model)
     gpt = getattr(gpt, "base", gpt)  # a CriticView: the policy's GPTModel
     cached = gpt.__dict__.get(_FINGERPRINT)

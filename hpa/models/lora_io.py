@@ -30,15 +30,18 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from hpa.config import load_config
 from hpa.config.errors import UserError
 from hpa.config.linears import BY_NAME as LINEARS
 from hpa.config.schema import LoRAConfig, ModelConfig
-from hpa.distributed.comm import all_gather_objects
+from hpa.distributed.comm import all_gather_objects, barrier
 from hpa.distributed.groups import ParallelGroups
 
 from . import lora
+from .builders import build_policy, build_reference
 from .layouts import gather, global_layer_of, hf_to_megatron_full, megatron_full_to_hf, shard
 from .heads import unwrap
+from .weights import MANIFEST, dist_save, load_model_weights, sharded_state_dict
 
 # megatron target -> (HF parent module, HF projections, the layout kind of hpa.models.layouts): the linears table's
 PEFT_MODULES: Dict[str, Tuple[str, Tuple[str, ...], str]] = {
@@ -127,8 +130,6 @@ def export_peft_adapter(model, model_cfg: ModelConfig, lora_cfg: LoRAConfig, gro
     gathers, global rank 0 writes)."""
     from safetensors.torch import save_file
 
-    from hpa.distributed.comm import barrier
-
     out_dir = Path(out_dir)
     tensors: Dict[str, torch.Tensor] = {}
     targets: List[str] = []
@@ -159,8 +160,6 @@ def export_peft_adapter(model, model_cfg: ModelConfig, lora_cfg: LoRAConfig, gro
 def adapter_checkpoint_dir(path: Union[str, os.PathLike]) -> Path:
     """The adapter directory of ``path``: a run checkpoint ``step_N`` (its ``policy/``) or an adapter
     directory itself; it must carry the ``lora.json`` marker."""
-    from .weights import MANIFEST
-
     path = Path(path)
     if (path / MANIFEST).is_file() and (path / "policy").is_dir():
         path = path / "policy"
@@ -187,8 +186,6 @@ def load_adapters(model, path: Union[str, os.PathLike], groups: ParallelGroups, 
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    from .weights import sharded_state_dict
 
     directory = adapter_checkpoint_dir(path)
     lora.check_marker(directory, model, groups, base_key=base_key)
@@ -352,9 +349,6 @@ def build_lora_model(model_cfg: ModelConfig, parallel_cfg, groups: ParallelGroup
     """The base of ``base_dir`` (None: as initialised) with ``model_cfg.lora``'s adapters attached (B = 0), or
     loaded from ``adapter_path`` (``load_adapters``; ``base_key`` names where the base came from). The one
     assembly of base plus adapters (``hpa.models.stack.build_policy_stack``'s LoRA policy)."""
-    from .builders import build_policy
-    from .weights import load_model_weights
-
     model = build_policy(model_cfg, parallel_cfg, groups)
     if base_dir:
         load_model_weights(model, base_dir, groups)
@@ -369,8 +363,6 @@ def load_lora_checkpoint(args, parallel_cfg, groups: ParallelGroups):
     HF config base)``; the config is ``--config`` or the run's ``config.yaml``, the base ``--base-dir`` or its
     ``model.policy_path``."""
     import dataclasses
-
-    from hpa.config import load_config
 
     config = args.config or run_config_of(args.megatron_dir)
     if config is None:
@@ -394,8 +386,6 @@ def load_lora_checkpoint(args, parallel_cfg, groups: ParallelGroups):
 
 def merged_model(model, model_cfg: ModelConfig, parallel_cfg, groups: ParallelGroups):
     """A model without LoRA (same layout) holding ``W + scaling · B A`` for every adapted weight."""
-    from .builders import build_reference
-
     plain = build_reference(model_cfg, parallel_cfg, groups)
     missing, unexpected = plain.load_state_dict(lora.merged_state_dict(model), strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -406,8 +396,6 @@ def merged_model(model, model_cfg: ModelConfig, parallel_cfg, groups: ParallelGr
 
 def base_model(model, model_cfg: ModelConfig, parallel_cfg, groups: ParallelGroups):
     """A model without LoRA (same layout) holding the frozen base of ``model``: what its adapters go on."""
-    from .builders import build_reference
-
     plain = build_reference(model_cfg, parallel_cfg, groups)
     missing, unexpected = plain.load_state_dict(lora.BaseView(model).state_dict(), strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -418,10 +406,6 @@ def base_model(model, model_cfg: ModelConfig, parallel_cfg, groups: ParallelGrou
 
 def save_adapters(model, out_dir: Union[str, os.PathLike], groups: ParallelGroups) -> Path:
     """Write the adapters of ``model`` alone as an adapter checkpoint (megatron shards + ``lora.json``)."""
-    from hpa.distributed.comm import barrier
-
-    from .weights import dist_save, sharded_state_dict
-
     out_dir = Path(out_dir)
     if groups.is_main:
         if out_dir.exists() and any(out_dir.iterdir()):
@@ -440,8 +424,6 @@ def import_peft_checkpoint(peft_dir: str, config: str, out_dir: str, parallel_cf
                            transformer_impl: str = "auto") -> Path:
     """``hpa convert peft-to-megatron``: the PEFT adapter as an adapter checkpoint over ``model.policy_path``."""
     import dataclasses
-
-    from hpa.config import load_config
 
     cfg = load_config(config)
     model_cfg = dataclasses.replace(cfg.model, transformer_impl=transformer_impl)

@@ -1,6 +1,6 @@
 """The policy stack: policy, reference and critic, with LoRA or full weights, built in one place.
 
-Training (``hpa.trainer.setup``), generation and serving (``hpa.trainer.inference``) call ``build_policy_stack``;
+Training (``hpa.trainer.setup``), generation and serving (``hpa.inference``) call ``build_policy_stack``;
 adapter I/O (``hpa.models.lora_io``) builds its base plus adapters with ``lora_io.build_lora_model``, the same
 function the stack's LoRA policy comes from. With LoRA there is one frozen base: the policy is the base plus
 its adapters, the reference is the same module with the adapters off (``BaseView``) and the critic is its own

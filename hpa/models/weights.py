@@ -13,6 +13,7 @@ from typing import Dict, Optional
 
 from hpa.distributed import comm
 from hpa.distributed.groups import ParallelGroups
+from hpa.models import lora
 from hpa.models.heads import unwrap
 
 # the file a run checkpoint writes last (see hpa.trainer.checkpoint); its presence marks a run checkpoint
@@ -76,8 +77,6 @@ def load_model_weights(model, directory: os.PathLike, groups: ParallelGroups, st
     if not (directory / "metadata.json").is_file():
         raise FileNotFoundError(f"{directory} is not a megatron distributed checkpoint "
                                 f"(no metadata.json); point model.*_path at a saved checkpoint directory")
-    from hpa.models import lora
-
     if (directory / lora.MARKER).is_file():
         raise lora.LoRAError(f"{directory} is a LoRA checkpoint (adapters only, {lora.MARKER}), not full model "
                              f"weights: resume it as a LoRA run (model.lora.rank > 0, model.policy_path its base) "

@@ -142,7 +142,7 @@ def _kernels(device: torch.device, kernel: str = "auto", dtype: torch.dtype = to
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
         return False, chunk_stats, False, chunk_grad
     try:
-        from . import linear_head_triton  # never imported on a CPU by default
+        from . import linear_head_triton  # optional: triton; never imported on a CPU by default
     except ImportError as error:
         if kernel != "auto":
             raise ValueError(f"kernel={kernel!r} needs Triton, which does not import ({error})") from None

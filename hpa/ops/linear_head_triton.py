@@ -266,6 +266,9 @@ def _fused_grad_hidden_kernel(x_ptr, w_ptr, m_ptr, log_s_ptr, ent_ptr, g_lp_ptr,
                               out_ptr, n_rows, n_cols, h, temperature, IEEE: tl.constexpr, HAS_LP: tl.constexpr,
                               HAS_ENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``d x`` ``[N, h]``: a program owns a tile of token rows and sums ``dz · w`` over the vocab tiles.
+    ``_fused_grad_weight_kernel`` is its transpose (a tile of vocab rows, summed over the token tiles); the two
+    stay two kernels, so that each program holds its output tile in one fp32 accumulator, with no atomics."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # this program's columns of d hidden
     m, log_s, ent, g_lp, g_ent, index, on = _row_stats(rows, n_rows, m_ptr, log_s_ptr, ent_ptr, g_lp_ptr,
@@ -287,6 +290,7 @@ def _fused_grad_weight_kernel(x_ptr, w_ptr, m_ptr, log_s_ptr, ent_ptr, g_lp_ptr,
                               out_ptr, n_rows, n_cols, h, temperature, IEEE: tl.constexpr, HAS_LP: tl.constexpr,
                               HAS_ENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``d w`` ``[n, h]``: the transpose of ``_fused_grad_hidden_kernel`` (see there)."""
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # this program's columns of d W
     acc = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)  # fp32 over every token tile: one rounding, as one matmul

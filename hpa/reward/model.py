@@ -28,17 +28,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hpa.config.errors import ConfigError
+from hpa.config.errors import ConfigError, UserError
 from hpa.config.linears import LINEARS
 from hpa.config.reward import RewardConfig
 from hpa.config.schema import LoRAConfig, ModelConfig, ParallelConfig
-from hpa.data.tokenizer import Tokenizer
+from hpa.data.tokenizer import Tokenizer, build_tokenizer
 from hpa.distributed.groups import ParallelGroups
 from hpa.models import build_reward
 from hpa.models.heads import unwrap
 from hpa.algorithms.masked import mean_pool
 from hpa.reward.shaping import BaseRewardOutput, RewardInputs
-from hpa.models.weights import load_model_weights
+from hpa.models.weights import MANIFEST, load_model_weights
 from hpa.engine.forward import forward_only
 from hpa.engine.batching import Batching
 from hpa.engine.collate import TokenRows, chunks, collate
@@ -259,9 +259,6 @@ def checkpoint_tokenizer(path: os.PathLike) -> Tuple[Optional[Dict[str, object]]
     fingerprinted now; ``(None, None)`` when neither names a tokenizer that can still be read."""
     import yaml
 
-    from hpa.config.errors import UserError
-    from hpa.data.tokenizer import build_tokenizer
-
     info = read_reward_model_info(path) if Path(path).is_dir() else None
     if info is not None and isinstance(info.get("tokenizer"), dict):
         return info["tokenizer"], str(Path(path, REWARD_MODEL_INFO))
@@ -328,8 +325,6 @@ def check_reward_weights(rm: ModelConfig, path: os.PathLike, num_heads: int, *, 
     vocabulary, no bias) and a model of another size are named here instead of a shape error in megatron's load.
     ``recorded``: whether ``rm`` is the architecture the checkpoint records (else it is the policy's)."""
     from megatron.core import dist_checkpointing
-
-    from hpa.models.weights import MANIFEST
 
     directory = Path(path)
     if (directory / MANIFEST).is_file() and (directory / "policy").is_dir():

@@ -48,6 +48,9 @@ from hpa.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutBatch, decode_re
 from hpa.engine.batching import Batching
 from hpa.engine.collate import chunks
 from hpa.engine.forward import sequence_log_probs
+from hpa.models import build_policy
+from hpa.models.weights import load_model_weights
+from hpa.reward.model import ModelReward, tokenizer_record
 
 SCORE_NAMES = ("reward", "reward_std", "log_prob")
 
@@ -108,10 +111,6 @@ class Scorer:
 
     def __init__(self, cfg, groups: ParallelGroups, *, reward: bool = True, log_prob: bool = False,
                  embedding: bool = False, tokenizer: Optional[Tokenizer] = None, batch_size: int = 256):
-        from hpa.models import build_policy
-        from hpa.reward.model import ModelReward, tokenizer_record
-        from hpa.models.weights import load_model_weights
-
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.cfg, self.groups, self.batch_size = cfg, groups, batch_size

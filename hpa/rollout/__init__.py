@@ -12,21 +12,19 @@ from hpa.registry import Registry
 
 from .base import (FINISH_LENGTH, FINISH_REASONS, FINISH_STOP, PartialRollout, RolloutBatch, RolloutEngine,
                    SamplingParams, TokenizerInfo, TrainingSequences, logprob_consistency, prompt_token_lists)
+from .megatron_engine import build_megatron_engine
+from .vllm_engine import build_vllm_engine
 
 ROLLOUT_ENGINES = Registry("rollout engine")
 
 
 @ROLLOUT_ENGINES.register("megatron")
 def _megatron(rollout_cfg, model, groups, tokenizer_info, *, model_cfg=None, checkpoint_path=None, **kwargs):
-    from .megatron_engine import build_megatron_engine
-
     return build_megatron_engine(rollout_cfg, model, groups, tokenizer_info, **kwargs)
 
 
 @ROLLOUT_ENGINES.register("vllm")
 def _vllm(rollout_cfg, model, groups, tokenizer_info, *, model_cfg=None, checkpoint_path=None, **kwargs):
-    from .vllm_engine import build_vllm_engine
-
     return build_vllm_engine(rollout_cfg, model, groups, tokenizer_info, model_cfg=model_cfg,
                              checkpoint_path=checkpoint_path, **kwargs)
 

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from hpa.distributed.comm import all_reduce_max, all_reduce_sum
 from hpa.engine.sequences import TrainingSequences
 
 FINISH_STOP = "stop"  # EOS or a stop id was sampled (and is part of the response)
@@ -296,8 +297,6 @@ def logprob_consistency(rollout_log_probs: torch.Tensor, training_log_probs: tor
     peak = torch.where(m > 0, diff, torch.zeros_like(diff)).max().double().reshape(1) if diff.numel() \
         else torch.zeros(1, dtype=torch.float64, device=diff.device)
     if group is not None:
-        from hpa.distributed.comm import all_reduce_max, all_reduce_sum
-
         all_reduce_sum(stats, group)
         all_reduce_max(peak, group)
     return {"rollout/logprob_diff_mean": float(stats[0] / stats[1].clamp(min=1)),

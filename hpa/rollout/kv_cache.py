@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .cuda_graph import CUDAGraphWrapper
+
 
 logger = logging.getLogger(__name__)
 
@@ -392,8 +394,6 @@ class StaticDecodeStep:
     """
 
     def __init__(self, module, batch_size: int, max_sequence_length: int, *, capture: bool, compile: bool = False):
-        from .cuda_graph import CUDAGraphWrapper
-
         self.decoder = CachedDecoder(module, batch_size, max_sequence_length)
         device = next(module.parameters()).device
         self.input_ids = torch.zeros((batch_size, 1), dtype=torch.long, device=device)  # [b, 1]

@@ -84,10 +84,12 @@ import torch.nn.functional as F
 
 from hpa.distributed.groups import ParallelGroups
 from hpa.models.builders import compute_device
+from hpa.models.heads import unwrap
 
+from . import cuda_graph
 from .base import (FINISH_LENGTH, FINISH_STOP, GenerationStopped, PartialRollout, RolloutBatch, RolloutEngine,
-                   SamplingParams, TokenizerInfo)
-from .kv_cache import CachedDecoder, unsupported_reason
+                   SamplingParams, TokenizerInfo, prompt_token_lists)
+from .kv_cache import CachedDecoder, StaticDecodeStep, unsupported_reason
 from .sampling import sample_tokens
 
 
@@ -174,8 +176,6 @@ class MegatronRolloutEngine(RolloutEngine):
 
     def __init__(self, model, groups: ParallelGroups, tokenizer_info: TokenizerInfo, *, kv_cache: str = "hpa",
                  decode: str = "auto", compile_decode: Optional[bool] = None):
-        from hpa.models.heads import unwrap
-
         self.model = model
         self.module = unwrap(model)
         self.groups = groups
@@ -213,9 +213,7 @@ class MegatronRolloutEngine(RolloutEngine):
                    "it runs at tensor and pipeline parallel size 1" if (g.tensor_model_parallel_size,
                                                                          g.pipeline_model_parallel_size) != (1, 1)
                    else None)
-        from .cuda_graph import GRAPHS
-
-        cuda = GRAPHS.available(self.device)
+        cuda = cuda_graph.GRAPHS.available(self.device)
         if decode == "auto":
             return "graph" if why_not is None and cuda else "eager"
         if decode in ("static", "graph") and why_not is not None:
@@ -271,8 +269,6 @@ class MegatronRolloutEngine(RolloutEngine):
     def _static_step(self, rows: int, slots: int):
         """The ``StaticDecodeStep`` of a bucket, built once, its graph captured again only when a parameter's
         storage moved (see the module docstring); None when an ``"auto"`` capture failed."""
-        from .kv_cache import StaticDecodeStep
-
         key = bucket_for(self._steps, rows, slots)
         if key not in self._steps:  # a longer request than any before at these rows: the shorter buckets go
             for shorter in [k for k in self._steps if k[0] == rows]:

@@ -40,10 +40,15 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from hpa.data.collate import pad_left, pad_right
+from hpa.distributed.comm import all_gather_objects, broadcast_object
 from hpa.distributed.groups import ParallelGroups
+from hpa.distributed.init import on_destroy
+from hpa.models.convert import hf_tensors_from_megatron
+from hpa.models.hf_config_dir import truncate_vocab, write_hf_config_dir
 
-from .base import FINISH_LENGTH, FINISH_STOP, RolloutBatch, RolloutEngine, SamplingParams, TokenizerInfo
-from .base import prompt_token_lists
+from .base import (FINISH_LENGTH, FINISH_STOP, RolloutBatch, RolloutEngine, SamplingParams, TokenizerInfo,
+                   prompt_token_lists)
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +167,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self.instances, self.instance_index = _instances_in_replica(groups, tensor_parallel_size)
         on_cpu = _vllm_on_cpu()
         if hf_model_path is None:
-            from hpa.models.hf_config_dir import write_hf_config_dir
-
             hf_model_path = str(write_hf_config_dir(
                 model_cfg, vocab_size=tokenizer_info.vocab_size, eos_token_id=tokenizer_info.eos_token_id,
                 pad_token_id=tokenizer_info.pad_token_id, checkpoint_path=checkpoint_path))
@@ -199,8 +202,6 @@ class VLLMRolloutEngine(RolloutEngine):
         # Keep vLLM's engine core in this process, so that sync_weights reaches the model directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.llm = vllm.LLM(**kwargs)
-        from hpa.distributed.init import on_destroy
-
         # vLLM shuts down when its LLM is garbage collected, and its shutdown destroys the default process
         # group: keep the engine alive until hpa's own teardown, and shut it down there, first.
         on_destroy(self.close)
@@ -226,12 +227,8 @@ class VLLMRolloutEngine(RolloutEngine):
         Returns:
             The number of tensors loaded.
         """
-        from hpa.models.hf_config_dir import truncate_vocab
-
         model = self.model if model is None else model
         if tensors is None:
-            from hpa.models.convert import hf_tensors_from_megatron
-
             tensors = hf_tensors_from_megatron(model, self.model_cfg, self.groups)
         was_sleeping = self._sleeping
         if was_sleeping:
@@ -317,15 +314,11 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise RuntimeError(f"vLLM finished a request with reason {completion.finish_reason!r}")
             reasons.append(_FINISH[completion.finish_reason])
         if self.instances > 1:  # every instance of this replica sampled its share: collect them in order
-            from hpa.distributed.comm import all_gather_objects
-
             parts = all_gather_objects((self.instance_index, responses, log_probs, reasons), self.groups.mp_group)
             by_instance = {k: (r, lp, fr) for k, r, lp, fr in parts}
             responses = [x for k in range(self.instances) for x in by_instance[k][0]]
             log_probs = [x for k in range(self.instances) for x in by_instance[k][1]]
             reasons = [x for k in range(self.instances) for x in by_instance[k][2]]
-
-        from hpa.data.collate import pad_left, pad_right
 
         prompt_ids, prompt_mask = pad_left(rows, info.pad_token_id)
         response_ids, response_mask = pad_right(responses, info.pad_token_id)
@@ -341,8 +334,6 @@ class VLLMRolloutEngine(RolloutEngine):
     def _same_on_model_parallel_ranks(self, batch: RolloutBatch) -> RolloutBatch:
         """Every TP/PP rank of a replica trains on the same rows: take the first rank's batch."""
         import torch.distributed as dist
-
-        from hpa.distributed.comm import broadcast_object
 
         g = self.groups
         if g.mp_group is None or not dist.is_initialized() or dist.get_world_size(g.mp_group) == 1:

@@ -2,7 +2,7 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
 (503 while the checkpoint loads), ``GET /metrics`` (Prometheus text). Every response goes through
-``hpa.trainer.inference.KLGuard``, the guard of ``hpa generate``: its KL to the reference is scored and a
+``hpa.inference.KLGuard``, the guard of ``hpa generate``: its KL to the reference is scored and a
 response above ``serve.kl_threshold`` is sampled again at ``serve.guard_temperature``. Each choice carries
 ``"hpa": {"kl": ..., "regenerated": ...}``.
 
@@ -14,7 +14,7 @@ request's checks and sampling parameters), ``scheduler`` (engine batches), ``ser
 one reply), ``completions`` and ``chat`` (the routes), ``outputs`` (rows to response pieces), ``errors``
 (the OpenAI error shape), ``gate`` (body limit, API key, catch-all), ``metrics``, ``app``, ``cli``.
 
-Layering note: a command (cli level); it imports ``hpa.trainer.inference`` (trainer level) and below.
+Layering note: a command (cli level); it imports ``hpa.inference`` (the layer of ``hpa generate``) and below.
 """
 
 try:

@@ -16,6 +16,14 @@ from typing import List, Optional
 
 import uvicorn
 
+from hpa import distributed
+from hpa.config import ConfigError, load_config
+from hpa.config.startup import serve_api_key
+from hpa.distributed.init import read_launch_env
+from hpa.engine.batching import Batching
+from hpa.inference import KLGuard, load_policy
+from hpa.models.convert import import_hf_checkpoint
+
 from .app import build_app
 from .errors import logger
 from .metrics import Metrics
@@ -33,8 +41,6 @@ def _import_hf(cfg, groups, workdir: str):
     (``hpa convert hf-to-megatron``) into ``workdir``; the model section becomes the one derived from the
     policy's config.json."""
     from pathlib import Path
-
-    from hpa.models.convert import import_hf_checkpoint
 
     m, paths, derived = cfg.model, {}, None
     for key in ("policy_path", "reference_path"):
@@ -57,9 +63,6 @@ def _import_hf(cfg, groups, workdir: str):
 def load_into(state: ServeState, cfg, groups) -> None:
     """Load the checkpoints and the engine (main thread), then open the doors."""
     import tempfile
-
-    from hpa.engine.batching import Batching
-    from hpa.trainer.inference import KLGuard, load_policy
 
     state.workdir = tempfile.TemporaryDirectory(prefix="hpa-serve-")  # converted HF checkpoints, if any
     cfg = _import_hf(cfg, groups, state.workdir.name)
@@ -90,8 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _api_key(s) -> Optional[str]:
-    from hpa.config.startup import serve_api_key
-
     key = serve_api_key(s, os.environ, API_KEY_ENV)
     if key is None and not _loopback(s.host):
         print(f"hpa serve: WARNING: listening on {s.host} beyond this machine without an API key; anyone who "
@@ -138,9 +139,6 @@ def _on_signals(server, scheduler, drain_timeout_s: float) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """``hpa serve --config X [overrides]``: one process (no torchrun); exits 0 after SIGTERM has drained."""
-    from hpa.config import ConfigError, load_config
-    from hpa.distributed import launched
-    from hpa.distributed.init import read_launch_env
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     cfg = load_config(args.config, args.overrides, command="serve")
@@ -168,7 +166,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"hpa serve: listening on http://{s.host}:{port} (model {name!r}; loading)", flush=True)
     _on_signals(server, state.scheduler, s.drain_timeout_s)
     try:
-        with launched(cfg) as (cfg, groups):
+        with distributed.launched(cfg) as (cfg, groups):
             load_into(state, cfg, groups)
             print(f"hpa serve: ready (model {name!r})", flush=True)
             while http.is_alive():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from hpa.rollout import SamplingParams
+
 from .errors import APIError, echo
 from .protocol import MAX_N, MAX_SEED, UNSUPPORTED, BaseRequest
 
@@ -41,8 +43,6 @@ def check_text(text: str, param: str, max_chars: Optional[int] = None) -> None:
 
 def sampling(state, req: BaseRequest, prompts: List[List[int]], max_tokens: Optional[int]):
     """``SamplingParams`` (n=1) of a request whose prompts are tokenized."""
-    from hpa.rollout import SamplingParams
-
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temperature <= 2.0:
         raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")

@@ -17,6 +17,7 @@ import queue
 import time
 from typing import Any, List, Optional, Tuple
 
+from hpa.engine.forward import response_top_log_probs
 from hpa.rollout.base import GenerationStopped
 
 from .errors import APIError, logger
@@ -206,8 +207,6 @@ class Scheduler:
     def _logprobs(self, batch, k: int):
         """At temperature 1 (the policy's own distribution), at the response positions, through the
         engine's forward (its host-to-device point), ``guard.batching.micro_batch_size`` rows at a time."""
-        from hpa.engine.forward import response_top_log_probs
-
         g = self.guard
         return response_top_log_probs(g.policy, batch, g.groups, batching=g.batching,
                                       vocab_size=self.vocab_size, k=max(k, 1))

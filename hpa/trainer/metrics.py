@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional
 
 from hpa.config.schema import LoggingConfig
+from hpa.distributed import comm
 from hpa.distributed.console import due as console_due
 from hpa.distributed.console import progress_bar
 
@@ -167,8 +168,6 @@ def length_metrics(response_lengths, max_new_tokens: int, dp_group) -> Dict[str,
     """Response lengths over the global batch (mean weighted by responses, max as max, and the
     fraction cut at ``max_new_tokens``)."""
     import torch
-
-    from hpa.distributed import comm
 
     lengths = response_lengths.double()
     total = comm.all_reduce_sum(torch.stack([lengths.sum(), torch.tensor(float(len(lengths))),

@@ -20,6 +20,7 @@ from hpa.engine.optimizer import Trainable, make_trainable
 from hpa.models import unwrap
 from hpa.models.stack import build_policy_stack
 from hpa.reward import build_reward
+from hpa.reward.model import ModelReward, check_reward_models, tokenizer_record
 from hpa.rollout import build_rollout_engine
 from hpa.rollout.base import TokenizerInfo
 from hpa.trainer.evaluate import Evaluator
@@ -83,16 +84,12 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
         replay_sampler = sampler(len(demonstrations), t.replay_batch_size, seed + 2, "trainer.replay_batch_size",
                                  cfg.data.sft_path)
     if cfg.reward.model_paths:  # before the policy loads: a reward model that cannot load is told in a moment
-        from hpa.reward.model import check_reward_models, tokenizer_record
-
         check_reward_models(cfg.reward, cfg.model, groups, tokenizer=tokenizer_record(tokenizer))
     policy, reference, critic = build_models(cfg, groups)
     engine = build_rollout_engine(cfg.rollout, unwrap(policy.model), groups, TokenizerInfo.from_tokenizer(tokenizer),
                                   model_cfg=cfg.model, checkpoint_path=cfg.model.policy_path)
     model_reward = None  # the learned (hackable) part of the reward, watched by the monitor
     if cfg.reward.model_paths:  # the reward-model ensemble (hpa train-rm), next to the rule rewards
-        from hpa.reward.model import ModelReward, tokenizer_record
-
         model_reward = ModelReward.from_config(cfg.reward, cfg.model, cfg.parallel, groups,
                                                batching=Batching.from_config(t, tokenizer.pad_id),
                                                tokenizer=tokenizer_record(tokenizer))

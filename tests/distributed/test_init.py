@@ -85,7 +85,7 @@ def test_algorithms_do_not_touch_torch_distributed():
 # from its own layer and from the layers below it, never from a layer above.
 LAYERS = (
     ("data_tools", "hpa.cli", "hpa.train", "hpa.ablate", "hpa.doctor", "hpa.serve"),
-    ("hpa.trainer", "hpa.generate", "hpa.plan"),
+    ("hpa.trainer", "hpa.generate", "hpa.inference", "hpa.plan"),
     ("hpa.reward",),
     ("hpa.rollout",),
     ("hpa.engine",),

@@ -7,30 +7,13 @@ import types
 
 import torch
 
+import adam_steps
 from hpa.engine.optimizer import use_multi_tensor_adam
 
 
-def _wrapped(params, **kw):
-    """A megatron optimizer's shape: the torch optimizer as ``.optimizer`` (two groups, as weight decay makes)."""
-    inner = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=1e-2, **kw)
-    return types.SimpleNamespace(optimizer=inner)
-
-
-def _params(device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(device)) for shape in [(5, 3), (7,), (2, 2)]]
-
-
-def _step(opt, params, seed):
-    g = torch.Generator().manual_seed(seed)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g).to(p.device)
-    opt.optimizer.step()
-
-
 def test_foreach_off_cuda_and_other_optimizers_left_alone():
-    params = _params("cpu")
-    opt = _wrapped(params)
+    params = adam_steps.parameters("cpu")
+    opt = adam_steps.wrapped(params)
     use_multi_tensor_adam(opt)
     assert [(g["foreach"], g["fused"]) for g in opt.optimizer.param_groups] == [(True, False)] * 2
     chained = types.SimpleNamespace(chained_optimizers=[opt, types.SimpleNamespace(optimizer=object())])
@@ -39,12 +22,12 @@ def test_foreach_off_cuda_and_other_optimizers_left_alone():
 
 
 def test_a_load_that_brings_back_another_kernel_is_undone():
-    params = _params("cpu")
-    opt = _wrapped(params, foreach=False)
-    _step(opt, params, 1)
+    params = adam_steps.parameters("cpu")
+    opt = adam_steps.wrapped(params, foreach=False)
+    adam_steps.step(opt, params, 1)
     saved = opt.optimizer.state_dict()
-    fresh_params = _params("cpu")
-    fresh = _wrapped(fresh_params)
+    fresh_params = adam_steps.parameters("cpu")
+    fresh = adam_steps.wrapped(fresh_params)
     use_multi_tensor_adam(fresh)
     fresh.optimizer.load_state_dict(saved)  # the saved groups' foreach=False comes back
     assert [g["foreach"] for g in fresh.optimizer.param_groups] == [False, False]

@@ -2,42 +2,23 @@
 load whose ``step`` states are host tensors (the distributed optimizer's ``restore_steps``) moved to the device.
 Run by ``bench/gpu_check.sh`` (``pytest -m gpu tests/gpu``); skipped without CUDA."""
 
-import types
-
 import pytest
 import torch
 
+import adam_steps
 from hpa.engine.optimizer import use_multi_tensor_adam
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _wrapped(params, **kw):
-    """A megatron optimizer's shape: the torch optimizer as ``.optimizer`` (two groups, as weight decay makes)."""
-    inner = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=1e-2, **kw)
-    return types.SimpleNamespace(optimizer=inner)
-
-
-def _params(device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(device)) for shape in [(5, 3), (7,), (2, 2)]]
-
-
-def _step(opt, params, seed):
-    g = torch.Generator().manual_seed(seed)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g).to(p.device)
-    opt.optimizer.step()
-
-
 def test_fused_on_cuda_close_to_foreach_and_resumes_from_host_steps():
-    ref_params, params = _params("cuda"), _params("cuda")
-    ref, opt = _wrapped(ref_params, foreach=True), _wrapped(params)
+    ref_params, params = adam_steps.parameters("cuda"), adam_steps.parameters("cuda")
+    ref, opt = adam_steps.wrapped(ref_params, foreach=True), adam_steps.wrapped(params)
     use_multi_tensor_adam(opt)
     assert [g["fused"] for g in opt.optimizer.param_groups] == [True, True]
     for seed in range(3):
-        _step(ref, ref_params, seed)
-        _step(opt, params, seed)
+        adam_steps.step(ref, ref_params, seed)
+        adam_steps.step(opt, params, seed)
     assert all(opt.optimizer.state[p]["step"].device.type == "cuda" for p in params)
     for a, b in zip(ref_params, params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -47,8 +28,8 @@ def test_fused_on_cuda_close_to_foreach_and_resumes_from_host_steps():
         opt.optimizer.state[p]["step"] = torch.tensor(3.0)
     use_multi_tensor_adam(opt)
     assert all(opt.optimizer.state[p]["step"].device.type == "cuda" for p in params)
-    _step(opt, params, 3)
-    _step(ref, ref_params, 3)
+    adam_steps.step(opt, params, 3)
+    adam_steps.step(ref, ref_params, 3)
     for a, b in zip(ref_params, params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert saved["param_groups"][0]["foreach"] is True

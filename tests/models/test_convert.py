@@ -96,22 +96,6 @@ def converted(tmp_path_factory):
     return root, models, ranks
 
 
-@pytest.fixture(scope="module")
-def local_groups():
-    """A single-rank gloo group in this process (megatron needs one to build a model)."""
-    import torch.distributed as dist
-
-    from hpa.config.schema import ParallelConfig
-    from hpa.distributed import LaunchEnv, destroy, initialize
-
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialised in this process")
-    groups = initialize(ParallelConfig(backend="gloo"), launch=LaunchEnv(
-        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, launcher="single"))
-    yield groups
-    destroy()
-
-
 def read_safetensors(directory):
     from safetensors.torch import load_file
 
@@ -177,14 +161,14 @@ def test_every_rank_streams_every_tensor_tp2_pp2_dp1(converted):
 
 
 @pytest.mark.parametrize("family", ("llama", "qwen2"))
-def test_mapping_table_matches_transformers_names_and_shapes(local_groups, family):
+def test_mapping_table_matches_transformers_names_and_shapes(groups, family):
     from hpa.config.schema import ParallelConfig
     from hpa.models import build_policy
     from hpa.models.convert import mapping_table, model_config_from_hf
 
     hf = hf_model(family)
     model_cfg = model_config_from_hf(hf.config, make_vocab_size_divisible_by=DIVISIBLE_BY)
-    megatron = build_policy(model_cfg, ParallelConfig(), local_groups)
+    megatron = build_policy(model_cfg, ParallelConfig(), groups)
     table = mapping_table([n for n, _ in megatron.named_parameters()], model_cfg)
     produced = {hf_name: shape for pairs in table.values() for hf_name, shape in pairs}
     expected = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
@@ -217,30 +201,30 @@ def test_model_config_from_hf_reads_the_details():
         model_config_from_hf({**cfg, "model_type": "gpt2"})
 
 
-def test_load_errors_name_the_tensor(local_groups):
+def test_load_errors_name_the_tensor(groups):
     from hpa.config.schema import ParallelConfig
     from hpa.models import build_policy
     from hpa.models.convert import StateDictSource, load_hf_into_megatron, model_config_from_hf
 
     hf = hf_model("llama")
     model_cfg = model_config_from_hf(hf.config, make_vocab_size_divisible_by=DIVISIBLE_BY)
-    megatron = build_policy(model_cfg, ParallelConfig(), local_groups)
+    megatron = build_policy(model_cfg, ParallelConfig(), groups)
     sd = hf.state_dict()
-    load_hf_into_megatron(megatron, StateDictSource(sd), model_cfg, local_groups)  # a model object works
+    load_hf_into_megatron(megatron, StateDictSource(sd), model_cfg, groups)  # a model object works
     with pytest.raises(KeyError, match="model.layers.0.extra.weight"):
         load_hf_into_megatron(megatron, StateDictSource({**sd, "model.layers.0.extra.weight": torch.ones(2)}),
-                              model_cfg, local_groups)
+                              model_cfg, groups)
     missing = {k: v for k, v in sd.items() if k != "model.layers.2.mlp.up_proj.weight"}
     with pytest.raises(KeyError, match=r"model.layers.2.mlp.up_proj.weight.*decoder.layers.2.mlp.linear_fc1"):
-        load_hf_into_megatron(megatron, StateDictSource(missing), model_cfg, local_groups)
+        load_hf_into_megatron(megatron, StateDictSource(missing), model_cfg, groups)
     with pytest.raises(ValueError, match="model.norm.weight"):
         load_hf_into_megatron(megatron, StateDictSource({**sd, "model.norm.weight": torch.ones(3)}),
-                              model_cfg, local_groups)
+                              model_cfg, groups)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tp2_pp2_checkpoint_exports_identically_at_tp1(converted, local_groups, family):
+def test_tp2_pp2_checkpoint_exports_identically_at_tp1(converted, groups, family):
     """Resharding: the checkpoint written at TP2xPP2 loads and exports at TP1 (vocab padded to 80)."""
     from hpa.config.schema import ModelConfig, ParallelConfig
     from hpa.models import build_reference
@@ -250,10 +234,10 @@ def test_tp2_pp2_checkpoint_exports_identically_at_tp1(converted, local_groups, 
     root, models, _ = converted
     ckpt = root / f"{family}_megatron"
     model_cfg = ModelConfig(**json.loads((ckpt / "hpa_convert.json").read_text())["model"])
-    megatron = build_reference(model_cfg, ParallelConfig(), local_groups)
-    load_model_weights(megatron, ckpt, local_groups)
+    megatron = build_reference(model_cfg, ParallelConfig(), groups)
+    load_model_weights(megatron, ckpt, groups)
     assert megatron.embedding.word_embeddings.weight.shape[0] == 80
-    got = dict(hf_tensors_from_megatron(megatron, model_cfg, local_groups))
+    got = dict(hf_tensors_from_megatron(megatron, model_cfg, groups))
     original = read_safetensors(root / f"{family}_hf")
     assert got.keys() == original.keys()
     for name, tensor in original.items():
@@ -261,7 +245,7 @@ def test_tp2_pp2_checkpoint_exports_identically_at_tp1(converted, local_groups, 
 
 
 @pytest.mark.multirank
-def test_export_writes_sharded_safetensors_that_transformers_loads(converted, local_groups, tmp_path):
+def test_export_writes_sharded_safetensors_that_transformers_loads(converted, groups, tmp_path):
     import transformers
 
     from hpa.config.schema import ModelConfig, ParallelConfig
@@ -273,9 +257,9 @@ def test_export_writes_sharded_safetensors_that_transformers_loads(converted, lo
     ckpt = root / "llama_megatron"
     meta = json.loads((ckpt / "hpa_convert.json").read_text())
     model_cfg = ModelConfig(**meta["model"])
-    megatron = build_reference(model_cfg, ParallelConfig(), local_groups)
-    load_model_weights(megatron, ckpt, local_groups)
-    out = export_hf_checkpoint(megatron, model_cfg, local_groups, tmp_path / "hf", family="llama",
+    megatron = build_reference(model_cfg, ParallelConfig(), groups)
+    load_model_weights(megatron, ckpt, groups)
+    out = export_hf_checkpoint(megatron, model_cfg, groups, tmp_path / "hf", family="llama",
                                hf_config_base=meta["hf_config"], max_shard_bytes=20_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -287,7 +271,7 @@ def test_export_writes_sharded_safetensors_that_transformers_loads(converted, lo
                                    atol=0, rtol=0)
 
 
-def test_a_full_run_checkpoint_exports_with_its_run_config(local_groups, tmp_path, capsys):
+def test_a_full_run_checkpoint_exports_with_its_run_config(groups, tmp_path, capsys):
     """docs/training.md's export of ``<run_dir>/checkpoints/step_N/policy`` (a full, non-LoRA run): the model
     section comes from the run's ``config.yaml`` as for a LoRA checkpoint, and the export holds the checkpoint's
     tensors; a checkpoint with neither that nor ``hpa_convert.json`` is one line naming ``--config``."""
@@ -300,18 +284,18 @@ def test_a_full_run_checkpoint_exports_with_its_run_config(local_groups, tmp_pat
 
     cfg = load_config(None, [])
     torch.manual_seed(0)
-    model = build_reference(cfg.model, ParallelConfig(), local_groups)
+    model = build_reference(cfg.model, ParallelConfig(), groups)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     run = tmp_path / "run"
     write_resolved(cfg, run)
     ckpt = run / "checkpoints" / "step_00000001" / "policy"
-    save_model_weights(model, ckpt, local_groups)
+    save_model_weights(model, ckpt, groups)
     assert run_convert(["megatron-to-hf", "--megatron-dir", str(ckpt), "--out", str(tmp_path / "hf")],
-                       groups=local_groups) == 0
+                       groups=groups) == 0
     exported = read_safetensors(tmp_path / "hf")
-    expected = dict(hf_tensors_from_megatron(model, cfg.model, local_groups))
+    expected = dict(hf_tensors_from_megatron(model, cfg.model, groups))
     assert exported.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(exported[name], tensor), name

@@ -228,14 +228,9 @@ def test_triton_kernels_equal_the_torch_functions(dtype):
 
 
 def _proxy():
-    import importlib.util
-    import pathlib
+    from proxy_loader import load_proxy
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "proxies" / "head.py"
-    spec = importlib.util.spec_from_file_location("proxy_head", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_proxy("head")
 
 
 def test_proxy_head_bytes_per_token():

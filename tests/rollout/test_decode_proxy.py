@@ -5,17 +5,7 @@ uncompiled step (the CPU default) at most 850 at 64 and 256 rows.
 
 One inductor compilation of the 24-layer step: about a minute of CPU."""
 
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def load_proxy():
-    spec = importlib.util.spec_from_file_location("decode_proxy", os.path.join(ROOT, "bench", "proxies", "decode.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from proxy_loader import load_proxy
 
 
 def test_launches_counts_kernels_and_extern_calls_only():
@@ -34,11 +24,11 @@ class Runner:
         buf10 = buf9[0]
         return (buf2, )
 '''
-    assert load_proxy().launches(code) == 4
+    assert load_proxy("decode").launches(code) == 4
 
 
 def test_decode_step_kernels_within_the_bound():
-    result = load_proxy().measure()
+    result = load_proxy("decode").measure()
     assert result["decode.compiled_graphs"] == 1
     assert 24 * 4 < result["decode.kernels_per_step"] <= 400  # at least the 4 matmuls of each layer
     assert result["decode.eager_kernels_per_step"] <= 850

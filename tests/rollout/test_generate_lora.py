@@ -114,7 +114,7 @@ def test_generate_with_lora_needs_the_adapters(tmp_path):
     """``model.lora.rank`` without ``model.lora.adapter_path`` would sample the bare base: an error naming the key;
     and ``adapter_path`` without LoRA on is refused by the config itself."""
     from hpa.config import ConfigError, load_config
-    from hpa.trainer.inference import _with_adapters
+    from hpa.inference import _with_adapters
 
     cfg = load_config(None, ["model.lora.rank=4", "algorithm.advantage.estimator=grpo", "model.policy_path=x"])
     with pytest.raises(ConfigError, match="model.lora.adapter_path"):

@@ -16,7 +16,15 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from hpa.algorithms.masked import masked_mean
+from hpa.config.errors import ConfigError
+from hpa.data.tokenizer import build_tokenizer
+from hpa.distributed import comm
 from hpa.engine.batching import Batching
+from hpa.engine.forward import response_kl
+from hpa.models import unwrap
+from hpa.models.stack import build_policy_stack
+from hpa.rollout import build_rollout_engine
 from hpa.rollout.base import RolloutBatch, SamplingParams, TokenizerInfo
 
 logger = logging.getLogger(__name__)
@@ -27,9 +35,6 @@ _RETRY_SEED_STRIDE = 1_000_003  # separates the seeds of retry rounds from the f
 def _response_kl(policy, reference, batch: RolloutBatch, groups, *, batching: Batching,
                  vocab_size: int) -> torch.Tensor:
     """Per-response mean k1 KL to the reference ``[b]`` (temperature 1, sampled tokens)."""
-    from hpa.algorithms.masked import masked_mean
-    from hpa.engine.forward import response_kl
-
     kl = response_kl(policy, reference, batch, groups, batching=batching, vocab_size=vocab_size)
     return masked_mean(kl, batch.response_mask.float().cpu(), dim=1)  # [b]
 
@@ -92,8 +97,6 @@ class KLGuard:
         """``params.n`` responses per prompt; rows above the threshold are sampled again (one response
         each, at ``guard_temperature``, with seeds derived from ``params.seed``). Collective over DP:
         every DP rank must call it the same number of times."""
-        from hpa.distributed import comm
-
         batch = self.engine.generate(prompts, params)
         b = batch.batch_size
         if not self.score:
@@ -146,11 +149,6 @@ def load_policy(cfg, groups, *, command: str, load_reference: bool = True,
         load_reference: False: the reference is not built (no KL will be scored).
         engine_kwargs: engine-specific ``build_rollout_engine`` arguments.
     """
-    from hpa.data.tokenizer import build_tokenizer
-    from hpa.models import unwrap
-    from hpa.models.stack import build_policy_stack
-    from hpa.rollout import build_rollout_engine
-
     m, g = cfg.model, groups
     if not m.policy_path:
         raise ValueError(f"{command} needs model.policy_path (a checkpoint written by save_model_weights, "
@@ -182,11 +180,6 @@ def _with_adapters(cfg, groups, tokenizer, *, command: str, load_reference: bool
     ``model.lora.adapter_path``; the reference is the base itself (the same module with its adapters off), so the
     KL guard measures the adapters' drift. The native engine samples through the adapters; vLLM gets the merged
     weights (``hf_tensors_from_megatron`` merges enabled adapters)."""
-    from hpa.config.errors import ConfigError
-    from hpa.models import unwrap
-    from hpa.models.stack import build_policy_stack
-    from hpa.rollout import build_rollout_engine
-
     m = cfg.model
     if not m.lora.adapter_path:
         raise ConfigError("model.lora.adapter_path", f"{command} with model.lora.rank {m.lora.rank} needs the "
