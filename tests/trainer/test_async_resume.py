@@ -8,7 +8,7 @@ from multirank import run_ranks
 from trainer_runs import overrides, read_metrics
 
 VOLATILE = ("timing_s/", "perf/")
-ASYNC = ["algorithm.ppo.rollout_is_threshold=2.0", "trainer.eval_interval=0", "rollout.max_new_tokens=4",
+ASYNC = ["algorithm.rollout_correction.rollout_is=token", "trainer.eval_interval=0", "rollout.max_new_tokens=4",
          "trainer.total_steps=4", "guard.kl_rollback_threshold=null"]
 
 

@@ -51,7 +51,7 @@ def _run_worker(groups, root, run_dir, k):
 
     cfg = load_config(None, overrides(root, run_dir, ["trainer.eval_interval=0", "trainer.total_steps=4",
                                                       f"rollout.max_staleness={k}",
-                                                      "algorithm.ppo.rollout_is_threshold=2.0"]))
+                                                      "algorithm.rollout_correction.rollout_is=token"]))
     original = RolloutStep.steps_ahead
     RolloutStep.steps_ahead = lambda self, step: 0  # the worker samples each step's prompts by that step's policy
     try:
