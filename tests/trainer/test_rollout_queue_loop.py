@@ -79,6 +79,8 @@ def test_the_rollout_worker_at_lag_zero_equals_the_synchronous_loop(demo, tmp_pa
     assert [r["step"] for r in worker_metrics] == [1, 2, 3, 4]
     for a, b in zip(sync_metrics, worker_metrics, strict=True):
         assert b.pop("async/discarded_rows") == 0.0 and b["async/lag_max"] == 0.0  # the worker's count only
+        # the staleness histogram, logged at k >= 1 only: every trained token is of the current version
+        assert (b.pop("async/lag_frac_0"), b.pop("async/lag_frac_1"), b.pop("async/lag_mean")) == (1.0, 0.0, 0.0)
         a = {k: v for k, v in a.items() if not k.startswith(VOLATILE)}
         b = {k: v for k, v in b.items() if not k.startswith(VOLATILE)}
         assert a == b
