@@ -34,6 +34,6 @@ def serve_rollouts(cfg: Config, groups: ParallelGroups) -> Dict[str, int]:
     engine = build_rollout_engine(cfg.rollout, module, groups, TokenizerInfo.from_tokenizer(tokenizer),
                                   model_cfg=cfg.model, checkpoint_path=cfg.model.policy_path)
     logger.info("rollout rank %d serves trainer ranks %s", placement.global_rank, placement.clients())
-    counts = serve(engine, module, placement)
+    counts = serve(engine, module, placement, partial=cfg.rollout.partial)
     logger.info("rollout rank %d: %d jobs, %d weight pushes", placement.global_rank, counts["jobs"], counts["pushes"])
     return counts
