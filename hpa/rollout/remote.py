@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import queue as queue_lib
 import threading
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 
@@ -153,14 +153,15 @@ def receive_weights(placement: Placement, params: Mapping[str, torch.Tensor], na
         broadcast_tensors(placement.push, [params[n] for n in names], placement.device)
 
 
-def serve(engine: RolloutEngine, module: torch.nn.Module, placement: Placement, *,
-          partial: bool = False) -> Dict[str, int]:
+def serve(engine: RolloutEngine, module: torch.nn.Module, placement: Placement, *, partial: bool = False,
+          on_push: Optional[Callable[[int], None]] = None) -> Dict[str, int]:
     """The loop of a rollout rank: sample the jobs of its trainer ranks with ``engine`` (over ``module``, this
     rank's copy of the policy) in a ``RolloutWorker`` thread, take the weight pushes into ``module``, until every
     trainer rank has stopped. A thread receives the messages (in turn), so a push header is taken while a job
     samples; each finished job is sent back as soon as it is done. With ``partial`` (``rollout.partial``) a push
     stops the job in flight between two decode steps, the broadcast lands in the paused copy and the job continues
-    with the new weights (the worker's partial push); without, it waits for the jobs in flight. Returns counts
+    with the new weights (the worker's partial push); without, it waits for the jobs in flight. ``on_push(version)``
+    runs as a push's first header is taken, before its weights (the fault injection's kill). Returns counts
     (``jobs``, ``pushes``)."""
     worker = RolloutWorker(engine, module, version=-1, partial=partial)  # the first push sets the weights
     outbox, inbox = Outbox(placement.bridge), queue_lib.Queue()
@@ -183,6 +184,8 @@ def serve(engine: RolloutEngine, module: torch.nn.Module, placement: Placement, 
         elif kind == "push":
             _, push_id, names, version = message
             if push_id != pushed:  # the first header of this push: join the broadcast
+                if on_push is not None:
+                    on_push(version)
                 worker.write_weights(version, lambda params: receive_weights(placement, params, names))
                 pushed = push_id
                 counts["pushes"] += 1

@@ -212,4 +212,4 @@ def test_k1_with_partial_rollouts_trains_rows_whose_tokens_span_two_versions(dem
         assert set(versions) == {step - 1, step}, (step, versions)
     assert [r["async/lag_max"] for r in metrics] == [0.0] + [1.0] * (steps - 1)
     assert all(r["async/dropped_rows"] == 0.0 for r in metrics)
-    assert all("rollout/is_weight_mean" in r for r in metrics)
+    assert all("rollout_corr/rollout_is_mean" in r for r in metrics)

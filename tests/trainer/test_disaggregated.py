@@ -206,6 +206,7 @@ def test_tp1_pp1_dp2_r1_partial_rollouts_continue_across_a_push_that_lands_mid_j
     assert [r["step"] for r in metrics] == list(range(1, steps + 1))
     assert [r["async/lag_max"] for r in metrics] == [0.0] + [1.0] * (steps - 1)
     assert all(r["async/dropped_rows"] == 0.0 for r in metrics)
+    assert all("rollout_corr/rollout_is_mean" in r for r in metrics)
     first, second = results[0][2], results[1][2]
     for name in first:
         assert first[name].equal(second[name]), name  # DP replicas
