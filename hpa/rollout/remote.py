@@ -204,7 +204,7 @@ def serve(engine: RolloutEngine, module: torch.nn.Module, placement: Placement, 
 def _receive_in_turn(bridge, clients: List[int], inbox: "queue_lib.Queue") -> None:
     """Put each of ``clients``' messages into ``inbox`` as ``(trainer, message)``, one from each in turn, until
     each has sent its stop (a gloo receive cannot be polled: its ``is_completed`` stays false, hence a thread)."""
-    active = list(clients)
+    active, trainer = list(clients), None
     try:
         while active:
             for trainer in list(active):

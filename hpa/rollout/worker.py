@@ -1,5 +1,7 @@
 """A rollout worker for asynchronous rollouts: samples from its own copy of the policy weights in a background
-thread of the trainer process (colocated placement), so the trainer can update its weights meanwhile.
+thread of the trainer process (colocated placement), so the trainer can update its weights meanwhile; a rollout
+rank of a disaggregated run samples in one too (``hpa/rollout/remote.py``'s ``serve``, which receives the pushes
+into the copy through ``write_weights``).
 
 ``submit`` queues a job, ``poll`` / ``wait`` hand back finished ones tagged with the policy version whose
 weights sampled them, ``push_weights`` brings a new version in. A push waits for the jobs in flight, so each
