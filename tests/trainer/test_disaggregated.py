@@ -122,9 +122,8 @@ def test_tp1_pp1_dp1_r1_at_k1_with_a_rollback_equals_the_colocated_worker(demo, 
     [colocated] = run_ranks(_run_with_a_rollback, args=(demo, tmp_path / "colocated", extra))
     disaggregated = run_ranks(_run_with_a_rollback, rollout_ranks=1,
                               args=(demo, tmp_path / "disaggregated", [*extra, *DISAGGREGATED]))
-    # a job per step, and step 3's again: sampled ahead by version 2 before the spike, discarded, sampled again by
-    # the restored version 2 (step 2's rows, sampled ahead by version 1, come from the checkpoint); a push per step
-    # taken (version 2 twice)
+    # a job per step and one more for step 3 (sampled ahead, then discarded); step 2 again trains the rows its
+    # checkpoint holds (no job); a push per step taken
     assert disaggregated[1][2] == {"jobs": 6, "pushes": 6}
     for name in colocated[2]:
         assert colocated[2][name].equal(disaggregated[0][2][name]), name

@@ -138,8 +138,7 @@ def test_kill_9_at_max_staleness_1_then_resume_equals_uninterrupted_tp1_pp1_dp2(
     restart resumes from step 2's checkpoint, which holds each rank's rows sampled ahead for step 2 (by
     version 1), and ends with the uninterrupted run's metrics and final weights and optimizer state, bit for
     bit. Without the rows ahead in the checkpoint the resumed step 3 drew the prompts of step 4."""
-    extra = FOUR_STEPS + ["rollout.max_staleness=1", "algorithm.rollout_correction.rollout_is=token",
-                          "algorithm.rollout_correction.rollout_is_threshold=2.0"]
+    extra = FOUR_STEPS + ["rollout.max_staleness=1", "algorithm.rollout_correction.rollout_is=token"]
     reference = launch(demo, demo / "ft_async_ref", 2, extra)
     run_dir = demo / "ft_async_killed"
     launch(demo, run_dir, 2, extra, env={"HPA_INJECT_FAULT": "kill@3:1"}, expect=None)
