@@ -287,7 +287,8 @@ class RolloutConfig:
             waits for the longest response. Each token records the version that sampled it; the lag counts a
             row's oldest token, and the correction reads every token's behaviour log-prob. The sampling noise
             continues from where it stopped: with unchanged weights a continued row is the uninterrupted one
-            (``hpa/rollout/megatron_engine.py``, "Partial rollouts").
+            (``hpa/rollout/megatron_engine.py``, "Partial rollouts"). Colocated or disaggregated (the rollout ranks'
+            worker stops the row and receives the push into its paused copy).
     """
 
     engine: str = "megatron"

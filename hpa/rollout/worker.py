@@ -1,5 +1,7 @@
 """A rollout worker for asynchronous rollouts: samples from its own copy of the policy weights in a background
-thread of the trainer process (colocated placement), so the trainer can update its weights meanwhile.
+thread of the trainer process (colocated placement), so the trainer can update its weights meanwhile; a rollout
+rank of a disaggregated run samples in one too (``hpa/rollout/remote.py``'s ``serve``, which receives the pushes
+into the copy through ``write_weights``).
 
 ``submit`` queues a job, ``poll`` / ``wait`` hand back finished ones tagged with the policy version whose
 weights sampled them, ``push_weights`` brings a new version in. A push waits for the jobs in flight, so each
@@ -26,7 +28,7 @@ import dataclasses
 import queue as queue_lib
 import threading
 import weakref
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -238,6 +240,12 @@ class RolloutWorker:
         Raises:
             KeyError: a name that the worker's copy does not have.
         """
+        return self.write_weights(version, lambda params: self._copy_in(named_tensors))
+
+    def write_weights(self, version: int, write: Callable[[Dict[str, torch.Tensor]], None]) -> Dict[str, float]:
+        """``push_weights`` with the copy done by ``write(params)``, which writes policy ``version``'s weights into
+        the worker's copy (its named parameters, in place; a rollout rank receives a broadcast into them), when
+        ``push_weights`` would copy; returns the checksums."""
         jobs = self._jobs
         if self.partial:
             with jobs.cond:
@@ -246,7 +254,8 @@ class RolloutWorker:
         else:
             self.drain()
         try:
-            self._copy_in(named_tensors)
+            with torch.no_grad():
+                write(self._params)
             if jobs.stream is not None:  # the copy ran on the trainer's stream; the next job reads it on its own
                 torch.cuda.current_stream(jobs.stream.device).synchronize()
             self.version = int(version)
@@ -258,9 +267,8 @@ class RolloutWorker:
         return self.checksums()
 
     def _copy_in(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, tensor in named_tensors.items():
-                self._params[name].copy_(tensor)
+        for name, tensor in named_tensors.items():
+            self._params[name].copy_(tensor)
 
     def checksums(self) -> Dict[str, float]:
         """The worker's checksums of its watched tensors."""

@@ -13,6 +13,8 @@
 - ``kl_spike@3``: the guard sees an infinite token KL after step 3 (it must roll back);
 - ``kill@3:1``: rank 1 kills itself with SIGKILL in the middle of step 3 (after the rollout, the
   reward and the reference forwards, before the policy update).
+  A rollout rank of a disaggregated run (``rollout.placement: disaggregated``; its global rank, after the
+  trainer ranks) kills itself as step 3's weight push arrives, before it takes the weights.
 
 Steps count from 1 (0 is the start-up, for ``hang``). Each fault fires once per run and rank, not once
 per process: the trainer calls ``record_in(run_dir)``, and a fault that fires leaves a marker

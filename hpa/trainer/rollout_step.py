@@ -54,7 +54,8 @@ class RolloutStep:
         self.collected: Optional[int] = None  # the last step whose rows the worker gave
         if self.groups.placement is not None:  # disaggregated: the rollout ranks sample, at every k
             self.worker = RemoteRolloutWorker(self.groups.placement,
-                                              [n for n, _ in self.parts.engine.module.named_parameters()])
+                                              [n for n, _ in self.parts.engine.module.named_parameters()],
+                                              partial=self.cfg.rollout.partial)
         elif self.cfg.rollout.max_staleness > 0:
             if not self.parts.engine.has_async_worker:  # the schema refuses it; an engine registered later too
                 raise ConfigError("rollout.max_staleness", f"{self.cfg.rollout.max_staleness} needs an engine with "

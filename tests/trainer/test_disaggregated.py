@@ -133,3 +133,80 @@ def test_tp1_pp1_dp1_r1_at_k1_with_a_rollback_equals_the_colocated_worker(demo, 
     for a, b in zip(a_metrics, b_metrics):
         assert {k: v for k, v in a.items() if not k.startswith(VOLATILE)} == \
             {k: v for k, v in b.items() if not k.startswith(VOLATILE)}
+
+
+CUT = 2  # the forward of decode step 1: a cut job has tokens of steps 0 and 1 by the old version
+
+
+def _run_partial(groups, root, run_dir, extra):
+    """``_run``, with the rollout rank's worker holding every second job (trainer rank 1's: the rollout rank takes
+    its trainer ranks' messages in turn, so their jobs alternate) in its CUT-th forward until the next push (3 s at
+    most: step 0's job gets none), so each push lands in the middle of trainer rank 1's job; the trainer ranks
+    record the token versions of the rows they train."""
+    from hpa.rollout import remote
+    from hpa.trainer import rollout_step
+
+    original_worker, original_take = getattr(remote, "RolloutWorker", None), rollout_step.RolloutStep.take
+    trained = []  # (step, versions of the first CUT tokens, versions of the rest, lag of the entry)
+
+    class HeldWorker(rollout_step.RolloutWorker):
+        def __init__(self, engine, module, **kwargs):
+            super().__init__(engine, module, **kwargs)
+            forward, resume, stop, jobs, count = engine._forward, engine.resume, self._jobs.stop, [0], [0]
+
+            def held_resume(partial, *, stop=None):
+                if partial.steps == 0:
+                    jobs[0], count[0] = jobs[0] + 1, 0
+                return resume(partial, stop=stop)
+
+            def held_forward(*args, **kwargs):
+                count[0] += 1
+                if count[0] == CUT and jobs[0] % 2 == 0:
+                    stop.wait(timeout=3.0)
+                return forward(*args, **kwargs)
+
+            engine._forward, engine.resume = held_forward, held_resume
+
+    def take(self, step):
+        taken = original_take(self, step)
+        for entry in taken:
+            versions = entry.versions
+            trained.append((step, versions[:, :CUT].unique().tolist(), versions[:, CUT:].unique().tolist()))
+        return taken
+
+    remote.RolloutWorker, rollout_step.RolloutStep.take = HeldWorker, take
+    try:
+        result = _run(groups, root, run_dir, extra)
+    finally:
+        rollout_step.RolloutStep.take = original_take
+        if original_worker is not None:
+            remote.RolloutWorker = original_worker
+    return (*result, trained)
+
+
+@pytest.mark.multirank
+def test_tp1_pp1_dp2_r1_partial_rollouts_continue_across_a_push_that_lands_mid_job(demo, tmp_path):
+    steps = 5
+    extra = [*DISAGGREGATED, "rollout.max_staleness=1", "rollout.partial=true",
+             "algorithm.rollout_correction.rollout_is=token", f"trainer.total_steps={steps}"]
+    results = run_ranks(_run_partial, dp=2, rollout_ranks=1, args=(demo, tmp_path, extra))
+    assert [r[0] for r in results] == ["trainer", "trainer", "rollout"]
+    assert results[2][2] == {"jobs": 2 * steps, "pushes": steps}
+    for rank in (0, 1):
+        trained = results[rank][3]
+        assert [step for step, _, _ in trained] == list(range(steps)), (rank, trained)
+        assert trained[0][1:] == ([0], [0])  # sampled by version 0 before any update
+        for step, before, after in trained[1:]:
+            if rank == 1:  # the push of version `step` stopped the job (sampled ahead by step - 1) after CUT steps
+                assert before == [step - 1] and after == [step], (step, before, after)
+            else:  # trainer rank 0's job ran unheld: done before the push, or cut by it
+                assert before == [step - 1] and set(after) <= {step - 1, step}, (step, before, after)
+    metrics = read_metrics(tmp_path)
+    assert [r["step"] for r in metrics] == list(range(1, steps + 1))
+    assert [r["async/lag_max"] for r in metrics] == [0.0] + [1.0] * (steps - 1)
+    assert all(r["async/dropped_rows"] == 0.0 for r in metrics)
+    assert all("rollout_corr/rollout_is_mean" in r for r in metrics)
+    first, second = results[0][2], results[1][2]
+    for name in first:
+        assert first[name].equal(second[name]), name  # DP replicas
+        assert bool(first[name].isfinite().all()), name

@@ -99,6 +99,30 @@ def test_kill_9_mid_step_under_max_restarts_resumes_by_itself_tp1_pp1_dp2(demo):
     assert_same_metrics(reference, metrics, steps=[1, 2, 3, 4])
 
 
+@pytest.mark.e2e
+def test_kill_9_of_the_rollout_rank_under_max_restarts_resumes_by_itself_tp1_pp1_dp2_r1(demo):
+    """Disaggregated, 2 trainer ranks at DP 2 + 1 rollout rank (global rank 2), k = 1 with partial rollouts: the
+    rollout rank SIGKILLs itself as step 3's weight push arrives; torchrun --max-restarts=1 restarts the whole
+    world, which resumes from step 2's checkpoint (its rows sampled ahead included) and finishes with the metrics of
+    an uninterrupted run. (A push lands mid-job only when the job is slower than a training step: not here, so the
+    two runs sample alike.)"""
+    extra = ["trainer.total_steps=5", "checkpoint.save_interval=1", "guard.kl_rollback_threshold=null",
+             "trainer.eval_interval=0", "rollout.placement=disaggregated", "rollout.num_ranks=1",
+             "rollout.max_staleness=1", "rollout.partial=true", "algorithm.rollout_correction.rollout_is=token"]
+    reference = launch(demo, demo / "ft_rollout_rank_ref", 3, extra)
+    run_dir, output = demo / "ft_rollout_rank_killed", []
+    metrics = launch(demo, run_dir, 3, extra, env={"HPA_INJECT_FAULT": "kill@3:2"},
+                     torchrun_args=["--max-restarts=1"], output=output)
+    log = output[0]
+    assert (run_dir / "faults_fired" / "kill@3.rank2").is_file()
+    assert "exitcode: -9" in log  # the rollout rank did die
+    assert log.count("rollout rank 2 serves trainer ranks [0, 1]") == 2  # and was started twice
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000002'} at step 2" in log
+    assert [r["step"] for r in metrics] == [r["step"] for r in reference] and metrics[-1]["step"] == 5
+    assert [r["async/lag_max"] for r in metrics if r["step"] >= 1] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert_same_metrics(reference, metrics, steps=[1, 2, 3, 4, 5])
+
+
 def final_policy(run_dir, step):
     """The checkpoint's policy (weights and optimizer state), read without a process group."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
