@@ -149,9 +149,11 @@ def serve(engine: RolloutEngine, module: torch.nn.Module, placement: Placement) 
                 _, push_id, names = message
                 if push_id != pushed:  # the first header of this push: join the broadcast
                     receive_weights(placement, params, names)
+                    engine.sync_weights()  # an engine with a copy of its own (vLLM) takes the pushed weights
                     pushed = push_id
                     counts["pushes"] += 1
-                outbox.send({name: checksum(params[name]) for name in watched}, trainer)
+                held = engine.weights_held({name: params[name] for name in watched})  # vLLM: as it holds them
+                outbox.send({name: checksum(held[name]) for name in watched}, trainer)
             elif kind == "job":
                 _, tag, prompts, sampling, version = message
                 try:
