@@ -259,12 +259,13 @@ class VLLMRolloutEngine(RolloutEngine):
     def weights_held(self, named_tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """``named_tensors`` (Megatron names, TP = PP = 1: a disaggregated rollout rank's copy) with vLLM's own
         values put in where vLLM keeps the tensor as it was given: the norms whole, the embedding and the LM head
-        over the rows synced (the tokenizer's vocabulary; the rows beyond it stay the given ones). The linears are
-        the given tensors: vLLM's CPU backend repacks them, so they cannot be read back as they were synced."""
+        over the rows synced (the tokenizer's vocabulary; the rows beyond it stay the given ones). The linears stay
+        the given tensors: vLLM fuses q/k/v and gate/up, and its CPU backend repacks every linear, so they cannot
+        be read back as they were synced."""
         from hpa.models.convert import megatron_to_hf_names, tensor_layout
 
         wanted = {}
-        for name, tensor in named_tensors.items():
+        for name in named_tensors:
             try:
                 kind, hf_names = tensor_layout(name), megatron_to_hf_names(name)
             except KeyError:
