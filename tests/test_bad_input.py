@@ -53,8 +53,8 @@ def test_check_config_bad_arguments(tmp_path, capsys):
      ("rollout.num_ranks", "leave no trainer rank")),
     (["--world-size", "3", "rollout.placement=disaggregated", "rollout.num_ranks=1",
       "parallel.tensor_model_parallel_size=2"], ("rollout.placement", "tensor and pipeline parallel size 1")),
-    (["rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.engine=vllm"],
-     ("rollout.placement", "engine=vllm")),
+    (["rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.engine=vllm",
+      "rollout.vllm_tensor_parallel_size=2"], ("rollout.vllm_tensor_parallel_size", "TP 1")),
 ])
 def test_check_config_refuses_a_launch_that_cannot_be_split(argv, needles, capsys):
     _one_line_error(capsys, main(["check-config", *argv]), *needles)

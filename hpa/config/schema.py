@@ -274,8 +274,10 @@ class RolloutConfig:
         placement: colocated (the engine samples in the trainer processes) | disaggregated (the last
             ``num_ranks`` ranks of the launch are rollout ranks that hold the engine's own copy of the
             weights and its KV cache and only sample; the trainer pushes its weights to them before each
-            rollout and checks that they arrived, ``hpa/rollout/remote.py``). Disaggregated: native engine,
-            trainer tensor and pipeline parallel size 1, each rollout rank a whole (TP 1) copy serving the
+            rollout and checks that they arrived, ``hpa/rollout/remote.py``). Disaggregated: the native engine
+            or vLLM (built on the rollout ranks only, in their own world, at TP 1, synced from the rollout rank's
+            copy after every push; at any ``max_staleness``), trainer tensor and pipeline parallel size 1, each
+            rollout rank a whole (TP 1) copy serving the
             trainer DP ranks ``i`` with ``i mod num_ranks`` equal to its index; at ``max_staleness`` 0 it
             samples each step's prompts after that step's push (the synchronous loop), at k >= 1 one step
             ahead.
@@ -315,10 +317,11 @@ class RolloutConfig:
             if isinstance(self.num_ranks, bool) or self.num_ranks < 1:
                 raise ConfigError("num_ranks", f"placement=disaggregated samples on rollout.num_ranks >= 1 ranks of "
                                                f"their own, got {self.num_ranks}; set it, or placement: colocated")
-            if self.engine != "megatron":
-                raise ConfigError("placement", f"disaggregated rollout ranks run the native engine; engine="
-                                               f"{self.engine} on rollout ranks is not implemented (use engine="
-                                               f"megatron, or placement: colocated)")
+            if self.engine == "vllm" and self.vllm_tensor_parallel_size not in (None, 1):
+                raise ConfigError("vllm_tensor_parallel_size", f"disaggregated, each rollout rank holds a whole copy "
+                                                               f"of the policy and serves trainer ranks of its own, so "
+                                                               f"its vLLM runs at TP 1, got "
+                                                               f"{self.vllm_tensor_parallel_size}; set 1 (or null)")
         elif self.num_ranks != 0:
             raise ConfigError("num_ranks", f"{self.num_ranks} rollout ranks need placement: disaggregated; "
                                            f"colocated placement samples in the trainer ranks (num_ranks: 0)")
@@ -331,7 +334,8 @@ class RolloutConfig:
             raise ConfigError("partial", "means nothing at max_staleness 0 (every rollout is sampled by the current "
                                          "policy, no weight push comes mid-rollout); set rollout.max_staleness >= 1 "
                                          "or rollout.partial=false")
-        if self.max_staleness > 0 and self.engine != "megatron":
+        # disaggregated, the rollout ranks sample for the trainer at every k, whichever engine they run
+        if self.max_staleness > 0 and self.engine != "megatron" and self.placement != "disaggregated":
             raise ConfigError("max_staleness", f"{self.max_staleness} needs a rollout engine with an asynchronous "
                                                f"worker; engine={self.engine} has none (use engine=megatron, or 0)")
         _positive(self, "n", "max_new_tokens", "vllm_tensor_parallel_size")

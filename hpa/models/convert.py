@@ -284,6 +284,12 @@ def _rule(name: str) -> TensorRule:
     return rule
 
 
+def tensor_layout(megatron_name: str) -> str:
+    """The layout kind of a megatron parameter (``TensorRule.kind``: ``qkv``, ``fc1``, ``row``, ``vocab``, ...,
+    ``replicated``); KeyError for a parameter with no HF counterpart."""
+    return _rule(megatron_name).kind
+
+
 def megatron_to_hf_names(megatron_name: str, *, global_layer: Optional[int] = None,
                          tied: bool = False) -> Tuple[str, ...]:
     """HF tensor names that one megatron parameter holds.

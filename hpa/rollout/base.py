@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -416,6 +416,12 @@ class RolloutEngine(abc.ABC):
     def sync_weights(self, *args, **kwargs) -> None:
         """Copy the current policy weights into the engine; a no-op for engines that use them in place.
         Callers sync before every rollout that follows a change of the weights."""
+
+    def weights_held(self, named_tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``named_tensors`` (the policy's, by Megatron name) with the values the engine samples from: the tensors
+        themselves for an engine that uses them in place; an engine with a copy of its own puts in what it holds
+        (a disaggregated rollout rank's delivery check reads them)."""
+        return dict(named_tensors)
 
     def sleep(self) -> None:
         """Release the engine's memory (KV cache, and weights where it keeps its own) between rollouts."""

@@ -33,7 +33,7 @@ import torch
 from hpa.distributed.init import on_destroy
 from hpa.distributed.rollout_groups import Outbox, Placement, broadcast_tensors, receive, stop_serving
 from hpa.rollout.base import RolloutEngine, SamplingParams
-from hpa.rollout.worker import RolloutWorker, WorkerResult, watched_names
+from hpa.rollout.worker import RolloutWorker, WorkerResult, checksum, watched_names
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ def serve(engine: RolloutEngine, module: torch.nn.Module, placement: Placement, 
     runs as a push's first header is taken, before its weights (the fault injection's kill). Returns counts
     (``jobs``, ``pushes``)."""
     worker = RolloutWorker(engine, module, version=-1, partial=partial)  # the first push sets the weights
+    params = dict(module.named_parameters())
     outbox, inbox = Outbox(placement.bridge), queue_lib.Queue()
     threading.Thread(target=_receive_in_turn, args=(placement.bridge, placement.clients(), inbox),
                      name="hpa-rollout-inbox", daemon=True).start()
@@ -187,10 +188,12 @@ def serve(engine: RolloutEngine, module: torch.nn.Module, placement: Placement, 
                 if on_push is not None:
                     on_push(version)
                 worker.write_weights(version, lambda params: receive_weights(placement, params, names))
+                engine.sync_weights()  # an engine with a copy of its own (vLLM) takes the pushed weights
                 pushed = push_id
                 counts["pushes"] += 1
             _send_finished(worker, outbox, placement.global_rank)  # the trainer takes its messages in order
-            outbox.send(worker.checksums(), trainer)
+            held = engine.weights_held({name: params[name] for name in worker.watched})  # vLLM: as it holds them
+            outbox.send({name: checksum(held[name]) for name in worker.watched}, trainer)
         elif kind == "job":
             _, tag, prompts, sampling, _ = message
             worker.submit(prompts, sampling, tag=(trainer, tag))  # tags are the trainer ranks' steps: not unique

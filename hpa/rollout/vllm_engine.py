@@ -36,7 +36,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
@@ -251,6 +251,38 @@ class VLLMRolloutEngine(RolloutEngine):
         self._synced = True
         self.synced_from = model
         return count[0]
+
+    @torch.no_grad()
+    def weights_held(self, named_tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``named_tensors`` (Megatron names, TP = PP = 1: a disaggregated rollout rank's copy) with vLLM's own
+        values put in where vLLM keeps the tensor as it was given: the norms whole, the embedding and the LM head
+        over the rows synced (the tokenizer's vocabulary; the rows beyond it stay the given ones). The linears stay
+        the given tensors: vLLM fuses q/k/v and gate/up, and its CPU backend repacks every linear, so they cannot
+        be read back as they were synced."""
+        from hpa.models.convert import megatron_to_hf_names, tensor_layout
+
+        wanted = {}
+        for name in named_tensors:
+            try:
+                kind, hf_names = tensor_layout(name), megatron_to_hf_names(name)
+            except KeyError:
+                continue
+            if kind in ("replicated", "vocab") and len(hf_names) == 1:
+                wanted[hf_names[0]] = (name, kind)
+        held = self.llm.apply_model(lambda model: {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                                                    if n in wanted})[0]
+        out = dict(named_tensors)
+        for hf_name, (name, kind) in wanted.items():
+            given, copy = named_tensors[name], held.get(hf_name)
+            if copy is None or copy.dtype != given.dtype or copy.shape[1:] != given.shape[1:]:
+                continue  # tied, or kept in another dtype or layout: the given tensor stands for it
+            rows = min(self.vocab_size, copy.shape[0], given.shape[0]) if kind == "vocab" else None
+            if rows is None and copy.shape != given.shape:
+                continue
+            merged = given.detach().clone()
+            merged[:rows] = copy[:rows].to(merged.device)
+            out[name] = merged
+        return out
 
     def _wake_up(self, tags: Optional[List[str]] = None) -> None:
         _empty_device_cache()

@@ -1,12 +1,21 @@
 """The rollout ranks of a disaggregated run (``rollout.placement: disaggregated``): build the policy (a whole
-copy, TP = PP = 1, its weights replaced by the first push) and the native engine over it, then serve the
+copy, TP = PP = 1, its weights replaced by the first push) and ``rollout.engine`` over it, then serve the
 trainer ranks' jobs and weight pushes until they stop (``hpa/rollout/remote.py``). A ``kill@step:rank`` fault
-(``hpa/trainer/faults.py``) naming a rollout rank fires as the push that starts that step arrives."""
+(``hpa/trainer/faults.py``) naming a rollout rank fires as the push that starts that step arrives.
+
+vLLM (``rollout.engine: vllm``) is built here only, never on a trainer rank. torch.distributed's default world of
+this process is the rollout ranks' own (``hpa/distributed/rollout_groups.py``), and vLLM takes the default world
+it finds initialised as its own (``vllm.distributed.parallel_state.init_distributed_environment`` skips its
+``init_process_group`` then, and builds its world group from ``torch.distributed.get_world_size()``), so it
+never sees a trainer rank. Each push lands in the copy and is synced into vLLM at once (``serve`` calls the
+engine's ``sync_weights``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Dict
 
 from hpa.config.schema import Config
@@ -34,9 +43,14 @@ def serve_rollouts(cfg: Config, groups: ParallelGroups) -> Dict[str, int]:
     module = unwrap(stack.policy)
     for param in module.parameters():
         param.requires_grad_(False)
+    if cfg.rollout.engine == "vllm":
+        # the launcher's RANK and WORLD_SIZE count the trainer ranks too; vLLM's external launcher (several
+        # rollout ranks) reads them, and must see the rollout world it runs in
+        os.environ.update(RANK=str(groups.rank), WORLD_SIZE=str(groups.world_size))
     engine = build_rollout_engine(cfg.rollout, module, groups, TokenizerInfo.from_tokenizer(tokenizer),
                                   model_cfg=cfg.model, checkpoint_path=cfg.model.policy_path)
-    logger.info("rollout rank %d serves trainer ranks %s", placement.global_rank, placement.clients())
+    logger.info("rollout rank %d serves trainer ranks %s with the %s engine", placement.global_rank,
+                placement.clients(), engine.name)
     # a push of version v starts step v + 1 (counted from 1, as the trainer's faults count)
     counts = serve(engine, module, placement, partial=cfg.rollout.partial,
                    on_push=lambda version: faults.maybe_kill(version + 1, placement.global_rank))

@@ -86,7 +86,10 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RunParts:
     if cfg.reward.model_paths:  # before the policy loads: a reward model that cannot load is told in a moment
         check_reward_models(cfg.reward, cfg.model, groups, tokenizer=tokenizer_record(tokenizer))
     policy, reference, critic = build_models(cfg, groups)
-    engine = build_rollout_engine(cfg.rollout, unwrap(policy.model), groups, TokenizerInfo.from_tokenizer(tokenizer),
+    # disaggregated: the rollout ranks sample with rollout.engine; the trainer's native engine, over the policy in
+    # place, only names the weights pushed to them (and samples the evaluation), so no vLLM is built here
+    rollout_cfg = cfg.rollout if groups.placement is None else dataclasses.replace(cfg.rollout, engine="megatron")
+    engine = build_rollout_engine(rollout_cfg, unwrap(policy.model), groups, TokenizerInfo.from_tokenizer(tokenizer),
                                   model_cfg=cfg.model, checkpoint_path=cfg.model.policy_path)
     model_reward = None  # the learned (hackable) part of the reward, watched by the monitor
     if cfg.reward.model_paths:  # the reward-model ensemble (hpa train-rm), next to the rule rewards

@@ -231,3 +231,84 @@ def test_cpu_head_dimension_without_a_kernel_is_refused_with_a_message():
     groups = SimpleNamespace(world_size=1, rank=0, local_rank=0, tensor_model_parallel_size=1, mp_group=None)
     with pytest.raises(ValueError, match="head dimension 16.*model.hidden_size=64"):
         VLLMRolloutEngine(None, groups, TokenizerInfo(vocab_size=32, eos_token_id=1, pad_token_id=0), model_cfg=cfg)
+
+
+
+def _train_disaggregated(root, name, *extra):
+    """``torchrun --nproc_per_node 2 -m hpa.train``: trainer rank 0 and rollout rank 1 (vLLM at TP1 in the rollout
+    ranks' world of one); returns the metrics and the launch's output."""
+    run_dir = root / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "hpa.train", *_overrides(root, f"trainer.run_dir={run_dir}", *DISAGGREGATED, *extra)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], \
+        proc.stdout + proc.stderr
+
+
+DISAGGREGATED = ["rollout.placement=disaggregated", "rollout.num_ranks=1", "trainer.eval_interval=0"]
+AT_K1 = ["rollout.max_staleness=1", "algorithm.rollout_correction.rollout_is=token"]
+
+
+def test_disaggregated_r1_vllm_five_steps_at_k1(task):
+    """1 trainer rank + 1 vLLM rollout rank, k = 1: each step's rows are sampled by vLLM during the previous
+    update, from the weights pushed before it."""
+    metrics, log = _train_disaggregated(task, "disaggregated_k1", *AT_K1, "trainer.total_steps=5")
+    assert "rollout rank 1 serves trainer ranks [0] with the vllm engine" in log
+    assert "rollout rank 1: 5 jobs, 5 weight pushes" in log  # every push arrived (the trainer checked vLLM's copy)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert [m["async/lag_max"] for m in metrics] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert all(m["async/dropped_rows"] == 0.0 and m["response_length/mean"] > 0 for m in metrics)
+    # step 1 trains rows of version 0 (lag 0): vLLM sampled from the pushed weights (measured 4.8e-7); the later
+    # rows lag one update behind the policy that recomputes them
+    assert metrics[0]["rollout/logprob_diff_max"] < LOGPROB_ATOL
+    assert all(m["rollout/logprob_diff_max"] > LOGPROB_ATOL for m in metrics[1:])
+    assert metrics[-1]["kl/token"] > 0
+
+
+def test_disaggregated_r1_vllm_at_k0_samples_every_step_from_the_pushed_policy(task):
+    """k = 0: every step pushes the updated policy and vLLM samples from it, so its log-probs are the training
+    forward's at every step, with a policy that moved."""
+    metrics, log = _train_disaggregated(task, "disaggregated_k0", f"trainer.total_steps={STEPS}")
+    assert f"rollout rank 1: {STEPS} jobs, {STEPS} weight pushes" in log
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    for m in metrics:
+        assert m["async/lag_max"] == 0.0 and m["rollout/logprob_diff_max"] < LOGPROB_ATOL, m
+    assert metrics[-1]["kl/token"] > 0
+
+
+def disaggregated_worker(groups, root, run_dir, sync_once):
+    from hpa.config import load_config
+    from hpa.rollout.worker import WeightPushError
+
+    cfg = load_config(None, _overrides(root, f"trainer.run_dir={run_dir}", *DISAGGREGATED, *AT_K1,
+                                       "trainer.total_steps=3"))
+    if groups.placement.role == "rollout":
+        from hpa.rollout.vllm_engine import VLLMRolloutEngine
+        from hpa.trainer.rollout_server import serve_rollouts
+
+        if sync_once:  # the pushes reach the rollout rank's copy, and only the first reaches vLLM
+            original, synced = VLLMRolloutEngine.sync_weights, []
+            VLLMRolloutEngine.sync_weights = lambda self, *a, **k: None if synced else synced.append(original(self))
+        return ("rollout", serve_rollouts(cfg, groups))
+    from hpa.trainer.loop import HPATrainer
+
+    trainer = HPATrainer(cfg, groups)
+    try:
+        trainer.train()
+    except WeightPushError as exc:
+        return ("error", str(exc), trainer.rollouts.worker.watched)
+    return ("trainer", len(trainer.rollouts.worker.watched))
+
+
+def test_disaggregated_delivery_check_reads_the_weights_vllm_holds(task, tmp_path, monkeypatch):
+    """The pushes land in the rollout rank's copy but vLLM keeps the first one: the trainer's delivery check,
+    which reads vLLM's tensors (not the copy's), stops the run at version 1 naming the watched tensors."""
+    for key, value in _env().items():
+        monkeypatch.setenv(key, value)
+    trainer, rollout = run_ranks(disaggregated_worker, rollout_ranks=1, args=(task, tmp_path, True))
+    kind, error, watched = trainer
+    assert kind == "error" and "policy version 1" in error, trainer
+    assert len(watched) == 3 and all(name in error for name in watched), (watched, error)
+    # step 0's job and step 1's (sampled ahead during step 0's update); version 0's push and version 1's
+    assert rollout == ("rollout", {"jobs": 2, "pushes": 2})
