@@ -71,7 +71,7 @@ import argparse
 import json
 import os
 import random
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 TASKS = ("add", "copy", "reverse")
 LETTERS = "abcdefgh"
@@ -153,6 +153,29 @@ def _pool(task: str, min_len: int, max_len: int) -> List[Tuple[str, ...]]:
         if length >= min_len:
             out.extend(pool)
     return out
+
+
+def _write_with_heldout_pairs(out_dir: str, files: Dict[str, List[Dict]], pair: Callable, train_pools: Dict,
+                              covered: Sequence[str], num_heldout_pairs: int, seed: int) -> Dict[str, int]:
+    """Add ``heldout_preferences.jsonl`` (pairs of the ``covered`` tasks drawn anew, none of them a training pair)
+    to ``files``, write every file to ``out_dir`` and return the counts per file."""
+    files["heldout_preferences.jsonl"] = []
+    trained = {(r["prompt"], r["chosen"], r["rejected"]) for r in files["preferences.jsonl"]}
+    heldout_rng = random.Random(f"heldout-{seed}")
+    for _ in range(100 * num_heldout_pairs):
+        if len(files["heldout_preferences.jsonl"]) == num_heldout_pairs:
+            break
+        task = heldout_rng.choice(covered)
+        record = pair(task, heldout_rng.choice(train_pools[task]), heldout_rng)
+        if (record["prompt"], record["chosen"], record["rejected"]) not in trained:
+            files["heldout_preferences.jsonl"].append(record)
+    counts = {}
+    for name, records in files.items():
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        counts[name] = len(records)
+    return counts
 
 
 def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_eval_prompts: int = 64,
@@ -252,23 +275,8 @@ def make_demo_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, num_
             files["sft.jsonl"].append({"prompt": prompt, "response": answer})
         if task not in uncovered_tasks:
             files["preferences.jsonl"].append(pair(task, args, rng))
-    files["heldout_preferences.jsonl"] = []
-    trained = {(r["prompt"], r["chosen"], r["rejected"]) for r in files["preferences.jsonl"]}
-    heldout_rng = random.Random(f"heldout-{seed}")
-    covered = [t for t in tasks if t not in uncovered_tasks]
-    for _ in range(100 * num_heldout_pairs):
-        if len(files["heldout_preferences.jsonl"]) == num_heldout_pairs:
-            break
-        task = heldout_rng.choice(covered)
-        record = pair(task, heldout_rng.choice(train_pools[task]), heldout_rng)
-        if (record["prompt"], record["chosen"], record["rejected"]) not in trained:
-            files["heldout_preferences.jsonl"].append(record)
-    counts = {}
-    for name, records in files.items():
-        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-        counts[name] = len(records)
+    counts = _write_with_heldout_pairs(out_dir, files, pair, train_pools,
+                                       [t for t in tasks if t not in uncovered_tasks], num_heldout_pairs, seed)
     corpus = [f"{_prompt(task, args)} {_answer(task, args)}" for task, args in train_items + eval_items]
     corpus.append(" ".join(LETTERS) + " " + " ".join("0123456789") + " " + " ".join(TASKS) + " =")
     with open(os.path.join(out_dir, "corpus.txt"), "w", encoding="utf-8") as f:
@@ -373,23 +381,8 @@ def make_freetext_task(out_dir: str, num_prompts: int = 2000, seed: int = 0, *, 
                                        "response": freetext_phrasing(_freetext_answer(task, t), rng)})
         if task not in uncovered_tasks:
             files["preferences.jsonl"].append(pair(task, t, rng))
-    files["heldout_preferences.jsonl"] = []
-    trained = {(r["prompt"], r["chosen"], r["rejected"]) for r in files["preferences.jsonl"]}
-    heldout_rng = random.Random(f"heldout-{seed}")
-    covered = [t for t in FREETEXT_TASKS if t not in uncovered_tasks]
-    for _ in range(100 * num_heldout_pairs):
-        if len(files["heldout_preferences.jsonl"]) == num_heldout_pairs:
-            break
-        task = heldout_rng.choice(covered)
-        record = pair(task, heldout_rng.choice(train_pools[task]), heldout_rng)
-        if (record["prompt"], record["chosen"], record["rejected"]) not in trained:
-            files["heldout_preferences.jsonl"].append(record)
-    counts = {}
-    for name, records in files.items():
-        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-        counts[name] = len(records)
+    counts = _write_with_heldout_pairs(out_dir, files, pair, train_pools,
+                                       [t for t in FREETEXT_TASKS if t not in uncovered_tasks], num_heldout_pairs, seed)
     corpus = [f"{r['prompt']} {r['response']}" for r in files["sft.jsonl"]]
     corpus += [f"{r['prompt']} {r['ground_truth']}" for r in files["prompts.jsonl"] + files["eval_prompts.jsonl"]]
     corpus.append(" ".join(FREETEXT_TASKS) + " = the , ; " + " ".join(animals) + " " + " ".join(SOUNDS.values()))

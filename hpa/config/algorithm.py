@@ -193,7 +193,9 @@ class RolloutCorrectionConfig:
     older policy at ``rollout.max_staleness`` k >= 1). The weights multiply each rollout token's PPO loss
     and its token KL, and the semantic distance of its row (by the row's mean weight); rejected and vetoed
     tokens leave the loss mask of every rollout term (PPO, entropy, KL, value loss) after the advantages
-    are computed. See docs/objective.md, "Where each term's samples come from".
+    are computed. See docs/objective.md, "Where each term's samples come from". The fields are those of
+    ``hpa.algorithms.rollout_correction.RolloutCorrection``, which the step builds from this one (the config layer
+    may not import the algorithms, so the list is written twice; a test holds the two equal).
 
     Attributes:
         rollout_is: importance-weight level: ``token`` (each token's ratio; low variance, biased) |

@@ -70,3 +70,17 @@ def test_async_rollouts_need_a_weight_or_a_rejection():
     assert err.value.key == "rollout.max_staleness"
     for extra in ([f"{KEY}.rollout_is=sequence"], [f"{KEY}.rollout_rs=geometric", f"{KEY}.rollout_rs_threshold=1.01"]):
         assert load_config(None, ["rollout.max_staleness=1", *extra]).rollout.max_staleness == 1
+
+
+def test_the_config_s_fields_are_the_algorithm_s():
+    """The step builds ``RolloutCorrection(**asdict(config))``: the same names, in the same order, the same
+    defaults (the config layer cannot import the algorithms, so the list is written twice)."""
+    import dataclasses
+
+    from hpa.algorithms.rollout_correction import RolloutCorrection
+    from hpa.config.algorithm import RolloutCorrectionConfig
+
+    def spec(cls):
+        return [(f.name, f.default) for f in dataclasses.fields(cls)]
+
+    assert spec(RolloutCorrectionConfig) == spec(RolloutCorrection)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import training_forward
 from multirank import layout_id, run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -55,19 +56,8 @@ def choose_stops(response_ids):
 
 
 def training_log_probs(model, groups, batch, temperature):
-    """Log-probs of the rollout's tokens from the training forward, ``[b, r]`` (last stage) or None."""
-    from hpa.ops.vocab_parallel import vocab_parallel_log_probs
-    from hpa.engine.step import forward_backward
-
-    seq = batch.training_sequences()
-
-    def loss_fn(mb, logits, hidden):
-        logp = vocab_parallel_log_probs(logits, mb["labels"], groups.tp_group, VOCAB, temperature=temperature)
-        return logits.sum() * 0, {"logp": logp.detach()}
-
-    with torch.no_grad():
-        out = forward_backward(model, [seq.micro_batch()], loss_fn, groups, forward_only=True)
-    return seq.to_response(out[0]["logp"]) if groups.is_last_stage else None
+    """``[b, r]`` log-probs of the batch's tokens from the training forward (last stage; None elsewhere)."""
+    return training_forward.training_log_probs(model, groups, batch, temperature, VOCAB)
 
 
 def engine_worker(groups, ckpt_dir, save):

@@ -14,6 +14,7 @@ One TP1/PP1 spawn runs every generate call; the tests compare what it returned:
 import pytest
 import torch
 
+import training_forward
 from multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -38,19 +39,8 @@ def stop_before(step):
 
 
 def training_log_probs(model, groups, batch, temperature):
-    """``[b, r]`` log-probs of the batch's tokens from the training forward (one stage)."""
-    from hpa.engine.step import forward_backward
-    from hpa.ops.vocab_parallel import vocab_parallel_log_probs
-
-    seq = batch.training_sequences()
-
-    def loss_fn(mb, logits, hidden):
-        logp = vocab_parallel_log_probs(logits, mb["labels"], groups.tp_group, VOCAB, temperature=temperature)
-        return logits.sum() * 0, {"logp": logp.detach()}
-
-    with torch.no_grad():
-        out = forward_backward(model, [seq.micro_batch()], loss_fn, groups, forward_only=True)
-    return seq.to_response(out[0]["logp"])
+    """``[b, r]`` log-probs of the batch's tokens from the training forward (last stage; None elsewhere)."""
+    return training_forward.training_log_probs(model, groups, batch, temperature, VOCAB)
 
 
 def fields(batch):
