@@ -44,7 +44,7 @@ from hpa.data.collate import pad_left, pad_right
 from hpa.distributed.comm import all_gather_objects, broadcast_object
 from hpa.distributed.groups import ParallelGroups
 from hpa.distributed.init import on_destroy
-from hpa.models.convert import hf_tensors_from_megatron
+from hpa.models.convert import hf_tensors_from_megatron, megatron_to_hf_names, tensor_layout
 from hpa.models.hf_config_dir import truncate_vocab, write_hf_config_dir
 
 from .base import (FINISH_LENGTH, FINISH_STOP, RolloutBatch, RolloutEngine, SamplingParams, TokenizerInfo,
@@ -259,8 +259,6 @@ class VLLMRolloutEngine(RolloutEngine):
         over the rows synced (the tokenizer's vocabulary; the rows beyond it stay the given ones). The linears stay
         the given tensors: vLLM fuses q/k/v and gate/up, and its CPU backend repacks every linear, so they cannot
         be read back as they were synced."""
-        from hpa.models.convert import megatron_to_hf_names, tensor_layout
-
         wanted = {}
         for name in named_tensors:
             try:
