@@ -162,7 +162,11 @@ def serve(engine: RolloutEngine, module: torch.nn.Module, placement: Placement, 
     stops the job in flight between two decode steps, the broadcast lands in the paused copy and the job continues
     with the new weights (the worker's partial push); without, it waits for the jobs in flight. ``on_push(version)``
     runs as a push's first header is taken, before its weights (the fault injection's kill). Returns counts
-    (``jobs``, ``pushes``)."""
+    (``jobs``, ``pushes``). Without ``partial`` nothing needs a job and a push at once (the trainer waits for
+    its jobs before it pushes): the jobs are sampled in this thread (``_serve_in_turn``), which vLLM needs (its
+    engine sampling in a second thread hung a disaggregated run of the vLLM tier once)."""
+    if not partial:
+        return _serve_in_turn(engine, module, placement, on_push)
     worker = RolloutWorker(engine, module, version=-1, partial=partial)  # the first push sets the weights
     params = dict(module.named_parameters())
     outbox, inbox = Outbox(placement.bridge), queue_lib.Queue()
@@ -200,6 +204,48 @@ def serve(engine: RolloutEngine, module: torch.nn.Module, placement: Placement, 
             counts["jobs"] += 1
         else:
             raise RuntimeError(f"rollout rank {placement.global_rank}: unknown message {kind!r} from {trainer}")
+    outbox.flush()
+    return counts
+
+
+def _serve_in_turn(engine: RolloutEngine, module: torch.nn.Module, placement: Placement,
+                   on_push: Optional[Callable[[int], None]]) -> Dict[str, int]:
+    """``serve`` without partial rollouts: one message from each trainer rank in turn, each job sampled as it
+    comes, in this thread."""
+    params = dict(module.named_parameters())
+    watched = watched_names(list(params))
+    outbox = Outbox(placement.bridge)
+    active, pushed, counts = list(placement.clients()), 0, {"jobs": 0, "pushes": 0}
+    module.eval()
+    while active:
+        for trainer in list(active):
+            message = receive(placement.bridge, trainer)
+            kind = message[0]
+            if kind == "stop":
+                active.remove(trainer)
+            elif kind == "push":
+                _, push_id, names, version = message
+                if push_id != pushed:  # the first header of this push: join the broadcast
+                    if on_push is not None:
+                        on_push(version)
+                    receive_weights(placement, params, names)
+                    engine.sync_weights()  # an engine with a copy of its own (vLLM) takes the pushed weights
+                    pushed = push_id
+                    counts["pushes"] += 1
+                held = engine.weights_held({name: params[name] for name in watched})  # vLLM: as it holds them
+                outbox.send({name: checksum(held[name]) for name in watched}, trainer)
+            elif kind == "job":
+                _, tag, prompts, sampling, version = message
+                try:
+                    with torch.no_grad():
+                        batch, error = engine.generate(prompts, sampling), None
+                    batch = to_device(batch, torch.device("cpu"))
+                except Exception as exc:  # handed to the trainer rank, whose ``wait`` raises it
+                    batch, error = None, RuntimeError(f"rollout rank {placement.global_rank}: {exc!r}")
+                outbox.send(WorkerResult(tag=tag, version=version, batch=batch, error=error), trainer)
+                counts["jobs"] += 1
+            else:
+                raise RuntimeError(f"rollout rank {placement.global_rank}: unknown message {kind!r} from {trainer}")
     outbox.flush()
     return counts
 
